@@ -1,0 +1,80 @@
+"""Turn a user's model into two pure functions: `init(key, inputs) -> (params, static)` and
+`apply(params, static, inputs, layer_hook=None) -> outputs`.
+
+Accepted: a callable `rngs -> nnx.Module` (e.g. the module class), an existing `nnx.Module`, or a
+`flax.linen.Module`. Params are a pure nested dict of arrays; `static` holds the model's
+non-trainable state, which the train step carries unchanged.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+from flax import linen as nn
+from flax import nnx
+
+
+@dataclass(frozen=True)
+class FunctionalModel:
+    init: Callable  # (key, inputs) -> (params, static)
+    apply: Callable  # (params, static, inputs, layer_hook) -> outputs
+    accepts_layer_hook: bool  # the model gathers per layer when given a hook (see models/gpt.py)
+    module_type: type | None = None  # the NNX class, for wrap rules that select submodules by class
+
+
+def _takes_layer_hook(fn) -> bool:
+    try:
+        return "layer_hook" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _nnx_functions(make: Callable[[Any], nnx.Module], concrete: nnx.Module | None) -> FunctionalModel:
+    abstract = concrete if concrete is not None else nnx.eval_shape(lambda: make(nnx.Rngs(0)))
+    graphdef, _, _ = nnx.split(abstract, nnx.Param, ...)
+
+    def init(key, inputs):
+        del inputs  # NNX modules know their shapes from their constructor
+        module = concrete if concrete is not None else make(nnx.Rngs(key))
+        _, params, static = nnx.split(module, nnx.Param, ...)
+        return nnx.to_pure_dict(params), static
+
+    hooked = _takes_layer_hook(type(abstract).__call__)
+
+    def apply(params, static, inputs, layer_hook=None):
+        module = nnx.merge(graphdef, nnx.State(params), static)
+        if layer_hook is not None and hooked:
+            return module(inputs, layer_hook=layer_hook)
+        return module(inputs)
+
+    return FunctionalModel(init, apply, hooked, type(abstract))
+
+
+def _linen_functions(module: nn.Module) -> FunctionalModel:
+    def init(key, inputs):
+        variables = module.init(key, inputs)
+        static = {k: v for k, v in variables.items() if k != "params"}
+        return dict(variables["params"]), static
+
+    def apply(params, static, inputs, layer_hook=None):
+        return module.apply({"params": params, **static}, inputs)
+
+    return FunctionalModel(init, apply, False, type(module))
+
+
+def functional(model) -> FunctionalModel:
+    if isinstance(model, nn.Module):
+        return _linen_functions(model)
+    if isinstance(model, nnx.Module):
+        return _nnx_functions(None, model)
+    if callable(model):
+        return _nnx_functions(model, None)
+    raise TypeError(f"model must be an nnx.Module, a callable rngs -> nnx.Module, or a linen Module, got {type(model)}")
+
+
+def param_shapes(fm: FunctionalModel, key, inputs):
+    """Abstract params (ShapeDtypeStruct leaves) without allocating anything."""
+    return jax.eval_shape(fm.init, key, inputs)[0]

@@ -1,0 +1,1 @@
+"""One module per `zerojax` subcommand: each defines `add_parser(subparsers)`; the parser sets `run`."""

@@ -1,0 +1,34 @@
+"""`zerojax train CONFIG [--set KEY=VALUE]... [--devices N] [--out DIR]`."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="train the shipped GPT from a YAML config")
+    p.add_argument("config", help="YAML experiment config, e.g. configs/tiny.yaml")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set zero.stage=2 (repeatable)")
+    p.add_argument("--devices", type=int, default=None, help="simulate N CPU devices (keeps other XLA_FLAGS)")
+    p.add_argument("--out", default="runs/latest", help="output folder for metrics.jsonl and summary.json")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from zerojax.config import load_config
+    from zerojax.mesh import simulate_cpu_devices
+
+    config = load_config(args.config, args.overrides)  # before JAX starts: bad input fails fast
+    if args.devices is not None:
+        simulate_cpu_devices(args.devices)
+
+    from zerojax.experiment import build_experiment
+    from zerojax.fit import fit
+    from zerojax.report import training_progress, summary_table
+
+    exp = build_experiment(config)
+    with training_progress(config.train.steps) as on_step:
+        summary = fit(exp, args.out, on_step=on_step)
+    summary_table(summary, args.out)
+    return 0

@@ -1,0 +1,3 @@
+"""Train-step builders. Each returns a pure `step(state, batch) -> (state, metrics)`; the trainer jits it."""
+
+ENGINES = ("gspmd", "shard_map")

@@ -1,0 +1,50 @@
+"""Pieces every engine shares: compute params from the state, the loss, and the sharded update."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from zerojax.layout import StateLayout
+from zerojax.precision import cast_tree
+
+
+def cross_entropy(logits, batch) -> jax.Array:
+    """Mean softmax cross-entropy of logits against integer targets (the default loss)."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"]).mean()
+
+
+def constrain(tree, shardings):
+    return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
+
+
+def compute_params(layout: StateLayout, state: dict):
+    """The params the forward pass uses, in the compute dtype and logical shapes.
+
+    Stage 3 keeps no compute copy: it casts its fp32 shard first, so the gather moves bf16.
+    """
+    if layout.keeps_compute_copy:
+        return state["compute"]
+    params = cast_tree(state["params"], layout.precision.compute_dtype)
+    params = constrain(params, layout.shardings(layout.master_sharded))
+    return layout.to_layout(params, sharded=False)
+
+
+def apply_update(layout: StateLayout, tx: optax.GradientTransformation, state: dict, grads) -> tuple[dict, dict]:
+    """Optimizer update on the optimizer's layout (shards from stage 1 on), then back to the state's.
+
+    `grads` arrive reduced: replicated (stages 0-1) or already sharded (stages 2-3).
+    """
+    opt_sharded = layout.optimizer_sharded
+    opt_shardings = layout.shardings(opt_sharded)
+    grads = constrain(layout.to_layout(cast_tree(grads, jnp.float32), opt_sharded), opt_shardings)
+    master = constrain(layout.to_layout(state["params"], opt_sharded), opt_shardings)
+    updates, opt_state = tx.update(grads, state["opt_state"], master)
+    master = optax.apply_updates(master, updates)
+    params = constrain(layout.to_layout(master, layout.master_sharded), layout.shardings(layout.master_sharded))
+    new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
+    if layout.keeps_compute_copy:
+        compute = cast_tree(layout.to_layout(params, sharded=False), layout.precision.compute_dtype)
+        new_state["compute"] = constrain(compute, layout.shardings(False))
+    return new_state, {"grad_norm": optax.global_norm(grads)}

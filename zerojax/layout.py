@@ -1,0 +1,126 @@
+"""The state layout: the stage table x each leaf's rule -> a `NamedSharding` per leaf per state group.
+
+The train state is a dict:
+  "step"       int32 scalar, replicated
+  "params"     fp32 master parameters (with fp32 precision also the compute copy)
+  "compute"    low-precision compute copy, only where it is kept persistently (bf16, stages 0-2)
+  "opt_state"  the optax state; a moment leaf shards like its parameter, counters replicate
+A sharded group stores leaves in their padded shape; a replicated group in their logical shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from zerojax.precision import Precision
+from zerojax.stages import FSDP_AXIS, LeafLayout, Stage, crop_to, leaf_layout, pad_to, path_str
+
+_is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    mesh: Any
+    stage: Stage
+    precision: Precision
+    leaves: Any  # pytree of LeafLayout, same structure as the params
+
+    @property
+    def fsdp_size(self) -> int:
+        return self.mesh.shape[FSDP_AXIS]
+
+    # Which groups are sharded: read off the stage table, adjusted for fp32, where master == compute.
+    @property
+    def master_sharded(self) -> bool:
+        if self.precision.separate_compute_copy:
+            return self.stage.master_params
+        return self.stage.compute_params
+
+    @property
+    def optimizer_sharded(self) -> bool:
+        return self.stage.optimizer
+
+    @property
+    def compute_sharded(self) -> bool:
+        return self.stage.compute_params
+
+    @property
+    def grads_sharded(self) -> bool:
+        return self.stage.gradients
+
+    @property
+    def keeps_compute_copy(self) -> bool:
+        """Stage 3 keeps none: it casts the fp32 shard right before gathering it."""
+        return self.precision.separate_compute_copy and not self.stage.compute_params
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    def shardings(self, sharded: bool):
+        return jax.tree.map(lambda l: NamedSharding(self.mesh, l.spec(sharded)), self.leaves, is_leaf=_is_layout)
+
+    def shapes(self, sharded: bool):
+        """Storage shapes of a group: padded where sharded, logical where replicated."""
+        return jax.tree.map(lambda l: l.padded_shape if sharded else l.shape, self.leaves, is_leaf=_is_layout)
+
+    def to_layout(self, tree, sharded: bool):
+        """Pad (or crop) every leaf to the storage shape of a sharded (or replicated) group."""
+        def convert(l, x):
+            target = l.padded_shape if sharded else l.shape
+            return pad_to(x, target) if len(target) and target[l.axis or 0] >= x.shape[l.axis or 0] else crop_to(x, target)
+        return jax.tree.map(convert, self.leaves, tree, is_leaf=_is_layout)
+
+    def opt_state_shardings(self, tx: optax.GradientTransformation, opt_state_shapes):
+        """Moment leaves follow their parameter; scalars and other shapes replicate or shard by rule."""
+        shapes = self.shapes(self.optimizer_sharded)
+
+        def follow_param(state_leaf, layout: LeafLayout, shape):
+            if tuple(state_leaf.shape) == tuple(shape):
+                return NamedSharding(self.mesh, layout.spec(self.optimizer_sharded))
+            return self._own_rule(state_leaf)
+
+        return optax.tree_map_params(
+            tx, follow_param, opt_state_shapes, self.leaves, shapes,
+            transform_non_params=self._own_rule, is_leaf=lambda x: _is_layout(x) or isinstance(x, tuple) and all(isinstance(i, int) for i in x),
+        )
+
+    def _own_rule(self, leaf) -> NamedSharding:
+        """Leaves that are not param-shaped (factored statistics, counters) shard only when even."""
+        shape = tuple(getattr(leaf, "shape", ()))
+        if not self.optimizer_sharded or not shape:
+            return self.replicated
+        l = leaf_layout("", shape, np.dtype(leaf.dtype).itemsize, self.fsdp_size)
+        return NamedSharding(self.mesh, l.spec(not l.padded))
+
+    def state_shardings(self, tx, opt_state_shapes) -> dict:
+        out = {
+            "step": self.replicated,
+            "params": self.shardings(self.master_sharded),
+            "opt_state": self.opt_state_shardings(tx, opt_state_shapes),
+        }
+        if self.keeps_compute_copy:
+            out["compute"] = self.shardings(False)
+        return out
+
+
+def make_layout(mesh, stage: Stage, precision: Precision, param_shapes, *, layer_stacks=("blocks",),
+                replicate_below_bytes: int = 2048) -> StateLayout:
+    """One `LeafLayout` per parameter; leaves under a `layer_stacks` name keep axis 0 whole."""
+    fsdp = mesh.shape[FSDP_AXIS]
+
+    def rule(path, leaf):
+        name = path_str(path)
+        stacked = any(part in layer_stacks for part in name.split("/"))
+        itemsize = np.dtype(precision.master_dtype).itemsize
+        return leaf_layout(name, leaf.shape, itemsize, fsdp, layer_axis=0 if stacked else None,
+                           replicate_below_bytes=replicate_below_bytes)
+
+    leaves = jax.tree_util.tree_map_with_path(rule, param_shapes)
+    return StateLayout(mesh, stage, precision, leaves)

@@ -1,0 +1,61 @@
+"""Device mesh with the axes `data` (pure replicas), `fsdp` (the axis ZeRO shards over) and `tensor`."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Sequence
+
+import numpy as np
+
+from zerojax.errors import UserError
+
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")  # the global batch is split over every data-parallel axis
+
+
+def simulate_cpu_devices(count: int) -> None:
+    """Ask XLA for `count` host devices; must run before JAX initialises its backends.
+
+    Keeps any `XLA_FLAGS` the user already set, replacing only an earlier device-count flag.
+    """
+    if count < 1:
+        raise UserError(f"--devices must be a positive number of devices, got {count}.")
+    flag = f"--xla_force_host_platform_device_count={count}"
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = f"{flags.strip()} {flag}".strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def make_mesh(data: int = 1, fsdp: int | None = None, tensor: int = 1, *, devices: Sequence | None = None):
+    """A `jax.sharding.Mesh` over `devices` (default: all) with axes (data, fsdp, tensor).
+
+    By default every device not taken by `data` or `tensor` is on `fsdp`. Axes are `Auto`, so XLA
+    propagates shardings through the step (GSPMD) and `shard_map` can still name them.
+    """
+    import jax
+    from jax.sharding import AxisType, Mesh
+
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    for name, size in (("mesh.data", data), ("mesh.tensor", tensor), ("mesh.fsdp", fsdp)):
+        if size is not None and (not isinstance(size, int) or size < 1):
+            raise UserError(f"{name} must be a positive integer, got {size!r}.")
+    if fsdp is None:
+        if n % (data * tensor):
+            raise UserError(
+                f"mesh.data={data} x mesh.tensor={tensor} does not divide the {n} available devices."
+            )
+        fsdp = n // (data * tensor)
+    shape = (data, fsdp, tensor)
+    if math.prod(shape) != n:
+        raise UserError(
+            f"mesh data={data} x fsdp={fsdp} x tensor={tensor} = {math.prod(shape)} devices, "
+            f"but {n} are available; the sizes must multiply to the device count."
+        )
+    return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def data_parallel_size(mesh) -> int:
+    return math.prod(mesh.shape[a] for a in BATCH_AXES)

@@ -1,0 +1,57 @@
+"""Terminal output with rich: a progress bar during training and a summary table after it."""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+console = Console(stderr=True)
+
+
+@contextlib.contextmanager
+def training_progress(total_steps: int):
+    """Yields `on_step(record)`; shows nothing on processes other than 0."""
+    if jax.process_index() != 0:
+        yield lambda record: None
+        return
+    columns = (TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("loss {task.fields[loss]}"),
+               TextColumn("{task.fields[tps]} tok/s"), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("train", total=total_steps, loss="-", tps="-")
+
+        def on_step(record: dict) -> None:
+            progress.update(task, completed=record["step"], loss=f"{record['loss']:.4f}",
+                            tps=f"{record['tokens_per_s']:,.0f}")
+
+        yield on_step
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.1f} {unit}"
+        n /= 1024
+
+
+def summary_table(summary: dict, out_dir: str) -> None:
+    if jax.process_index() != 0:
+        return
+    table = Table(title="zerojax run", show_header=False)
+    rows = [
+        ("stage / engine / precision", f"{summary['stage']} / {summary['engine']} / {summary['precision']}"),
+        ("devices (mesh)", f"{summary['devices']} {summary['mesh']}"),
+        ("parameters", f"{summary['params']:,}"),
+        ("loss first -> final", f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"),
+        ("eval loss", "-" if summary["eval_loss"] is None else f"{summary['eval_loss']:.4f}"),
+        ("state per device", _bytes(summary["persistent_bytes_per_device"])),
+        ("compile", f"{summary['compile_s']:.1f} s"),
+        ("median step", f"{summary['median_step_time_s'] * 1e3:.1f} ms ({summary['tokens_per_s']:,.0f} tok/s)"),
+        ("output", out_dir),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    Console().print(table)

@@ -1,0 +1,148 @@
+"""The ZeRO stage table, as data, and the per-leaf rule that turns it into `NamedSharding`s.
+
+A stage only says *which state groups are sharded* over the mesh's `fsdp` axis. Every sharding in
+the library is derived from that table and from one rule per parameter leaf (`leaf_layout`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from zerojax.errors import UserError
+
+FSDP_AXIS = "fsdp"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Which state groups one ZeRO stage shards over the `fsdp` axis."""
+
+    index: int
+    compute_params: bool  # low-precision compute params; at stage 3 gathered layer by layer
+    master_params: bool  # fp32 master copy
+    optimizer: bool  # optimizer moments (scalar counters always replicate)
+    gradients: bool  # reduce-scattered during backward instead of all-reduced
+
+
+STAGES = (
+    Stage(0, compute_params=False, master_params=False, optimizer=False, gradients=False),
+    Stage(1, compute_params=False, master_params=True, optimizer=True, gradients=False),
+    Stage(2, compute_params=False, master_params=True, optimizer=True, gradients=True),
+    Stage(3, compute_params=True, master_params=True, optimizer=True, gradients=True),
+)
+
+
+def get_stage(index) -> Stage:
+    if isinstance(index, bool) or index not in range(len(STAGES)):
+        raise UserError(f"zero.stage must be 0, 1, 2 or 3, got {index!r}.")
+    return STAGES[index]
+
+
+@dataclass(frozen=True)
+class LeafLayout:
+    """How one parameter leaf is stored when its group is sharded.
+
+    `axis` is the array axis split over `fsdp` (None: the leaf is replicated even in sharded groups);
+    `padded_shape` differs from `shape` only on that axis, rounded up to a multiple of the fsdp size,
+    so every shard is the same size (XLA and `shard_map` need even shards).
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    padded_shape: tuple[int, ...]
+    axis: int | None
+    reason: str
+
+    @property
+    def padded(self) -> bool:
+        return self.padded_shape != self.shape
+
+    def spec(self, sharded: bool):
+        from jax.sharding import PartitionSpec as P
+
+        if not sharded or self.axis is None:
+            return P()
+        return P(*([None] * self.axis + [FSDP_AXIS]))
+
+
+def leaf_layout(
+    path: str,
+    shape: tuple[int, ...],
+    itemsize: int,
+    fsdp_size: int,
+    *,
+    layer_axis: int | None = None,
+    replicate_below_bytes: int = 2048,
+) -> LeafLayout:
+    """Shard the largest dimension divisible by `fsdp_size`; else pad the largest one.
+
+    Only leaves under `replicate_below_bytes` that no dimension divides stay replicated: padding them
+    would save nothing worth a collective. The layer axis of a stacked scan is never split, since
+    the scan slices it one layer at a time.
+    """
+    shape = tuple(int(d) for d in shape)
+    candidates = [i for i in range(len(shape)) if i != layer_axis and shape[i] > 0]
+    if not candidates:
+        return LeafLayout(path, shape, shape, None, "replicated: no dimension to shard")
+    by_size = sorted(candidates, key=lambda i: (-shape[i], i))
+    for i in by_size:
+        if shape[i] % fsdp_size == 0:
+            return LeafLayout(path, shape, shape, i, f"sharded on axis {i}")
+    nbytes = math.prod(shape) * itemsize
+    if nbytes < replicate_below_bytes:
+        return LeafLayout(
+            path, shape, shape, None,
+            f"replicated: {nbytes} bytes, no dimension divisible by {fsdp_size}",
+        )
+    i = by_size[0]
+    padded = list(shape)
+    padded[i] = -(-shape[i] // fsdp_size) * fsdp_size
+    return LeafLayout(path, shape, tuple(padded), i, f"padded axis {i} from {shape[i]} to {padded[i]}")
+
+
+def path_str(path) -> str:
+    """'blocks/attn/wq' from a jax key path."""
+    parts = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def pad_to(x, shape):
+    """Zero-pad `x` at the end of each axis up to `shape` (zeros stay zero under the optimizers)."""
+    if tuple(x.shape) == tuple(shape):
+        return x
+    import jax.numpy as jnp
+
+    return jnp.pad(x, [(0, t - s) for s, t in zip(x.shape, shape)])
+
+
+def crop_to(x, shape):
+    if tuple(x.shape) == tuple(shape):
+        return x
+    return x[tuple(slice(0, s) for s in shape)]
+
+
+def describe(layouts) -> list[dict]:
+    """Rows for reports: each leaf's path, shape, sharded axis and the reason."""
+    import jax
+
+    return [
+        {"path": l.path, "shape": l.shape, "padded_shape": l.padded_shape, "axis": l.axis, "reason": l.reason}
+        for l in jax.tree.leaves(layouts, is_leaf=lambda x: isinstance(x, LeafLayout))
+    ]
+
+
+def shard_numel(layout: LeafLayout, sharded: bool, fsdp_size: int) -> int:
+    """Elements one device holds of this leaf when its group is (or is not) sharded."""
+    if not sharded or layout.axis is None:
+        return int(np.prod(layout.shape))
+    return int(np.prod(layout.padded_shape)) // fsdp_size
