@@ -1,0 +1,177 @@
+"""Decoder-only byte-level GPT in Flax NNX: RMSNorm, RoPE, SwiGLU, scanned + rematerialised blocks."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zerojax.errors import UserError
+
+REMAT_POLICIES = ("full", "dots", "none")
+_NORM_EPS = 1e-6
+
+LayerHook = Callable[[nnx.State], nnx.State]
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    d_model: int
+    n_layers: int
+    n_heads: int
+    d_ff: int
+    seq_len: int  # longest sequence the model accepts
+    vocab_size: int = 256
+    remat: str = "full"  # "full" saves nothing, "dots" saves weight matmuls, "none" no remat
+    rope_base: float = 10000.0
+
+    def __post_init__(self) -> None:
+        for key in ("d_model", "n_layers", "n_heads", "d_ff", "seq_len", "vocab_size"):
+            if getattr(self, key) < 1:
+                raise UserError(f"model.{key} must be a positive integer, got {getattr(self, key)}.")
+        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
+            raise UserError(
+                f"model.d_model={self.d_model} must split into model.n_heads={self.n_heads} heads "
+                "of even size (rotary embeddings rotate pairs)."
+            )
+        if self.remat not in REMAT_POLICIES:
+            raise UserError(f"model.remat must be one of {REMAT_POLICIES}, got {self.remat!r}.")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def num_params(self) -> int:
+        d, f = self.d_model, self.d_ff
+        per_layer = 2 * d + 4 * d * d + 3 * d * f  # two norms, q/k/v/o, gate/up/down
+        return 2 * self.vocab_size * d + d + self.n_layers * per_layer  # embed + head + final norm
+
+
+# Every parameter dim is a multiple of 8 so any leaf can be sharded over up to 8 devices.
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(d_model=64, n_layers=2, n_heads=4, d_ff=128, seq_len=64),  # ~0.115M
+    "20m": GPTConfig(d_model=512, n_layers=6, n_heads=8, d_ff=1536, seq_len=128),  # ~20.7M
+    "50m": GPTConfig(d_model=640, n_layers=10, n_heads=10, d_ff=1792, seq_len=256),  # ~51.1M
+    # GPT-2-small shape; the wider MLP stands in for GPT-2's 50k-token embedding to keep ~124M.
+    "124m": GPTConfig(d_model=768, n_layers=12, n_heads=12, d_ff=3456, seq_len=1024),  # ~124.3M
+    "1b": GPTConfig(d_model=2048, n_layers=20, n_heads=16, d_ff=5632, seq_len=2048),  # ~1.03B
+    "7b": GPTConfig(d_model=4096, n_layers=32, n_heads=32, d_ff=11008, seq_len=2048),  # ~6.48B
+}
+
+
+def gpt_config(preset: str, **overrides) -> GPTConfig:
+    if preset not in PRESETS:
+        raise UserError(f"model preset {preset!r} is unknown; valid presets are {sorted(PRESETS)}.")
+    return dataclasses.replace(PRESETS[preset], **overrides)
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> nnx.Param:
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32))
+
+
+def _rms_norm(x_BxLxD: jax.Array, scale_D: jax.Array) -> jax.Array:
+    # Statistics in float32 even when activations are bf16.
+    x32 = x_BxLxD.astype(jnp.float32)
+    y32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + _NORM_EPS)
+    return (y32 * scale_D.astype(jnp.float32)).astype(x_BxLxD.dtype)
+
+
+def _rope_tables(length: int, head_dim: int, base: float) -> tuple[jax.Array, jax.Array]:
+    inv_freq_K2 = base ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angle_LxK2 = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq_K2[None, :]
+    return jnp.cos(angle_LxK2), jnp.sin(angle_LxK2)
+
+
+def _apply_rope(x_BxLxHxK: jax.Array, cos_LxK2: jax.Array, sin_LxK2: jax.Array) -> jax.Array:
+    x32 = x_BxLxHxK.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)  # rotate (first half, second half) pairs
+    cos, sin = cos_LxK2[None, :, None, :], sin_LxK2[None, :, None, :]
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x_BxLxHxK.dtype)
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: causal multi-head attention, then a SwiGLU MLP; no biases."""
+
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        d, f = cfg.d_model, cfg.d_ff
+        out_std = 0.02 / (2 * cfg.n_layers) ** 0.5  # GPT-2: residual writes shrink with depth
+        self.n_heads = cfg.n_heads
+        self.attn_norm = nnx.Param(jnp.ones((d,), jnp.float32))
+        self.wq = _normal(rngs, (d, d), 0.02)
+        self.wk = _normal(rngs, (d, d), 0.02)
+        self.wv = _normal(rngs, (d, d), 0.02)
+        self.wo = _normal(rngs, (d, d), out_std)
+        self.mlp_norm = nnx.Param(jnp.ones((d,), jnp.float32))
+        self.w_gate = _normal(rngs, (d, f), 0.02)
+        self.w_up = _normal(rngs, (d, f), 0.02)
+        self.w_down = _normal(rngs, (f, d), out_std)
+
+    def _attention(self, x_BxLxD: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        B, L, D = x_BxLxD.shape
+        H = self.n_heads
+        K = D // H
+        q_BxLxHxK = _apply_rope((x_BxLxD @ self.wq[...]).reshape(B, L, H, K), cos, sin)
+        k_BxLxHxK = _apply_rope((x_BxLxD @ self.wk[...]).reshape(B, L, H, K), cos, sin)
+        v_BxLxHxK = (x_BxLxD @ self.wv[...]).reshape(B, L, H, K)
+        s_BxHxLxL = jnp.einsum(
+            "bqhk,bshk->bhqs", q_BxLxHxK, k_BxLxHxK, preferred_element_type=jnp.float32
+        ) * (K**-0.5)
+        causal_LxL = jnp.tril(jnp.ones((L, L), dtype=bool))
+        s_BxHxLxL = jnp.where(causal_LxL, s_BxHxLxL, jnp.finfo(jnp.float32).min)
+        p_BxHxLxL = jax.nn.softmax(s_BxHxLxL, axis=-1).astype(v_BxLxHxK.dtype)
+        o_BxLxHxK = jnp.einsum("bhqs,bshk->bqhk", p_BxHxLxL, v_BxLxHxK)
+        return o_BxLxHxK.reshape(B, L, D) @ self.wo[...]
+
+    def __call__(self, x_BxLxD: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        x_BxLxD = x_BxLxD + self._attention(_rms_norm(x_BxLxD, self.attn_norm[...]), cos, sin)
+        h_BxLxD = _rms_norm(x_BxLxD, self.mlp_norm[...])
+        gate_BxLxF = jax.nn.silu(h_BxLxD @ self.w_gate[...])
+        return x_BxLxD + (gate_BxLxF * (h_BxLxD @ self.w_up[...])) @ self.w_down[...]
+
+
+def _remat(body: Callable, policy: str) -> Callable:
+    if policy == "none":
+        return body
+    saveable = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if policy == "dots" else None
+    return jax.checkpoint(body, policy=saveable, prevent_cse=False)  # scan already blocks CSE
+
+
+class GPT(nnx.Module):
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = _normal(rngs, (cfg.vocab_size, cfg.d_model), 0.02)
+
+        # One vmapped construction: every leaf under `blocks` gets a leading n_layers axis.
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_blocks(rngs: nnx.Rngs) -> Block:
+            return Block(cfg, rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.final_norm = nnx.Param(jnp.ones((cfg.d_model,), jnp.float32))
+        self.head = _normal(rngs, (cfg.d_model, cfg.vocab_size), 0.02)
+
+    def __call__(self, tokens_BxL: jax.Array, *, layer_hook: LayerHook | None = None) -> jax.Array:
+        cfg = self.cfg
+        L = tokens_BxL.shape[1]
+        if L > cfg.seq_len:
+            raise UserError(f"sequence length {L} exceeds model.seq_len={cfg.seq_len}.")
+        x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0)  # activations in param dtype
+        cos, sin = _rope_tables(L, cfg.head_dim, cfg.rope_base)
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def body(x_BxLxD: jax.Array, layer_state: nnx.State) -> tuple[jax.Array, None]:
+            # Hook runs inside the remat'd body: FSDP all-gathers this layer's shards here, so the
+            # backward pass re-gathers them and the gather's transpose reduce-scatters the grads.
+            if layer_hook is not None:
+                layer_state = layer_hook(layer_state)
+            return nnx.merge(graphdef, layer_state)(x_BxLxD, cos, sin), None
+
+        x_BxLxD, _ = jax.lax.scan(_remat(body, cfg.remat), x_BxLxD, stacked)
+        h_BxLxD = _rms_norm(x_BxLxD, self.final_norm[...])
+        return jnp.einsum("bld,dv->blv", h_BxLxD, self.head[...], preferred_element_type=jnp.float32)
