@@ -31,6 +31,7 @@ class ZeroConfig:
     stage: int = 3
     engine: str = "gspmd"
     reduce_dtype: str | None = None
+    prefetch: bool = False  # shard_map stage 3: gather layer i+1 while layer i computes
 
 
 @dataclass

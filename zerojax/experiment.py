@@ -48,5 +48,6 @@ def build_experiment(c: Config, devices=None) -> Experiment:
         engine=c.zero.engine,
         precision=c.precision,
         reduce_dtype=c.zero.reduce_dtype,
+        engine_options={"prefetch": c.zero.prefetch} if c.zero.engine == "shard_map" else None,
     )
     return Experiment(c, gpt, trainer, train_data, eval_data)

@@ -31,10 +31,12 @@ def compute_params(layout: StateLayout, state: dict):
     return layout.to_layout(params, sharded=False)
 
 
-def apply_update(layout: StateLayout, tx: optax.GradientTransformation, state: dict, grads) -> tuple[dict, dict]:
+def apply_update(layout: StateLayout, tx: optax.GradientTransformation, state: dict, grads, loss) -> tuple[dict, dict]:
     """Optimizer update on the optimizer's layout (shards from stage 1 on), then back to the state's.
 
-    `grads` arrive reduced: replicated (stages 0-1) or already sharded (stages 2-3).
+    `grads` arrive reduced: replicated (stages 0-1) or already sharded (stages 2-3). A step whose
+    loss or gradient norm is not finite keeps the old params and optimizer state (`bad_step` = 1);
+    the step counter still advances, so the data position moves past the bad batch.
     """
     opt_sharded = layout.optimizer_sharded
     opt_shardings = layout.shardings(opt_sharded)
@@ -43,8 +45,13 @@ def apply_update(layout: StateLayout, tx: optax.GradientTransformation, state: d
     updates, opt_state = tx.update(grads, state["opt_state"], master)
     master = optax.apply_updates(master, updates)
     params = constrain(layout.to_layout(master, layout.master_sharded), layout.shardings(layout.master_sharded))
-    new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
+    new_state = {"params": params, "opt_state": opt_state}
     if layout.keeps_compute_copy:
         compute = cast_tree(layout.to_layout(params, sharded=False), layout.precision.compute_dtype)
         new_state["compute"] = constrain(compute, layout.shardings(False))
-    return new_state, {"grad_norm": optax.global_norm(grads)}
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    kept = {k: state[k] for k in new_state}
+    new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, kept)
+    new_state["step"] = state["step"] + 1
+    return new_state, {"grad_norm": grad_norm, "bad_step": (~finite).astype(jnp.int32)}

@@ -18,7 +18,7 @@ def build_step(layout, model, static, loss_fn, tx):
         # stages 0-1 ask for the full all-reduced gradient.
         grads = layout.to_layout(grads, layout.grads_sharded)
         grads = constrain(grads, layout.shardings(layout.grads_sharded))
-        state, metrics = apply_update(layout, tx, state, grads)
+        state, metrics = apply_update(layout, tx, state, grads, loss)
         return state, {"loss": loss, **metrics}
 
     return step
