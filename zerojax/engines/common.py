@@ -49,7 +49,7 @@ def apply_update(layout: StateLayout, tx: optax.GradientTransformation, state: d
     if layout.keeps_compute_copy:
         compute = cast_tree(layout.to_layout(params, sharded=False), layout.precision.compute_dtype)
         new_state["compute"] = constrain(compute, layout.shardings(False))
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     kept = {k: state[k] for k in new_state}
     new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, kept)

@@ -1,0 +1,26 @@
+"""Run the `zerojax` CLI in a subprocess, as a user would."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **(env or {})}
+    full_env.pop("XLA_FLAGS", None)  # each command sets its own device count with --devices
+    return subprocess.run([sys.executable, "-m", "zerojax.cli", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, env=full_env)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> None:
+    """Exit status 2, exactly one `error:` line on stderr, no traceback."""
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    lines = [l for l in result.stderr.strip().splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])

@@ -1,0 +1,53 @@
+"""Small user-written models for parity tests: uneven shapes no fsdp size divides."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+from flax import linen as nn
+from flax import nnx
+
+from zerojax.models.gpt import GPT, gpt_config
+
+
+class UnevenMLP(nnx.Module):
+    """37 -> 129 -> 10: no dimension divisible by 8, so the big leaves are padded."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(37, 129, rngs=rngs)
+        self.out = nnx.Linear(129, 10, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jax.nn.gelu(self.hidden(x)))
+
+
+class LinenMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.gelu(nn.Dense(96)(x))
+        return nn.Dense(10)(nn.gelu(nn.Dense(40)(x)))
+
+
+def classification_batch(seed: int = 0, rows: int = 16, features: int = 37) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"inputs": rng.normal(size=(rows, features)).astype(np.float32),
+            "targets": rng.integers(0, 10, size=(rows,)).astype(np.int32)}
+
+
+def tiny_gpt(**overrides):
+    cfg = gpt_config("tiny", **overrides)
+    return functools.partial(GPT, cfg), cfg
+
+
+@functools.lru_cache(maxsize=1)
+def _corpus_stream(rows: int, seq_len: int):
+    from zerojax.data import BatchStream, load_corpus
+
+    return BatchStream(load_corpus(None, max_bytes=2**20), seq_len=seq_len, global_batch=rows, seed=7)
+
+
+def token_batch(step: int, rows: int = 16, seq_len: int = 32) -> dict:
+    """Real text (the standard library's sources), so the loss really falls."""
+    return _corpus_stream(rows, seq_len).host_batch(step)
