@@ -66,3 +66,14 @@ def test_bf16_stage_3_tracks_fp32_and_stage_0():
     fp32 = _losses(model, batches, 0, mesh)
     np.testing.assert_allclose(bf16_3, bf16_0, rtol=2e-3)
     np.testing.assert_allclose(bf16_3, fp32, rtol=2e-2)
+
+
+def test_existing_nnx_module_trains_like_its_factory():
+    from flax import nnx
+
+    batch = classification_batch(0)
+    factory = _losses(UnevenMLP, lambda step: batch, 3, zj.make_mesh(fsdp=8))
+    # The factory is called with nnx.Rngs(key(0)); a module built the same way must match it.
+    module = UnevenMLP(nnx.Rngs(jax.random.key(0)))
+    existing = _losses(module, lambda step: batch, 3, zj.make_mesh(fsdp=8))
+    np.testing.assert_allclose(existing, factory, rtol=RTOL, atol=0)
