@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 
@@ -78,6 +79,14 @@ class CheckpointConfig:
 
 
 @dataclass
+class XlaConfig:
+    # Compiler flags a pod config needs; applied before JAX starts, and overridden by the
+    # environment's own XLA_FLAGS / LIBTPU_INIT_ARGS (which come after them).
+    flags: list[str] = field(default_factory=list)  # XLA_FLAGS: the CPU and GPU compilers
+    libtpu_flags: list[str] = field(default_factory=list)  # LIBTPU_INIT_ARGS: the TPU compiler
+
+
+@dataclass
 class Config:
     precision: str = "fp32"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -87,6 +96,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    xla: XlaConfig = field(default_factory=XlaConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -104,6 +114,10 @@ def _coerce(key: str, value, annotation):
     options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, getattr(__import__("types"), "UnionType", None)) else (annotation,)
     if value is None and type(None) in options:
         return None
+    if typing.get_origin(annotation) is list:  # only list[str] so far (compiler flags)
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return list(value)
+        raise UserError(f"{key} must be a list of strings, got {value!r}.")
     for opt in options:
         if opt is bool and isinstance(value, bool):
             return value
@@ -231,6 +245,10 @@ def validate(c: Config) -> None:
     _require(c.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {c.checkpoint.keep!r}.")
     _require(c.model.remat in (None, "full", "dots", "none"),
              f"model.remat must be full, dots or none, got {c.model.remat!r}.")
+    for key in ("flags", "libtpu_flags"):
+        for flag in getattr(c.xla, key):
+            _require(re.fullmatch(r"--[A-Za-z0-9_]+(=\S*)?", flag) is not None,
+                     f"xla.{key} entries must look like --name=value, got {flag!r}.")
 
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd_momentum", "adafactor")

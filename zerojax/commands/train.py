@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
+
+from zerojax import distributed
 
 
 def add_parser(sub) -> None:
@@ -12,6 +15,7 @@ def add_parser(sub) -> None:
                    help="override a config key, e.g. --set zero.stage=2 (repeatable)")
     p.add_argument("--devices", type=int, default=None, help="simulate N CPU devices (keeps other XLA_FLAGS)")
     p.add_argument("--out", default="runs/latest", help="output folder for metrics.jsonl and summary.json")
+    distributed.add_arguments(p)
     p.set_defaults(run=run)
 
 
@@ -20,15 +24,21 @@ def run(args: argparse.Namespace) -> int:
     from zerojax.mesh import simulate_cpu_devices
 
     config = load_config(args.config, args.overrides)  # before JAX starts: bad input fails fast
+    spec = distributed.spec_from_args(args)
+    distributed.apply_compiler_flags(config.xla.flags, config.xla.libtpu_flags)
     if args.devices is not None:
         simulate_cpu_devices(args.devices)
+    distributed.initialize(spec)  # before any other JAX call
+    if spec.enabled:
+        print(f"zerojax: {distributed.describe()}", file=sys.stderr, flush=True)
 
     from zerojax.experiment import build_experiment
     from zerojax.fit import fit
     from zerojax.report import training_progress, summary_table
 
-    exp = build_experiment(config)
-    with training_progress(config.train.steps) as on_step:
-        summary = fit(exp, args.out, on_step=on_step)
-    summary_table(summary, args.out)
+    with distributed.fail_fast(spec):  # a dead peer ends this process too, never a hang
+        exp = build_experiment(config)
+        with training_progress(config.train.steps) as on_step:
+            summary = fit(exp, args.out, on_step=on_step)
+        summary_table(summary, args.out)
     return 0
