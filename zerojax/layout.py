@@ -19,7 +19,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax.precision import Precision
-from zerojax.stages import FSDP_AXIS, LeafLayout, Stage, crop_to, leaf_layout, pad_to, path_str
+from zerojax.stages import FSDP_AXIS, LeafLayout, Stage, fit_to, leaf_layout, path_str
 
 _is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
 
@@ -72,10 +72,8 @@ class StateLayout:
 
     def to_layout(self, tree, sharded: bool):
         """Pad (or crop) every leaf to the storage shape of a sharded (or replicated) group."""
-        def convert(l, x):
-            target = l.padded_shape if sharded else l.shape
-            return pad_to(x, target) if len(target) and target[l.axis or 0] >= x.shape[l.axis or 0] else crop_to(x, target)
-        return jax.tree.map(convert, self.leaves, tree, is_leaf=_is_layout)
+        shapes = self.shapes(sharded)
+        return jax.tree.map(lambda x, shape: fit_to(x, shape), tree, shapes, is_leaf=lambda x: isinstance(x, tuple))
 
     def opt_state_shardings(self, tx: optax.GradientTransformation, opt_state_shapes):
         """Moment leaves follow their parameter; scalars and other shapes replicate or shard by rule."""

@@ -116,19 +116,15 @@ def path_str(path) -> str:
     return "/".join(parts)
 
 
-def pad_to(x, shape):
-    """Zero-pad `x` at the end of each axis up to `shape` (zeros stay zero under the optimizers)."""
+def fit_to(x, shape):
+    """Crop or zero-pad `x` at the end of each axis to `shape` (padding zeros stay zero under the
+    optimizers, since their gradients are zero)."""
     if tuple(x.shape) == tuple(shape):
         return x
     import jax.numpy as jnp
 
+    x = x[tuple(slice(0, min(s, t)) for s, t in zip(x.shape, shape))]
     return jnp.pad(x, [(0, t - s) for s, t in zip(x.shape, shape)])
-
-
-def crop_to(x, shape):
-    if tuple(x.shape) == tuple(shape):
-        return x
-    return x[tuple(slice(0, s) for s in shape)]
 
 
 def describe(layouts) -> list[dict]:
