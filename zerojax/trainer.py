@@ -22,7 +22,7 @@ from zerojax.engines.common import cross_entropy
 from zerojax.errors import UserError
 from zerojax.layout import StateLayout, make_layout
 from zerojax.mesh import BATCH_AXES, data_parallel_size, make_mesh
-from zerojax.precision import get_precision
+from zerojax.precision import cast_tree, get_precision
 from zerojax.stages import get_stage
 
 
@@ -59,6 +59,7 @@ class Trainer:
         self._step_fn = None
         self._eval_fn = None
         self._compiled = None  # the last compiled step, reused by `step` (same shapes)
+        self._prepared_for = None  # (input shape, dtype, key) the layout and functions were built for
 
     # ---- layout and compiled functions -------------------------------------------------------
 
@@ -119,15 +120,13 @@ class Trainer:
                 out[name] = jax.make_array_from_callback(host.shape, self.batch_sharding, lambda idx, h=host: h[idx])
         return out
 
-    def init(self, key, batch: dict) -> dict:
-        """The train state, created inside `jit` directly into its shards."""
-        self._check_batch(batch)
-        inputs = jax.ShapeDtypeStruct(batch["inputs"].shape, batch["inputs"].dtype)
-        self._build_layout(key, {"inputs": inputs})
+    def _init_fn(self):
+        """(key, inputs, params=None) -> (state, static); given `params` replace the fresh ones."""
         layout = self.layout
 
-        def init_state(key, inputs):
-            params, static = self.model.init(key, inputs)
+        def init_state(key, inputs, params=None):
+            fresh, static = self.model.init(key, inputs)
+            params = fresh if params is None else params  # XLA drops the unused fresh init
             params = jax.tree.map(lambda x: x.astype(layout.precision.master_dtype), params)
             state = {
                 "step": jnp.zeros((), jnp.int32),
@@ -138,12 +137,77 @@ class Trainer:
                 state["compute"] = jax.tree.map(lambda x: x.astype(layout.precision.compute_dtype), params)
             return state, static
 
+        return init_state
+
+    def _check_params(self, params, key, inputs) -> None:
+        expected = jax.eval_shape(self.model.init, key, inputs)[0]
+        got = jax.tree.map(lambda x: tuple(np.shape(x)), params)
+        want = jax.tree.map(lambda x: tuple(x.shape), expected)
+        if jax.tree.structure(got) != jax.tree.structure(want) or got != want:
+            raise UserError("the given params do not match the model's parameter names and shapes.")
+
+    def init(self, key, batch: dict, params=None) -> dict:
+        """The train state, created inside `jit` directly into its shards.
+
+        `params` (e.g. from `zerojax.load_params`) start the run from those weights instead of `key`.
+        """
+        self._check_batch(batch)
+        inputs = jax.ShapeDtypeStruct(batch["inputs"].shape, batch["inputs"].dtype)
+        if params is not None:
+            self._check_params(params, key, inputs)
+        self._build_layout(key, {"inputs": inputs})
+        layout = self.layout
+        init_state = self._init_fn()
         inputs = jnp.zeros(inputs.shape, inputs.dtype)
         static_shapes = jax.eval_shape(init_state, key, inputs)[1]
         static_shardings = jax.tree.map(lambda _: layout.replicated, static_shapes)
-        state, self.static = jax.jit(init_state, out_shardings=(self.state_shardings, static_shardings))(key, inputs)
+        state, self.static = jax.jit(init_state, out_shardings=(self.state_shardings, static_shardings))(
+            key, inputs, params)
         self._compiled = None
         self._build_functions()
+        self._prepared_for = self._preparation_key(key, inputs)
+        return state
+
+    @staticmethod
+    def _preparation_key(key, inputs) -> tuple:
+        return tuple(inputs.shape), str(inputs.dtype), tuple(np.asarray(jax.random.key_data(key)).ravel().tolist())
+
+    def abstract_state(self, key, batch: dict) -> dict:
+        """The state `init` would build, as `jax.ShapeDtypeStruct`s with shardings; allocates no params.
+
+        Prepares the trainer as `init` does (layout, static state, step function), so a state restored
+        into these shardings can `step`; a trainer already prepared for these inputs is kept as it is
+        (no recompilation). The derived compute copy is left out: `restore_state` rebuilds it.
+        """
+        self._check_batch(batch)
+        inputs = jax.ShapeDtypeStruct(batch["inputs"].shape, batch["inputs"].dtype)
+        prep = self._preparation_key(key, inputs)
+        if self._step_fn is None or self._prepared_for != prep:
+            self._build_layout(key, {"inputs": inputs})
+            init_state = self._init_fn()
+            zeros = jnp.zeros(inputs.shape, inputs.dtype)
+            static_shapes = jax.eval_shape(init_state, key, zeros)[1]
+            static_shardings = jax.tree.map(lambda _: self.layout.replicated, static_shapes)
+            self.static = jax.jit(lambda k, x: init_state(k, x)[1], out_shardings=static_shardings)(key, zeros)
+            self._compiled = None
+            self._build_functions()
+            self._prepared_for = prep
+        shapes = jax.eval_shape(self._init_fn(), key, inputs)[0]
+        shapes.pop("compute", None)
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            shapes, {k: self.state_shardings[k] for k in shapes})
+
+    def restore_state(self, saved: dict) -> dict:
+        """The full train state from restored `step`, `params` and `opt_state` (placed as
+        `abstract_state` says): the compute copy is derived again from the master params."""
+        self._require_init()
+        state = dict(saved)
+        layout = self.layout
+        if layout.keeps_compute_copy:
+            def derive(params):
+                return cast_tree(layout.to_layout(params, sharded=False), layout.precision.compute_dtype)
+
+            state["compute"] = jax.jit(derive, out_shardings=self.state_shardings["compute"])(state["params"])
         return state
 
     def _require_init(self) -> None:
