@@ -1,0 +1,30 @@
+"""Accounting: the analytic memory / traffic model and measurement from compiled programs.
+
+`analytic` and `hardware` are pure arithmetic (no JAX import); `hlo` counts collective bytes in
+HLO text and compiles a lowered program to get the post-partitioning HLO.
+"""
+
+from zerojax.accounting.analytic import (
+    ACTIVATION_MODEL,
+    GPTShape,
+    Plan,
+    activation_bytes_gpt,
+    comm_bound_tokens_per_device,
+    flops_per_step,
+    get_optimizer,
+    get_precision_bytes,
+    model_state_bytes,
+    plan,
+    plan_dict,
+    step_time_estimate,
+    traffic_bytes,
+)
+from zerojax.accounting.hardware import HARDWARE, Hardware, get_hardware
+from zerojax.accounting.hlo import collective_bytes, partitioned_hlo_text, shape_bytes
+
+__all__ = [
+    "ACTIVATION_MODEL", "GPTShape", "HARDWARE", "Hardware", "Plan", "activation_bytes_gpt",
+    "collective_bytes", "comm_bound_tokens_per_device", "flops_per_step", "get_hardware",
+    "get_optimizer", "get_precision_bytes", "model_state_bytes", "partitioned_hlo_text", "plan",
+    "plan_dict", "shape_bytes", "step_time_estimate", "traffic_bytes",
+]

@@ -1,0 +1,459 @@
+"""Analytic ZeRO model: the bytes each device holds, the bytes it moves per step, and their time.
+
+Pure arithmetic on parameter counts and the stage table in `zerojax.stages`; no JAX import, so
+`zerojax plan` starts instantly and every number can be checked by hand against the ZeRO paper
+(Rajbhandari et al. 2020, table 1 and section 7). Bytes are per device; GB means 1e9 bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from zerojax.accounting.hardware import Hardware
+from zerojax.errors import UserError
+from zerojax.stages import STAGES, Stage, get_stage
+
+GROUPS = ("compute_params", "master", "optimizer", "grads")
+
+
+# --- precision and optimizer: bytes per parameter -------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrecisionBytes:
+    name: str
+    param_bytes: int  # the copy forward and backward read; also the dtype collectives move
+    master_bytes: int  # separate fp32 master copy; 0 when the params themselves are the fp32 master
+    grad_bytes: int
+
+
+PRECISIONS: dict[str, PrecisionBytes] = {
+    "bf16": PrecisionBytes("bf16", param_bytes=2, master_bytes=4, grad_bytes=2),
+    "fp32": PrecisionBytes("fp32", param_bytes=4, master_bytes=0, grad_bytes=4),
+}
+
+
+def get_precision_bytes(name: str) -> PrecisionBytes:
+    if name not in PRECISIONS:
+        raise UserError(f"precision must be one of {', '.join(PRECISIONS)}, got {name!r}.")
+    return PRECISIONS[name]
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    name: str
+    slots: int  # fp32 tensors of the parameters' size (Adam: first and second moment)
+    factored: bool = False  # Adafactor: second moment kept as row and column statistics
+
+
+OPTIMIZERS: dict[str, OptimizerState] = {
+    "adam": OptimizerState("adam", 2),
+    "adamw": OptimizerState("adamw", 2),
+    "sgd_momentum": OptimizerState("sgd_momentum", 1),
+    "sgd": OptimizerState("sgd", 0),
+    "adafactor": OptimizerState("adafactor", 0, factored=True),  # optax default: no momentum
+}
+
+# Without leaf shapes, a factored second moment is approximated as 1% of a full fp32 one: an r x c
+# matrix keeps r + c statistics, 2/d of its r * c entries for a square d x d matrix, so 1% is the
+# d = 200 case and an overestimate for any larger model.
+_FACTORED_FRACTION = 0.01
+_FACTOR_MIN_DIM = 128  # optax.adafactor's min_dim_size_to_factor: smaller dims keep full stats
+
+
+def get_optimizer(name: str) -> OptimizerState:
+    if name not in OPTIMIZERS:
+        raise UserError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}.")
+    return OPTIMIZERS[name]
+
+
+def optimizer_state_bytes(
+    optimizer: OptimizerState, params: float, shapes: list[tuple[int, ...]] | None = None
+) -> float:
+    """Unsharded fp32 optimizer state; `shapes` (one per leaf) makes Adafactor exact."""
+    if not optimizer.factored:
+        return 4.0 * optimizer.slots * params
+    if shapes is None:
+        return 4.0 * _FACTORED_FRACTION * params
+    return 4.0 * sum(_factored_numel(tuple(s)) for s in shapes)
+
+
+def _factored_numel(shape: tuple[int, ...]) -> int:
+    if len(shape) < 2 or min(shape[-2:]) < _FACTOR_MIN_DIM:
+        return math.prod(shape)
+    rows, cols = shape[:-1], shape[:-2] + shape[-1:]  # v_row and v_col of the last two axes
+    return math.prod(rows) + math.prod(cols)
+
+
+# --- memory and traffic per stage ----------------------------------------------------------
+
+
+def _sharded_groups(stage: Stage) -> dict[str, bool]:
+    """The stage table read as: which memory group is split over the devices."""
+    return {
+        "compute_params": stage.compute_params,
+        "master": stage.master_params,
+        "optimizer": stage.optimizer,
+        "grads": stage.gradients,
+    }
+
+
+def _check(params: float, devices: int) -> None:
+    if not params > 0:
+        raise UserError(f"the parameter count must be positive, got {params!r}.")
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise UserError(f"the device count must be a positive integer, got {devices!r}.")
+
+
+def model_state_bytes(
+    params: float,
+    devices: int,
+    stage: int,
+    policy: PrecisionBytes,
+    optimizer: OptimizerState,
+    include_grads: bool = True,
+    shapes: list[tuple[int, ...]] | None = None,
+) -> dict[str, float]:
+    """Persistent bytes one device holds, by group (and `total`), for a ZeRO stage.
+
+    Sharding is taken as exact 1/devices; `zerojax.stages` pads uneven leaves, which adds at most
+    one row per leaf.
+    """
+    _check(params, devices)
+    full = {
+        "compute_params": float(policy.param_bytes * params),
+        "master": float(policy.master_bytes * params),
+        "optimizer": optimizer_state_bytes(optimizer, params, shapes),
+        "grads": float(policy.grad_bytes * params) if include_grads else 0.0,
+    }
+    sharded = _sharded_groups(get_stage(stage))
+    out = {g: full[g] / devices if sharded[g] else full[g] for g in GROUPS}
+    out["total"] = sum(out[g] for g in GROUPS)
+    return out
+
+
+def traffic_units(stage: Stage) -> tuple[int, int]:
+    """(param all-gathers, gradient reductions) per step, in units of b * params * (p - 1) / p.
+
+    A ring all-gather or reduce-scatter sends (p - 1)/p of the full tensor from every device; an
+    all-reduce is the two back to back, 2 units.
+    """
+    # Stage 3 gathers the compute params twice: in the forward and again in the rematerialised
+    # backward. Stages 1-2 gather once, to rebuild the replicated params after the sharded update.
+    gathers = 2 if stage.compute_params else (1 if stage.master_params else 0)
+    # A sharded update needs only the local gradient shard: one reduce-scatter. (An implementation
+    # that all-reduces and then slices, as the stage-1 row of the table allows, moves 1 unit more.)
+    reductions = 1 if stage.optimizer else 2
+    return gathers, reductions
+
+
+def traffic_bytes(params: float, devices: int, stage: int, compute_bytes: float) -> dict[str, float]:
+    """Bytes one device sends per optimizer step (ring collectives, no gradient accumulation)."""
+    _check(params, devices)
+    unit = compute_bytes * params * (devices - 1) / devices
+    gathers, reductions = traffic_units(get_stage(stage))
+    out = {"param_allgather": gathers * unit, "grad_reduce": reductions * unit}
+    out["total"] = out["param_allgather"] + out["grad_reduce"]
+    return out
+
+
+# --- activations ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    d_model: int
+    n_layers: int
+    n_heads: int
+    d_ff: int
+    vocab_size: int = 256
+
+
+@dataclass(frozen=True)
+class LayerTerms:
+    """Bytes of one layer as d * D + f * F elements per token (compute dtype) + score bytes."""
+
+    d: float
+    f: float
+    score_bytes: float  # per B * H * L * L attention element (scores and softmax are fp32)
+
+
+@dataclass(frozen=True)
+class ActivationModel:
+    """Coefficients of `activation_bytes_gpt`, for the SwiGLU / RoPE decoder in `models/gpt.py`.
+
+    Saved per layer across the whole backward, by remat policy:
+      full: the layer input only (B*L*D).
+      dots: weight-matmul outputs; q, k, v, o, gate, up, down would be 5D + 2F, XLA keeps ~3D + 2F.
+      none: every internal (norms, q/k/v, attention output, 3-4 SwiGLU tensors, fp32 softmax).
+    Working set: one layer recomputed plus its cotangents during its backward (~2x its internals).
+    Logits: B*L*V in fp32 kept for the softmax backward, their fp32 gradient largely written in
+    place (6 bytes per element fits better than 4 + 4).
+    Calibrated against XLA:CPU memory_analysis().temp_size_in_bytes of the jitted grad step (fp32,
+    12 random small shapes): full within 15%, none within 12%, dots only within ~40% (XLA's choice
+    of what to recompute varies with shape). All undercount when the batch is so small that
+    parameter-sized temporaries (embedding gradients), which this does not model, dominate.
+    """
+
+    saved: dict[str, LayerTerms]
+    working_set: LayerTerms
+    logits_bytes: float  # per B * L * V element
+
+
+ACTIVATION_MODEL = ActivationModel(
+    saved={
+        "full": LayerTerms(d=1, f=0, score_bytes=0),
+        "dots": LayerTerms(d=3, f=2, score_bytes=0),
+        "none": LayerTerms(d=12, f=5, score_bytes=7),
+    },
+    working_set=LayerTerms(d=14, f=8, score_bytes=8),
+    logits_bytes=6,
+)
+
+
+def activation_bytes_gpt(
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    d_ff: int,
+    vocab: int,
+    seq_len: int,
+    micro_batch: int,
+    compute_bytes: float,
+    remat: str = "full",
+    model: ActivationModel = ACTIVATION_MODEL,
+) -> int:
+    """Peak activation and temporary bytes per device for one micro-batch of a scanned decoder."""
+    if remat not in model.saved:
+        raise UserError(f"remat must be one of {', '.join(model.saved)}, got {remat!r}.")
+    tokens = micro_batch * seq_len
+    scores = micro_batch * n_heads * seq_len * seq_len
+
+    def layer(t: LayerTerms) -> float:
+        return tokens * (t.d * d_model + t.f * d_ff) * compute_bytes + scores * t.score_bytes
+
+    peak = n_layers * layer(model.saved[remat]) + layer(model.working_set)
+    return int(round(peak + tokens * vocab * model.logits_bytes))
+
+
+# --- time ----------------------------------------------------------------------------------
+
+
+def flops_per_step(
+    params: float, tokens: float, n_layers: int = 0, d_model: int = 0, seq_len: int = 0
+) -> float:
+    """Training FLOPs: 6 per parameter per token (forward 2, backward 4) plus causal attention's
+    score and value matmuls, 12 * n_layers * d_model * seq_len per token (omitted without a shape).
+    Full remat re-runs the forward, which this deliberately does not count: MFU conventions don't.
+    """
+    return 6.0 * params * tokens + 12.0 * n_layers * d_model * seq_len * tokens
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_s: float
+    comm_s: float
+
+    @property
+    def bound(self) -> str:
+        return "communication" if self.comm_s > self.compute_s else "compute"
+
+    @property
+    def step_s(self) -> float:
+        """With collectives fully overlapped with compute; the sum is the no-overlap bound."""
+        return max(self.compute_s, self.comm_s)
+
+
+def step_time_estimate(
+    params: float,
+    devices: int,
+    stage: int,
+    hardware: Hardware,
+    tokens_per_device: float,
+    compute_bytes: float = 2,
+    shape: GPTShape | None = None,
+    seq_len: int = 0,
+    mfu: float = 1.0,
+) -> StepTime:
+    """Compute at `mfu` x peak (default 1.0: the ideal, so times are lower bounds) and traffic at
+    the per-direction interconnect rate."""
+    attn = (shape.n_layers, shape.d_model, seq_len) if shape else (0, 0, 0)
+    flops = flops_per_step(params, tokens_per_device, *attn)
+    traffic = traffic_bytes(params, devices, stage, compute_bytes)["total"]
+    return StepTime(flops / (hardware.peak_flops * mfu), traffic / hardware.link_bytes_per_s)
+
+
+def comm_bound_tokens_per_device(
+    hw: Hardware, stage: int, compute_bytes: float = 2, devices: int | None = None, mfu: float = 1.0
+) -> float:
+    """Tokens per device per step below which a step is communication-bound.
+
+    compute = 6 * P * t / (F * mfu) and comm = k * b * P * (p - 1) / p / BW, with k the stage's
+    traffic units; equal at t* = k * b * (p - 1) / p * F * mfu / (6 * BW). P cancels: the threshold
+    depends on the hardware's FLOP-to-byte ratio, not the model size. Without `devices`, the
+    large-p limit (p - 1) / p = 1. Attention FLOPs are ignored, so t* is slightly high.
+    """
+    k = sum(traffic_units(get_stage(stage)))
+    ring = (devices - 1) / devices if devices else 1.0
+    return k * compute_bytes * ring * hw.peak_flops * mfu / (6.0 * hw.link_bytes_per_s)
+
+
+# --- plan ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    stage: int
+    memory: dict[str, float]  # persistent bytes per device by group, and "total"
+    activation_bytes: float | None  # None without a model shape
+    traffic: dict[str, float]  # param_allgather, grad_reduce, total
+    time: StepTime
+    fits: bool
+    comm_bound_below_tokens: float  # per device per step
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    stage: int | None  # None: no stage fits
+    reason: str
+    comm_bound_below_tokens: float | None  # per device per step, for the recommended stage
+    min_micro_batch: int | None  # sequences per device per step to be compute-bound
+
+
+@dataclass(frozen=True)
+class Plan:
+    params: float
+    devices: int
+    hardware: Hardware
+    precision: PrecisionBytes
+    optimizer: OptimizerState
+    seq_len: int
+    micro_batch: int
+    mfu: float
+    shape: GPTShape | None
+    stages: tuple[StagePlan, ...]
+    recommendation: Recommendation
+
+
+def plan(
+    params: float,
+    devices: int,
+    hardware: Hardware,
+    seq_len: int,
+    micro_batch: int,
+    precision: PrecisionBytes = PRECISIONS["bf16"],
+    optimizer: OptimizerState = OPTIMIZERS["adamw"],
+    shape: GPTShape | None = None,
+    remat: str = "full",
+    mfu: float = 1.0,
+) -> Plan:
+    """Every stage side by side, and the one to use."""
+    _check(params, devices)
+    for key, value in (("seq_len", seq_len), ("micro_batch", micro_batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"{key} must be a positive integer, got {value!r}.")
+    if not 0 < mfu <= 1:
+        raise UserError(f"mfu must be in (0, 1], got {mfu!r}.")
+    b = precision.param_bytes
+    act = None
+    if shape is not None:
+        act = float(activation_bytes_gpt(
+            shape.d_model, shape.n_layers, shape.n_heads, shape.d_ff, shape.vocab_size,
+            seq_len, micro_batch, b, remat,
+        ))
+    rows = []
+    for st in STAGES:
+        memory = model_state_bytes(params, devices, st.index, precision, optimizer)
+        rows.append(StagePlan(
+            stage=st.index,
+            memory=memory,
+            activation_bytes=act,
+            traffic=traffic_bytes(params, devices, st.index, b),
+            time=step_time_estimate(
+                params, devices, st.index, hardware, micro_batch * seq_len, b, shape, seq_len, mfu
+            ),
+            fits=memory["total"] + (act or 0.0) <= hardware.hbm_bytes,
+            comm_bound_below_tokens=comm_bound_tokens_per_device(hardware, st.index, b, devices, mfu),
+        ))
+    rows = tuple(rows)
+    return Plan(
+        params, devices, hardware, precision, optimizer, seq_len, micro_batch, mfu, shape, rows,
+        _recommend(rows, params, hardware, precision, optimizer, seq_len),
+    )
+
+
+def _recommend(
+    rows: tuple[StagePlan, ...],
+    params: float,
+    hardware: Hardware,
+    precision: PrecisionBytes,
+    optimizer: OptimizerState,
+    seq_len: int,
+) -> Recommendation:
+    fitting = [r for r in rows if r.fits]
+    if not fitting:
+        # Stage 3 shards everything, so its state shrinks as 1/p: that many devices would hold it.
+        full = model_state_bytes(params, 1, 0, precision, optimizer)["total"]
+        need = math.ceil(full / hardware.hbm_bytes)
+        return Recommendation(
+            None,
+            f"no stage fits in {hardware.hbm_bytes / 1e9:.1f} GB per device; stage 3 needs at "
+            f"least {need} devices for its model state alone",
+            None,
+            None,
+        )
+    # Lowest traffic first; among equal traffic the lower stage (less sharding, simpler program).
+    best = min(fitting, key=lambda r: (r.traffic["total"], r.stage))
+    t_star = best.comm_bound_below_tokens
+    return Recommendation(
+        best.stage,
+        f"stage {best.stage} is the lowest-traffic stage that fits in "
+        f"{hardware.hbm_bytes / 1e9:.1f} GB per device",
+        t_star,
+        max(1, math.ceil(t_star / seq_len)),
+    )
+
+
+def plan_dict(p: Plan) -> dict:
+    """The plan as plain JSON-ready values (what `zerojax plan --json` prints)."""
+    hw = p.hardware
+    return {
+        "params": p.params,
+        "devices": p.devices,
+        "hardware": {
+            "name": hw.name,
+            "peak_flops": hw.peak_flops,
+            "hbm_bytes": hw.hbm_bytes,
+            "link_bytes_per_s": hw.link_bytes_per_s,
+            "interconnect": hw.interconnect,
+        },
+        "precision": p.precision.name,
+        "optimizer": p.optimizer.name,
+        "seq_len": p.seq_len,
+        "micro_batch": p.micro_batch,
+        "mfu": p.mfu,
+        "stages": [
+            {
+                "stage": r.stage,
+                "persistent_bytes_per_device": r.memory["total"],
+                "persistent_bytes_by_group": {g: r.memory[g] for g in GROUPS},
+                "activation_bytes_per_device": r.activation_bytes,
+                "param_allgather_bytes_per_device_per_step": r.traffic["param_allgather"],
+                "grad_reduce_bytes_per_device_per_step": r.traffic["grad_reduce"],
+                "traffic_bytes_per_device_per_step": r.traffic["total"],
+                "compute_time_s": r.time.compute_s,
+                "comm_time_s": r.time.comm_s,
+                "bound": r.time.bound,
+                "comm_bound_below_tokens_per_device": r.comm_bound_below_tokens,
+                "fits": r.fits,
+            }
+            for r in p.stages
+        ],
+        "recommendation": {
+            "stage": p.recommendation.stage,
+            "reason": p.recommendation.reason,
+            "comm_bound_below_tokens_per_device": p.recommendation.comm_bound_below_tokens,
+            "min_micro_batch": p.recommendation.min_micro_batch,
+        },
+    }

@@ -1,0 +1,66 @@
+"""Per-chip peak figures for the accelerators `zerojax plan` knows, as published by their vendors.
+
+All numbers are *peak* per-chip figures as published: dense (no sparsity) bf16 FLOP/s, HBM capacity
+as printed (GB = 1e9 bytes, GiB = 2**30 bytes), and the interconnect a data-parallel collective
+runs over (NVLink inside one GPU node, ICI inside one TPU slice). Real collectives reach a fraction
+of these; the planner's times are lower bounds, not predictions.
+
+Interconnect: vendors quote bidirectional bandwidth (bytes in + out). A ring collective sends and
+receives at once, so its time is bytes *sent* per device over the per-direction rate: half the
+bidirectional figure. `link_bytes_per_s` is that half; the published number is kept beside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zerojax.errors import UserError
+
+GB = 1e9
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s per chip
+    hbm_bytes: float  # memory capacity per chip
+    interconnect_bidirectional_bytes_per_s: float  # as published, per chip
+    interconnect: str  # which fabric the figure describes
+
+    @property
+    def link_bytes_per_s(self) -> float:
+        """Per-direction rate: what a ring collective's bytes sent are divided by."""
+        return self.interconnect_bidirectional_bytes_per_s / 2
+
+
+HARDWARE: dict[str, Hardware] = {
+    # NVIDIA A100 Tensor Core GPU datasheet (SXM 80GB): 312 TFLOPS bf16 dense, 80GB HBM2e,
+    # third-generation NVLink 600 GB/s.
+    "a100": Hardware("a100", 312e12, 80 * GB, 600 * GB, "NVLink 3 (intra-node)"),
+    # NVIDIA H100 Tensor Core GPU datasheet (SXM): 1,979 TFLOPS bf16 *with sparsity*, so 989.5 dense;
+    # 80GB HBM3; fourth-generation NVLink 900 GB/s.
+    "h100": Hardware("h100", 989.5e12, 80 * GB, 900 * GB, "NVLink 4 (intra-node)"),
+    # NVIDIA H200 Tensor Core GPU datasheet (SXM): same compute as H100 SXM, 141GB HBM3e,
+    # NVLink 900 GB/s.
+    "h200": Hardware("h200", 989.5e12, 141 * GB, 900 * GB, "NVLink 4 (intra-node)"),
+    # Cloud TPU docs, "TPU v4" system architecture: 275 TFLOPs bf16, 32 GiB HBM2. That page gives no
+    # per-chip ICI figure; 6 ICI links x 90 GB/s bidirectional (45 GB/s each way) per chip is taken
+    # from "How to Scale Your Model" (JAX ML scaling book), chapter "All About TPUs".
+    "tpu-v4": Hardware("tpu-v4", 275e12, 32 * GIB, 6 * 90 * GB, "ICI (3D torus)"),
+    # Cloud TPU docs, "TPU v5e": 197 TFLOPs bf16, 16 GB HBM2, bidirectional ICI 400 GBps per chip.
+    "tpu-v5e": Hardware("tpu-v5e", 197e12, 16 * GB, 400 * GB, "ICI (2D torus)"),
+    # Cloud TPU docs, "TPU v5p": 459 TFLOPs bf16, 95 GB HBM2e (newer revisions print 95 GiB; the
+    # smaller reading is kept), bidirectional ICI 1200 GBps per chip.
+    "tpu-v5p": Hardware("tpu-v5p", 459e12, 95 * GB, 1200 * GB, "ICI (3D torus)"),
+    # Cloud TPU docs, "TPU v6e" (Trillium): 918 TFLOPs bf16, 32 GB HBM, bidirectional ICI 800 GBps
+    # per chip.
+    "tpu-v6e": Hardware("tpu-v6e", 918e12, 32 * GB, 800 * GB, "ICI (2D torus)"),
+}
+
+
+def get_hardware(name: str) -> Hardware:
+    key = name.strip().lower()
+    if key not in HARDWARE:
+        raise UserError(f"hardware {name!r} is unknown; valid names are {', '.join(HARDWARE)}.")
+    return HARDWARE[key]

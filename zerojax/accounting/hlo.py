@@ -1,0 +1,307 @@
+"""Bytes the collectives of a compiled program move, counted from its HLO text.
+
+Per device, with ring algorithms: an all-gather sends (g-1)/g of its result, a reduce-scatter
+(g-1) times its result, an all-reduce 2(g-1)/g of its operand, an all-to-all (g-1)/g of its
+result, a collective-permute its whole result; g is the replica-group size. Collectives inside
+while loops count once per iteration, through every level of nesting and every computation a loop
+body calls.
+
+Count the HLO right after SPMD partitioning (`partitioned_hlo_text`), not the final compiled HLO:
+on CPU a later pass (float-normalization-bf16) upcasts bf16 collectives to f32, so the final
+program shows twice the bytes a GPU or TPU would move.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+
+_BITS = {
+    "pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16,
+    "s32": 32, "u32": 32, "s64": 64, "u64": 64, "f16": 16, "bf16": 16, "f32": 32, "f64": 64,
+    "c64": 64, "c128": 128, "f4e2m1fn": 4, "f8e8m0fnu": 8, "token": 0,
+}
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
+_COMPUTATION = re.compile(r"^\s*(ENTRY\s+)?%?([^\s(]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
+_CALLEE = re.compile(r"\b(to_apply|calls|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
+_CALLEE_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+_TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of an HLO shape, tuples included: 'bf16[8,1024]{1,0}' -> 16384."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        bits = _BITS.get(dtype, 8 if dtype.startswith("f8") else None)  # the many fp8 variants
+        if bits is None:
+            raise ValueError(f"unknown HLO element type {dtype!r} in {shape!r}")
+        numel = math.prod(int(re.sub(r"\D", "", d)) for d in dims.split(",") if d.strip())
+        total += numel * bits
+    return total // 8
+
+
+@dataclass(frozen=True)
+class _Instruction:
+    name: str
+    shape: str
+    opcode: str
+    operands: tuple[str, ...]
+    attrs: str
+
+
+@dataclass
+class _Computation:
+    name: str
+    entry: bool
+    instructions: dict[str, _Instruction] = field(default_factory=dict)
+    root: str | None = None
+
+
+def _balanced(text: str, start: int) -> int:
+    """Index just past the bracket group opening at text[start]."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"(": 1, "{": 1, "[": 1, ")": -1, "}": -1, "]": -1}.get(text[i], 0)
+        if depth == 0:
+            return i + 1
+    return len(text)
+
+
+def _split_top(text: str) -> list[str]:
+    """Split on commas not nested in brackets."""
+    parts, depth, cur = [], 0, []
+    for ch in text:
+        depth += {"(": 1, "{": 1, "[": 1, ")": -1, "}": -1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            parts.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(ch)
+    if "".join(cur).strip():
+        parts.append("".join(cur).strip())
+    return parts
+
+
+def _parse_instruction(line: str) -> _Instruction | None:
+    m = _INSTRUCTION.match(line)
+    if not m:
+        return None
+    name, rest = m.group(1), m.group(2)
+    end = _balanced(rest, 0) if rest.startswith("(") else rest.find(" ")
+    if end <= 0:
+        return None
+    shape, rest = rest[:end], rest[end:].lstrip()
+    op = re.match(r"([\w\-]+)\(", rest)
+    if not op:
+        return None
+    close = _balanced(rest, op.end() - 1)
+    # Operands print either as `%x` or, in newer XLA, as `f32[8] %x`: keep the last token.
+    operands = tuple(o.split()[-1].lstrip("%") for o in _split_top(rest[op.end() : close - 1]))
+    return _Instruction(name, shape, op.group(1), operands, rest[close:])
+
+
+def _parse(hlo_text: str) -> tuple[dict[str, _Computation], int]:
+    computations: dict[str, _Computation] = {}
+    current = None
+    header = hlo_text[: hlo_text.find("\n")] if "\n" in hlo_text else hlo_text
+    partitions = re.search(r"num_partitions=(\d+)", header)
+    replicas = re.search(r"replica_count=(\d+)", header)
+    devices = int(partitions.group(1) if partitions else 1) * int(replicas.group(1) if replicas else 1)
+    for line in hlo_text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            current = computations.setdefault(m.group(2), _Computation(m.group(2), bool(m.group(1))))
+            continue
+        if current is None:
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        instr = _parse_instruction(line)
+        if instr:
+            current.instructions[instr.name] = instr
+            if line.lstrip().startswith("ROOT"):
+                current.root = instr.name
+    return computations, devices
+
+
+def _constant(comp: _Computation, name: str) -> int | None:
+    instr = comp.instructions.get(name)
+    if instr is None or instr.opcode != "constant":
+        return None
+    try:
+        return int(instr.operands[0])
+    except (ValueError, IndexError):
+        return None
+
+
+def _tuple_index(comp: _Computation, name: str) -> int | None:
+    """k when `name` is get-tuple-element(parameter), index=k."""
+    instr = comp.instructions.get(name)
+    if instr is None or instr.opcode != "get-tuple-element":
+        return None
+    src = comp.instructions.get(instr.operands[0])
+    m = re.search(r"\bindex=(\d+)", instr.attrs)
+    return int(m.group(1)) if m and src is not None and src.opcode == "parameter" else None
+
+
+def _trip_count(while_: _Instruction, caller: _Computation, comps: dict[str, _Computation]) -> int | None:
+    """known_trip_count when XLA has annotated it (only later passes do); else read the loop
+    `for (i = c0; i < N; i += s)` off the condition, the init tuple and the body, the form JAX's
+    scan and fori_loop emit. None when the loop has another form."""
+    m = _TRIP_COUNT.search(while_.attrs)
+    if m:
+        return int(m.group(1))
+    cond = comps.get(_attr(while_.attrs, "condition") or "")
+    body = comps.get(_attr(while_.attrs, "body") or "")
+    init = caller.instructions.get(while_.operands[0]) if while_.operands else None
+    if not (cond and body and cond.root and body.root and init and init.opcode == "tuple"):
+        return None
+    cmp = cond.instructions[cond.root]
+    direction = re.search(r"direction=(\w+)", cmp.attrs)
+    if cmp.opcode != "compare" or not direction or len(cmp.operands) != 2:
+        return None
+    a, b, op = *cmp.operands, direction.group(1)
+    if op in ("GT", "GE"):  # N > i is i < N
+        a, b, op = b, a, {"GT": "LT", "GE": "LE"}[op]
+    k, bound = _tuple_index(cond, a), _constant(cond, b)
+    next_ = body.instructions[body.root]
+    if op not in ("LT", "LE") or k is None or bound is None or next_.opcode != "tuple":
+        return None
+    start = _constant(caller, init.operands[k])
+    update = body.instructions.get(next_.operands[k])
+    if start is None or update is None or update.opcode != "add":
+        return None
+    steps = [_constant(body, o) for o in update.operands if _tuple_index(body, o) != k]
+    if len(steps) != 1 or not steps[0] or steps[0] < 0:
+        return None
+    end = bound + (op == "LE")
+    return max(0, -(-(end - start) // steps[0]))
+
+
+def _attr(attrs: str, key: str) -> str | None:
+    m = re.search(rf"\b{key}=%?([\w.\-]+)", attrs)
+    return m.group(1) if m else None
+
+
+def _multipliers(comps: dict[str, _Computation]) -> tuple[dict[str, int], int]:
+    """How many times each computation runs per execution of the entry, and the number of while
+    loops whose trip count could not be read (counted as 1)."""
+    callers: dict[str, list[tuple[str, int]]] = {name: [] for name in comps}
+    unknown = 0
+    for comp in comps.values():
+        for instr in comp.instructions.values():
+            # async-done / -update name the same computation as their async-start: count it once.
+            if instr.opcode.endswith(("-done", "-update")):
+                continue
+            factor = 1
+            if instr.opcode == "while":
+                trips = _trip_count(instr, comp, comps)
+                unknown += trips is None
+                factor = 1 if trips is None else trips
+            # Conditional branches count as if each ran: an upper bound.
+            names = [n for _, n in _CALLEE.findall(instr.attrs)]
+            for group in _CALLEE_LIST.findall(instr.attrs):
+                names += [n.strip().lstrip("%") for n in group.split(",") if n.strip()]
+            for callee in names:
+                if callee in callers:
+                    callers[callee].append((comp.name, factor))
+    entries = [c.name for c in comps.values() if c.entry] or [n for n, cs in callers.items() if not cs]
+    memo: dict[str, int] = {n: 1 for n in entries}
+
+    def mult(name: str) -> int:
+        if name not in memo:
+            memo[name] = 0  # guards against a malformed cyclic graph
+            memo[name] = sum(mult(caller) * f for caller, f in callers[name])
+        return memo[name]
+
+    return {name: mult(name) for name in comps}, unknown
+
+
+def _group_size(attrs: str, devices: int) -> int:
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", attrs)  # iota: [groups, group_size]<=[...]
+    if m:
+        return int(m.group(2))
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)  # mesh['x'=8] {'x'}
+    if m:
+        sizes = {k: int(v) for k, v in re.findall(r"'?([\w.\-]+)'?\s*=\s*(\d+)", m.group(1))}
+        g = 1
+        for axis, sub in re.findall(r"'([^']+)'(?::\(\d+\)(\d+))?", m.group(2)):
+            g *= int(sub) if sub else sizes[axis]
+        return g
+    m = re.search(r"replica_groups=\{\{([^}]*)\}", attrs)  # explicit: {{0,1,2,3},{4,5,6,7}}
+    if m:
+        return len([d for d in m.group(1).split(",") if d.strip()])
+    return devices  # absent or {}: one group of every device
+
+
+def _moved_bytes(instr: _Instruction, devices: int) -> tuple[str, float] | None:
+    opcode = instr.opcode[: -len("-start")] if instr.opcode.endswith("-start") else instr.opcode
+    if opcode not in KINDS:
+        return None
+    shape = instr.shape
+    if instr.opcode.endswith("-start") and opcode in ("all-gather", "collective-permute"):
+        shape = _split_top(shape[1:-1])[1]  # async result tuple: (operands, results, [context])
+    result = shape_bytes(shape)
+    if opcode == "collective-permute":
+        return opcode, float(result)
+    g = _group_size(instr.attrs, devices)
+    factor = {
+        "all-gather": (g - 1) / g,
+        "reduce-scatter": g - 1,
+        "all-reduce": 2 * (g - 1) / g,
+        "all-to-all": (g - 1) / g,
+    }[opcode]
+    return opcode, result * factor
+
+
+def collective_bytes(hlo_text: str) -> dict:
+    """{"bytes": {kind: per-device bytes}, "counts": {kind: executions}, "total": bytes,
+    "unknown_trip_counts": while loops counted once because their trip count was unreadable}."""
+    comps, devices = _parse(hlo_text)
+    mults, unknown = _multipliers(comps)
+    moved = {k: 0.0 for k in KINDS}
+    counts = {k: 0 for k in KINDS}
+    for comp in comps.values():
+        for instr in comp.instructions.values():
+            hit = _moved_bytes(instr, devices)
+            if hit and mults[comp.name]:
+                moved[hit[0]] += hit[1] * mults[comp.name]
+                counts[hit[0]] += mults[comp.name]
+    return {"bytes": moved, "counts": counts, "total": sum(moved.values()), "unknown_trip_counts": unknown}
+
+
+def partitioned_hlo_text(lowered, dump_dir: str) -> str:
+    """Compile `lowered` (a `jax.stages.Lowered`) and return its HLO right after SPMD partitioning.
+
+    XLA writes one file per dumped pass; the wanted one is named
+    `module_NNNN.<module>.NNNN.spmd-partitioner.after_spmd-partitioning...txt`. Files this call
+    created are preferred, so a reused `dump_dir` does not return a stale program.
+    """
+    os.makedirs(dump_dir, exist_ok=True)
+    before = set(os.listdir(dump_dir))
+    lowered.compile(
+        compiler_options={"xla_dump_to": dump_dir, "xla_dump_hlo_pass_re": "spmd-partitioning"}
+    )
+    m = re.search(r"module @([\w.\-]+)", lowered.as_text())
+    module = m.group(1) if m else ""
+
+    def wanted(f: str) -> bool:
+        return "after_spmd-partitioning" in f and f.endswith(".txt") and f".{module}." in f
+
+    files = sorted(f for f in os.listdir(dump_dir) if wanted(f) and f not in before)
+    if not files:  # an identical earlier compile was served from a cache: reuse its dump
+        files = sorted((f for f in os.listdir(dump_dir) if wanted(f)),
+                       key=lambda f: os.path.getmtime(os.path.join(dump_dir, f)))
+    if not files:
+        raise RuntimeError(
+            f"XLA dumped no post-partitioning HLO for module {module!r} into {dump_dir}; "
+            "a persistent compilation cache may have skipped the compile."
+        )
+    with open(os.path.join(dump_dir, files[-1])) as fh:
+        return fh.read()
