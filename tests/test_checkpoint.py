@@ -1,0 +1,186 @@
+"""Checkpoints at the Trainer level: bit-exact restore at every stage, the reshard matrix (stages x
+device counts, with padding that differs between them), the fp32 export round trip, damaged and
+mismatched checkpoints."""
+
+import functools
+import hashlib
+import os
+import shutil
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from zerojax import Trainer, load_params, make_mesh
+from zerojax.checkpoint import CheckpointWriter, export_params, restore, run_metadata
+from zerojax.data import BatchStream, load_corpus
+from zerojax.errors import UserError
+from zerojax.models.gpt import GPT, gpt_config
+
+# d_model 36 and d_ff 100 divide 4 but not 8: on 8 devices wq and w_down are stored padded, on 4
+# and 1 device not, so restoring across device counts must crop and pad.
+CFG = gpt_config("tiny", d_model=36, n_heads=6, d_ff=100, n_layers=1, seq_len=16, remat="none")
+KEY = jax.random.key(0)
+SAVE_AT, MORE = 2, 2  # save after 2 steps, then compare the next 2
+
+
+def _tx():
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=0.1))
+
+
+def _trainer(stage: int, devices: int, model_cfg=CFG) -> Trainer:
+    mesh = make_mesh(devices=jax.devices()[:devices])
+    return Trainer(functools.partial(GPT, model_cfg), _tx(), mesh=mesh, stage=stage)
+
+
+def _steps(trainer, state, stream, steps):
+    losses = []
+    for i in steps:
+        state, metrics = trainer.step(state, stream.host_batch(i))
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+def _logical_params(trainer, state) -> dict:
+    """Host copies of the master params in their logical shapes (a test-only gather)."""
+    return jax.tree.map(lambda l, x: np.asarray(x)[tuple(slice(0, s) for s in l.shape)],
+                        trainer.layout.leaves, state["params"], is_leaf=lambda x: hasattr(x, "padded_shape"))
+
+
+def _dir_digest(path) -> dict:
+    out = {}
+    for root, _, files in os.walk(path):
+        for name in files:
+            full = os.path.join(root, name)
+            with open(full, "rb") as f:
+                out[os.path.relpath(full, path)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+@dataclass
+class Source:
+    trainer: Trainer
+    step_dir: str
+    params: dict  # live master params at SAVE_AT, logical shapes
+    losses: list  # the uninterrupted run's next MORE losses
+
+
+@pytest.fixture(scope="module")
+def stream():
+    return BatchStream(load_corpus(None, 200_000), seq_len=CFG.seq_len, global_batch=8, seed=0)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory, stream) -> dict[int, Source]:
+    """Per stage, on 8 devices: train SAVE_AT steps, save asynchronously, keep training MORE steps."""
+    root = tmp_path_factory.mktemp("sources")
+    out = {}
+    for stage in range(4):
+        trainer = _trainer(stage, 8)
+        state = trainer.init(KEY, stream.host_batch(0))
+        state, _ = _steps(trainer, state, stream, range(SAVE_AT))
+        params = _logical_params(trainer, state)
+        writer = CheckpointWriter(str(root / f"stage{stage}"), keep=1, run_meta=run_metadata(trainer, seed=0))
+        writer.save(SAVE_AT, state)  # the next step donates `state` while the files are still written
+        _, losses = _steps(trainer, state, stream, range(SAVE_AT, SAVE_AT + MORE))
+        writer.close()
+        out[stage] = Source(trainer, str(root / f"stage{stage}" / str(SAVE_AT)), params, losses)
+    return out
+
+
+def test_restore_is_bit_exact_at_every_stage(sources, stream):
+    for stage, src in sources.items():
+        state, meta = restore(src.trainer, src.step_dir, KEY, stream.host_batch(SAVE_AT))
+        assert int(state["step"]) == SAVE_AT and meta["data"] == {"position": SAVE_AT, "seed": 0}
+        assert "compute" not in meta["leaves"] and meta["stage"] == stage
+        for x, want in zip(jax.tree.leaves(state), jax.tree.leaves(src.trainer.state_shardings)):
+            assert x.sharding == want, stage
+        _, losses = _steps(src.trainer, state, stream, range(SAVE_AT, SAVE_AT + MORE))
+        assert losses == src.losses, stage  # the same program on the same bits
+
+
+def _pick(targets: dict, saved_stage: int):
+    return next(t for s, t in targets.items() if s != saved_stage)
+
+
+def test_reshard_matrix_across_stages_and_device_counts(sources, stream):
+    """Each stage's 8-device checkpoint continues at another stage on 8, 4 and 1 devices."""
+    four = {1: _trainer(1, 4), 3: _trainer(3, 4)}
+    one = {0: _trainer(0, 1), 2: _trainer(2, 1)}
+    for saved, src in sources.items():
+        eight = {s: sources[s].trainer for s in ((saved + 1) % 4,)}
+        for target in (_pick(eight, saved), _pick(four, saved), _pick(one, saved)):
+            state, _ = restore(target, src.step_dir, KEY, stream.host_batch(SAVE_AT))
+            got = _logical_params(target, state)
+            jax.tree.map(np.testing.assert_array_equal, got, src.params)  # resharding is lossless
+            _, losses = _steps(target, state, stream, range(SAVE_AT, SAVE_AT + MORE))
+            rel = np.abs(np.array(losses) / np.array(src.losses) - 1)
+            where = f"stage {saved} x8 -> stage {target.stage.index} x{target.mesh.devices.size}"
+            assert rel.max() < 1e-4, (where, losses, src.losses)
+    # The matrix did cross padded and unpadded storage (w_down: 100 rows padded to 104 on 8 devices).
+    assert sources[3].trainer.layout.shapes(True)["blocks"]["w_down"] == (1, 104, 36)
+    assert four[3].layout.shapes(True)["blocks"]["w_down"] == (1, 100, 36)
+
+
+def test_export_round_trip_equals_live_master_params(sources, tmp_path):
+    src = sources[3]  # padded on 8 devices: export must crop
+    info = export_params(os.path.dirname(src.step_dir), str(tmp_path / "params.npz"))
+    assert info["step"] == SAVE_AT and not os.path.exists(tmp_path / "params.npz.partial")
+    loaded = load_params(str(tmp_path / "params.npz"))
+    assert jax.tree.structure(loaded) == jax.tree.structure(src.params)
+    for got, want in zip(jax.tree.leaves(loaded), jax.tree.leaves(src.params)):
+        assert got.dtype == np.float32 and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+    with np.load(tmp_path / "params.npz") as npz:
+        assert "blocks/w_down" in npz.files and npz["blocks/w_down"].shape == (1, 100, 36)
+
+    model = load_params(str(tmp_path / "params.npz"), GPT(CFG, nnx.Rngs(7)))  # for inference
+    np.testing.assert_array_equal(model.blocks.w_down[...], src.params["blocks"]["w_down"])
+    with pytest.raises(UserError, match="does not fit this model"):
+        load_params(str(tmp_path / "params.npz"), GPT(gpt_config("tiny", n_layers=1), nnx.Rngs(0)))
+
+    tuner = _trainer(1, 4)  # fine-tuning starts from the exported weights, sharded
+    state = tuner.init(KEY, {"inputs": np.zeros((8, CFG.seq_len), np.int32)}, params=loaded)
+    jax.tree.map(np.testing.assert_array_equal, _logical_params(tuner, state), src.params)
+
+
+def test_bad_checkpoints_raise_one_sentence_and_change_nothing(sources, stream, tmp_path):
+    root = tmp_path / "ckpt"
+    shutil.copytree(os.path.dirname(sources[0].step_dir), root)
+    step_dir = str(root / str(SAVE_AT))
+    before = _dir_digest(root)
+
+    other = _trainer(0, 8, gpt_config("tiny", d_model=32, n_heads=4, d_ff=64, n_layers=1, seq_len=16))
+    with pytest.raises(UserError, match=r"from another model: parameter 'blocks/attn_norm' has shape \(1, 36\) "
+                                        r"there but \(1, 32\) here"):
+        restore(other, step_dir, KEY, stream.host_batch(SAVE_AT))
+    with pytest.raises(UserError, match="does not exist"):
+        export_params(str(root / "missing"), str(tmp_path / "x.npz"))
+    assert _dir_digest(root) == before and not os.path.exists(tmp_path / "x.npz")
+
+    # Truncated array data: tensorstore cannot read it.
+    data = root / str(SAVE_AT) / "state" / "ocdbt.process_0" / "d"
+    largest = max(data.iterdir(), key=lambda p: p.stat().st_size)
+    largest.write_bytes(largest.read_bytes()[:100])
+    before = _dir_digest(root)
+    with pytest.raises(UserError, match="corrupted or truncated"):
+        restore(sources[0].trainer, step_dir, KEY, stream.host_batch(SAVE_AT))
+    with pytest.raises(UserError, match="corrupted or truncated"):
+        export_params(str(root), str(tmp_path / "x.npz"))
+    assert _dir_digest(root) == before
+    assert not os.path.exists(tmp_path / "x.npz") and not os.path.exists(tmp_path / "x.npz.partial")
+
+
+def test_flipped_bit_is_caught_by_the_checksums(sources, stream, tmp_path):
+    root = tmp_path / "ckpt"
+    shutil.copytree(os.path.dirname(sources[3].step_dir), root)
+    data = root / str(SAVE_AT) / "state" / "ocdbt.process_0" / "d"
+    largest = max(data.iterdir(), key=lambda p: p.stat().st_size)
+    raw = bytearray(largest.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    largest.write_bytes(bytes(raw))
+    with pytest.raises(UserError, match="does not match its checksum"):
+        restore(sources[3].trainer, str(root / str(SAVE_AT)), KEY, stream.host_batch(SAVE_AT))
