@@ -87,6 +87,15 @@ def test_initialize_passes_timeouts_and_selects_gloo(monkeypatch):
     assert kwargs == {"initialization_timeout": 300, "heartbeat_timeout_seconds": 60, "shutdown_timeout_seconds": 60}
 
 
+def test_distributed_without_a_cluster_is_one_clear_error():
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("ZEROJAX_", "SLURM_", "OMPI_", "JAX_COORDINATOR", "KUBERNETES_", "TPU_"))}
+    done = subprocess.run([sys.executable, "-m", "zerojax.cli", "train", TINY, "--distributed"], capture_output=True,
+                          text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT, env=env)
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: --distributed found no cluster to join (SLURM, Cloud TPU pod")
+
+
 def test_compiler_flags_go_first_so_the_environment_wins():
     env = {"XLA_FLAGS": "--xla_a=2"}
     distributed.apply_compiler_flags(["--xla_a=1", "--xla_b=1"], ["--xla_tpu_c=true"], env)

@@ -164,6 +164,9 @@ def initialize(spec: DistributedSpec) -> None:
             shutdown_timeout_seconds=spec.shutdown_timeout_s,
         )
     except (ValueError, TypeError) as e:  # auto-detection found no cluster, or inconsistent values
+        if spec.mode == "auto" and ("should be defined" in str(e) or "must be defined" in str(e)):
+            raise UserError("--distributed found no cluster to join (SLURM, Cloud TPU pod, Open MPI or Kubernetes); "
+                            "pass --coordinator HOST:PORT --num-processes N --process-id I instead.") from None
         raise UserError(f"could not start the multi-process run: {e}") from None
     except RuntimeError as e:  # e.g. the coordinator never answered within the init timeout
         raise UserError(f"could not join the multi-process run at {spec.coordinator or 'the detected coordinator'}: "
