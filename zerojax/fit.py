@@ -1,15 +1,20 @@
-"""The step loop of a config-driven run: init, compile, step, evaluate, write metrics."""
+"""The step loop of a config-driven run: init or resume, compile, step, evaluate, write metrics,
+save checkpoints, stop after too many non-finite steps."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import jax
 import numpy as np
 
+from zerojax import checkpoint
+from zerojax.errors import UserError
 from zerojax.experiment import Experiment
 
 
@@ -25,59 +30,154 @@ def evaluate(exp: Experiment, state, batches: int) -> float | None:
     return float(np.mean(losses))
 
 
-def fit(exp: Experiment, out_dir: str, on_step: Callable[[dict], None] | None = None) -> dict:
-    """Train `exp.config.train.steps` steps; returns the summary also written to `summary.json`."""
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None  # metrics.jsonl stays strict JSON
+
+
+def _continue_metrics(path: str, step: int) -> list[dict]:
+    """Keep the records of steps 1..`step` (those the checkpoint includes) and rewrite the file with
+    exactly them: steps after the checkpoint are trained again, a torn last line is dropped."""
+    kept = []
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+                    kept.append(record)
+    kept = list({r["step"]: r for r in kept}.values())  # one record per step, the last written wins
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in kept)
+    os.replace(tmp, path)  # atomic: a crash here leaves the old or the new file, never half
+    return kept
+
+
+def _start(exp: Experiment, ckpt_dir: str, resume: bool, sharding) -> tuple[dict, int]:
+    """(state, step): the latest complete checkpoint when resuming, else a fresh init."""
+    c, trainer = exp.config, exp.trainer
+    key = jax.random.key(c.train.seed)
+    steps = checkpoint.complete_steps(ckpt_dir)
+    if steps and not resume and c.checkpoint.every:
+        raise UserError(f"{ckpt_dir} already holds checkpoints (latest step {steps[-1]}); pass --resume to "
+                        "continue from it, or choose another --out or checkpoint.dir.")
+    if not (resume and steps):
+        if resume and _is_main_process():
+            checkpoint._warn(f"no complete checkpoint in {ckpt_dir} yet; starting from scratch.")
+        return trainer.init(key, exp.train_data.global_batch(0, sharding)), 0
+    step_dir = os.path.join(ckpt_dir, str(steps[-1]))
+    meta = checkpoint.read_meta(step_dir)
+    if meta.get("seed") != c.train.seed:
+        raise UserError(f"train.seed={c.train.seed} differs from the seed {meta.get('seed')} the checkpoint in "
+                        f"{ckpt_dir} was trained with; resume with --set train.seed={meta.get('seed')}.")
+    # The data stream is a pure function of (seed, step): the data position is the step.
+    state, meta = checkpoint.restore(trainer, step_dir, key, exp.train_data.global_batch(steps[-1], sharding))
+    return state, int(meta["step"])
+
+
+@dataclass
+class Start:
+    """Where a run starts: the state (fresh or restored), its step, and the init + compile time."""
+
+    state: dict
+    step: int
+    compile_s: float
+
+
+def prepare(exp: Experiment, out_dir: str, *, resume: bool = False) -> Start:
+    """Init or restore, then compile: every bad-checkpoint error surfaces here, before any output."""
+    c, trainer = exp.config, exp.trainer
+    t0 = time.perf_counter()
+    state, step = _start(exp, checkpoint.checkpoint_dir(c, out_dir), resume, trainer.batch_sharding)
+    trainer.compile(state, exp.train_data.global_batch(step, trainer.batch_sharding))
+    if step >= c.train.steps and _is_main_process():
+        checkpoint._warn(f"the checkpoint is at step {step}, not before train.steps={c.train.steps}; nothing to train.")
+    return Start(state, step, time.perf_counter() - t0)
+
+
+def fit(exp: Experiment, out_dir: str, on_step: Callable[[dict], None] | None = None, *,
+        resume: bool = False, start: Start | None = None) -> dict:
+    """Train up to `exp.config.train.steps` steps; returns the summary also written to `summary.json`.
+
+    `resume`: continue from the latest complete checkpoint (checkpoint.dir, default OUT/checkpoints)
+    and continue metrics.jsonl with it; without one, start from scratch with a warning. `start`: the
+    result of `prepare`, when the caller ran it first.
+    """
     c, trainer = exp.config, exp.trainer
     sharding = trainer.batch_sharding
     tokens_per_step = c.train.batch_size * exp.model.seq_len
-
-    first = exp.train_data.global_batch(0, sharding)
-    t0 = time.perf_counter()
-    state = trainer.init(jax.random.key(c.train.seed), first)
-    trainer.compile(state, first)
-    compile_s = time.perf_counter() - t0
+    ckpt_dir = checkpoint.checkpoint_dir(c, out_dir)
+    begun = start or prepare(exp, out_dir, resume=resume)
+    state, start, compile_s = begun.state, begun.step, begun.compile_s
+    first = exp.train_data.global_batch(start, sharding)
 
     main = _is_main_process()
+    metrics_path = os.path.join(out_dir, "metrics.jsonl")
+    history: list[dict] = []
     if main:
         os.makedirs(out_dir, exist_ok=True)
-    metrics_file = open(os.path.join(out_dir, "metrics.jsonl"), "w") if main else None
-    losses, times, eval_loss = [], [], None
+        history = _continue_metrics(metrics_path, start) if start else []
+    metrics_file = open(metrics_path, "a" if start else "w") if main else None
+    writer = None
+    if c.checkpoint.every:
+        writer = checkpoint.CheckpointWriter(ckpt_dir, keep=c.checkpoint.keep, run_meta=checkpoint.run_metadata(
+            trainer, seed=c.train.seed, config=c.to_dict(), model=_model_dict(exp)))
+    records, times, eval_loss, bad_run, last_saved = [], [], None, 0, start
     try:
-        for step in range(c.train.steps):
-            batch = first if step == 0 else exp.train_data.global_batch(step, sharding)
+        for step in range(start, c.train.steps):
+            batch = first if step == start else exp.train_data.global_batch(step, sharding)
             t = time.perf_counter()
             state, metrics = trainer.step(state, batch)
             loss = float(metrics["loss"])  # blocks until the step is done
             dt = time.perf_counter() - t
-            losses.append(loss)
             times.append(dt)
-            record = {"step": step + 1, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
-                      "step_time_s": dt, "tokens_per_s": tokens_per_step / dt}
+            bad = int(metrics.get("bad_step", 0))
+            bad_run = bad_run + 1 if bad else 0
+            record = {"step": step + 1, "loss": _finite(loss), "grad_norm": _finite(float(metrics["grad_norm"])),
+                      "bad_step": bad, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt}
             if c.train.eval_every and (step + 1) % c.train.eval_every == 0:
                 eval_loss = record["eval_loss"] = evaluate(exp, state, c.train.eval_batches)
+            records.append(record)
             if metrics_file:
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
             if on_step:
                 on_step(record)
+            if bad_run >= c.train.max_bad_steps:
+                kept = f"the last good checkpoint is step {last_saved} in {ckpt_dir}" if writer and last_saved \
+                    else "no checkpoint was written"
+                raise UserError(f"training stopped at step {step + 1}: {bad_run} consecutive steps had a non-finite "
+                                f"loss or gradient norm (train.max_bad_steps={c.train.max_bad_steps}); {kept}.")
+            # A bad step kept the old state, but its checkpoint would push a good one out: skip it.
+            if writer and not bad and ((step + 1) % c.checkpoint.every == 0 or step + 1 == c.train.steps):
+                writer.save(step + 1, state)
+                last_saved = step + 1
     finally:
         if metrics_file:
             metrics_file.close()
-    if not c.train.eval_every or c.train.steps % c.train.eval_every:
+        if writer:
+            writer.close()  # waits for the save in flight: it is complete on disk before we return
+    if not c.train.eval_every or c.train.steps % c.train.eval_every or not records:
         eval_loss = evaluate(exp, state, c.train.eval_batches)
 
-    steady = times[1:] or times
+    every = history + records
+    losses = [r["loss"] for r in every]
+    steady = times[1:] or times or [float("nan")]
     summary = {
         "steps": c.train.steps,
+        "resumed_from": start,
         "stage": trainer.stage.index,
         "engine": trainer.engine,
         "precision": trainer.precision.name,
         "devices": int(trainer.mesh.devices.size),
         "mesh": dict(trainer.mesh.shape),
         "params": exp.model.num_params(),
-        "first_loss": losses[0],
-        "final_loss": losses[-1],
+        "first_loss": _num(losses[0] if losses else None),
+        "final_loss": _num(losses[-1] if losses else None),
         "eval_loss": eval_loss,
+        "bad_steps": sum(int(r.get("bad_step", 0)) for r in every),
         "compile_s": compile_s,
         "median_step_time_s": float(np.median(steady)),
         "tokens_per_s": tokens_per_step / float(np.median(steady)),
@@ -87,3 +187,13 @@ def fit(exp: Experiment, out_dir: str, on_step: Callable[[dict], None] | None = 
         with open(os.path.join(out_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
     return summary
+
+
+def _num(x: float | None) -> float:
+    return float("nan") if x is None else float(x)
+
+
+def _model_dict(exp: Experiment) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(exp.model)

@@ -1,4 +1,4 @@
-"""`zerojax train CONFIG [--set KEY=VALUE]... [--devices N] [--out DIR]`."""
+"""`zerojax train CONFIG [--set KEY=VALUE]... [--devices N] [--out DIR] [--resume]`."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ def add_parser(sub) -> None:
                    help="override a config key, e.g. --set zero.stage=2 (repeatable)")
     p.add_argument("--devices", type=int, default=None, help="simulate N CPU devices (keeps other XLA_FLAGS)")
     p.add_argument("--out", default="runs/latest", help="output folder for metrics.jsonl and summary.json")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest complete checkpoint in OUT (or checkpoint.dir); "
+                        "start from scratch with a warning when there is none yet")
     distributed.add_arguments(p)
     p.set_defaults(run=run)
 
@@ -33,12 +36,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"zerojax: {distributed.describe()}", file=sys.stderr, flush=True)
 
     from zerojax.experiment import build_experiment
-    from zerojax.fit import fit
+    from zerojax.fit import fit, prepare
     from zerojax.report import training_progress, summary_table
 
     with distributed.fail_fast(spec):  # a dead peer ends this process too, never a hang
         exp = build_experiment(config)
+        start = prepare(exp, args.out, resume=args.resume)  # a bad checkpoint fails before the progress bar
         with training_progress(config.train.steps) as on_step:
-            summary = fit(exp, args.out, on_step=on_step)
+            summary = fit(exp, args.out, on_step=on_step, start=start)
         summary_table(summary, args.out)
     return 0
