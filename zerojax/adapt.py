@@ -1,13 +1,17 @@
 """Turn a user's model into two pure functions: `init(key, inputs) -> (params, static)` and
-`apply(params, static, inputs, layer_hook=None) -> outputs`.
+`apply(params, static, inputs, layer_hook=None, around=None) -> outputs`.
 
 Accepted: a callable `rngs -> nnx.Module` (e.g. the module class), an existing `nnx.Module`, or a
 `flax.linen.Module`. Params are a pure nested dict of arrays; `static` holds the model's
 non-trainable state, which the train step carries unchanged.
+
+`around(module)`, when given, is called on the bound module right before it runs and returns the
+context manager the call runs in: the `shard_map` engine uses it to make submodules FSDP units.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -20,7 +24,7 @@ from flax import nnx
 @dataclass(frozen=True)
 class FunctionalModel:
     init: Callable  # (key, inputs) -> (params, static)
-    apply: Callable  # (params, static, inputs, layer_hook) -> outputs
+    apply: Callable  # (params, static, inputs, layer_hook, around) -> outputs
     accepts_layer_hook: bool  # the model gathers per layer when given a hook (see models/gpt.py)
     module_type: type | None = None  # the NNX class, for wrap rules that select submodules by class
 
@@ -44,11 +48,12 @@ def _nnx_functions(make: Callable[[Any], nnx.Module], concrete: nnx.Module | Non
 
     hooked = _takes_layer_hook(type(abstract).__call__)
 
-    def apply(params, static, inputs, layer_hook=None):
+    def apply(params, static, inputs, layer_hook=None, around=None):
         module = nnx.merge(graphdef, nnx.State(params), static)
-        if layer_hook is not None and hooked:
-            return module(inputs, layer_hook=layer_hook)
-        return module(inputs)
+        with around(module) if around else contextlib.nullcontext():
+            if layer_hook is not None and hooked:
+                return module(inputs, layer_hook=layer_hook)
+            return module(inputs)
 
     return FunctionalModel(init, apply, hooked, type(abstract))
 
@@ -59,8 +64,12 @@ def _linen_functions(module: nn.Module) -> FunctionalModel:
         static = {k: v for k, v in variables.items() if k != "params"}
         return dict(variables["params"]), static
 
-    def apply(params, static, inputs, layer_hook=None):
-        return module.apply({"params": params, **static}, inputs)
+    def apply(params, static, inputs, layer_hook=None, around=None):
+        if around is None:
+            return module.apply({"params": params, **static}, inputs)
+        # Units write their gathered params into the scope, so "params" must be mutable here.
+        with around(module):
+            return module.apply({"params": params, **static}, inputs, mutable=["params"])[0]
 
     return FunctionalModel(init, apply, False, type(module))
 

@@ -15,6 +15,8 @@ from zerojax.errors import UserError
 REMAT_POLICIES = ("full", "dots", "none")
 _NORM_EPS = 1e-6
 
+# Called on each layer's params inside the scanned body. A hook with a `scan(layer, x, stacked) -> x`
+# method runs the layer loop itself instead (the shard_map engine's prefetch).
 LayerHook = Callable[[nnx.State], nnx.State]
 
 
@@ -172,6 +174,13 @@ class GPT(nnx.Module):
                 layer_state = layer_hook(layer_state)
             return nnx.merge(graphdef, layer_state)(x_BxLxD, cos, sin), None
 
-        x_BxLxD, _ = jax.lax.scan(_remat(body, cfg.remat), x_BxLxD, stacked)
+        layer_loop = getattr(layer_hook, "scan", None)
+        if layer_loop is not None:
+            # The hook runs the loop itself: the shard_map engine's prefetch carries layer i+1's
+            # gathered weights through the scan so that gather overlaps layer i's compute.
+            x_BxLxD = layer_loop(lambda x, layer_state: nnx.merge(graphdef, layer_state)(x, cos, sin),
+                                 x_BxLxD, stacked)
+        else:
+            x_BxLxD, _ = jax.lax.scan(_remat(body, cfg.remat), x_BxLxD, stacked)
         h_BxLxD = _rms_norm(x_BxLxD, self.final_norm[...])
         return jnp.einsum("bld,dv->blv", h_BxLxD, self.head[...], preferred_element_type=jnp.float32)

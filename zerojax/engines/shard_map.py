@@ -1,0 +1,274 @@
+"""The `shard_map` engine: the forward and backward run once per device, every collective placed by hand.
+
+stage 3  each layer's fp32 shard is cast to the compute dtype, then all-gathered inside the scanned,
+         rematerialised block; the backward pass gathers it again (remat) and reduce-scatters that
+         layer's gradient (the gather's transpose) inside the loop, one layer at a time.
+stage 2  compute params are replicated, but each layer's gradient is reduce-scattered inside the
+         backward loop, so the full gradient never exists at once.
+stage 1  the whole local gradient is reduce-scattered once, after the backward pass.
+stage 0  the whole local gradient is all-reduced.
+The optimizer then updates the shards (`apply_update`, outside the shard_map: it is elementwise), and
+the updated compute copy is all-gathered. Gradients cross devices in `precision.reduce_dtype`.
+
+How parameters are gathered at stages 2-3 (`GatherReport.route`):
+  "layers"  the model takes a `layer_hook` (the shipped GPT): one layer per scan iteration;
+  "units"   a wrap rule picks submodules that gather their own params (see `zerojax.wrap`);
+  "whole"   no units: the whole model is gathered before it runs (correct, but no memory saving).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from zerojax import wrap as wrap_lib
+from zerojax.engines.common import apply_update, compute_params
+from zerojax.layout import StateLayout
+from zerojax.mesh import BATCH_AXES, data_parallel_size
+from zerojax.stages import FSDP_AXIS, LeafLayout, fit_to
+
+_is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
+
+
+class Resident(NamedTuple):
+    """Stage 2's view of a leaf: the replicated compute copy the forward reads, and a shard-shaped
+    zero whose gradient receives this device's reduce-scattered part of the leaf's gradient."""
+
+    full: jax.Array
+    shard: jax.Array
+
+
+@dataclass
+class GatherReport:
+    """How compute params were materialised; filled in when the step is first traced."""
+
+    route: str = "not traced yet"
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class _Reduce:
+    replicas: tuple[str, ...]  # batch axes besides fsdp with size > 1: pure replicas (hybrid sharding)
+    compute_dtype: Any
+    reduce_dtype: Any
+    master_dtype: Any
+
+    def to_shard(self, ct, leaf: LeafLayout):
+        """A leaf's local gradient -> this device's shard of the sum over all devices."""
+        ct = ct.astype(self.reduce_dtype)
+        if leaf.axis is None:  # replicated in every group: every device keeps the whole sum
+            return jax.lax.psum(ct, (FSDP_AXIS, *self.replicas))
+        ct = jax.lax.psum_scatter(fit_to(ct, leaf.padded_shape), FSDP_AXIS, scatter_dimension=leaf.axis, tiled=True)
+        return jax.lax.psum(ct, self.replicas) if self.replicas else ct
+
+    def to_all(self, ct):
+        return jax.lax.psum(ct.astype(self.reduce_dtype), (FSDP_AXIS, *self.replicas))
+
+    def cast_gather(self, shard, leaf: LeafLayout):
+        x = shard.astype(self.compute_dtype)  # cast first, so the gather moves compute-dtype bytes
+        if leaf.axis is not None:
+            x = jax.lax.all_gather(x, FSDP_AXIS, axis=leaf.axis, tiled=True)
+        return fit_to(x, leaf.shape)
+
+    def gather(self, leaf: LeafLayout):
+        """Stage 3: fp32 shard -> whole compute-dtype leaf; backward: reduce-scatter of its gradient."""
+        gather = lambda shard: self.cast_gather(shard, leaf)  # noqa: E731
+        # The transpose JAX derives for a tiled all_gather is this psum_scatter; it is written out
+        # so that it runs in the reduce dtype and also sums over the replica axes.
+        f = jax.custom_vjp(gather)
+        f.defvjp(lambda s: (gather(s), None), lambda _, ct: (self.to_shard(ct, leaf).astype(self.master_dtype),))
+        return f
+
+    def resident(self, leaf: LeafLayout):
+        """Stage 2: the forward reads the resident copy; backward: reduce-scatter into the shard."""
+        f = jax.custom_vjp(lambda full, shard: full)
+        f.defvjp(lambda full, shard: (full, None), lambda _, ct: (None, self.to_shard(ct, leaf)))
+        return f
+
+    def materializer(self, stage: int):
+        if stage == 3:
+            return lambda leaf, x: self.gather(leaf)(x)
+        if stage == 2:
+            return lambda leaf, x: self.resident(leaf)(x.full, x.shard)
+        return lambda leaf, x: x
+
+
+def _layer_layout(leaf: LeafLayout) -> LeafLayout:
+    """One layer of a stacked leaf (its layer axis 0 is never sharded)."""
+    axis = None if leaf.axis is None else leaf.axis - 1
+    return LeafLayout(leaf.path, leaf.shape[1:], leaf.padded_shape[1:], axis, leaf.reason)
+
+
+def _local_shape(leaf: LeafLayout, fsdp: int) -> tuple[int, ...]:
+    if leaf.axis is None:
+        return leaf.shape
+    shape = list(leaf.padded_shape)
+    shape[leaf.axis] //= fsdp
+    return tuple(shape)
+
+
+class _LayerHook:
+    """Called by the model on each layer's stored params inside its scanned, rematerialised body."""
+
+    def __init__(self, layouts, materialize, prefetch: bool):
+        self.layouts = layouts  # per-layer LeafLayouts, same dict structure as one layer's params
+        self.materialize = materialize
+        if prefetch:
+            self.scan = self._prefetch_scan  # the model lets the hook run its layer loop
+
+    def __call__(self, layer_state: nnx.State) -> nnx.State:
+        values = nnx.to_pure_dict(layer_state)
+        return nnx.State(jax.tree.map(self.materialize, self.layouts, values, is_leaf=_is_layout))
+
+    def _prefetch_scan(self, layer, x, stacked):
+        """Carry layer i+1's gathered weights through the scan: iteration i issues that gather
+        beside layer i's compute, with no dependence between them, so they can overlap.
+
+        The carried weights are not differentiated: `run` recomputes the layer in backward from the
+        layer's shards (gathering again), so the carry is never saved and the gradient reaches the
+        shards through the re-gather's reduce-scatter, as without prefetch.
+        """
+        fetch = lambda shards: self(jax.lax.stop_gradient(shards))  # noqa: E731
+        n = jax.tree.leaves(stacked)[0].shape[0]
+        take = lambda i: jax.tree.map(lambda a: a[i], stacked)  # noqa: E731
+        gathered = fetch(take(0))
+        # custom_vjp may not close over traced values (the model's rotary tables): make them args.
+        layer, consts = jax.closure_convert(layer, x, gathered)
+
+        @jax.custom_vjp
+        def run(x, gathered, shards, consts):
+            return layer(x, gathered, *consts)
+
+        def run_fwd(x, gathered, shards, consts):
+            return layer(x, gathered, *consts), (x, shards, consts)
+
+        def run_bwd(res, ct):
+            x, shards, consts = res
+            _, vjp = jax.vjp(lambda x, s: layer(x, self(s), *consts), x, shards)
+            dx, dshards = vjp(ct)
+            return dx, None, dshards, jax.tree.map(jnp.zeros_like, consts)
+
+        run.defvjp(run_fwd, run_bwd)
+
+        def body(carry, xs):
+            x, gathered = carry
+            shards, next_shards = xs
+            next_gathered = fetch(next_shards)  # no dependence on this iteration's layer
+            return (run(x, gathered, shards, consts), next_gathered), None
+
+        if n > 1:
+            xs = (jax.tree.map(lambda a: a[:-1], stacked), jax.tree.map(lambda a: a[1:], stacked))
+            (x, gathered), _ = jax.lax.scan(body, (x, gathered), xs)
+        return run(x, gathered, take(n - 1), consts)
+
+
+def build_step(layout: StateLayout, model, static, loss_fn, tx, *, prefetch: bool = False, wrap="auto",
+               layer_stacks: tuple[str, ...] = ("blocks",)):
+    """`step(state, batch) -> (state, metrics)`; `step.gather_report` says how params were gathered.
+
+    prefetch     stage 3 with a layer-hook model: gather layer i+1 while layer i computes.
+    wrap         FSDP units for models without a layer hook: "auto", "none", classes or a WrapRule.
+    layer_stacks top-level param names whose leaves stack layers on axis 0 and go through the hook.
+    """
+    stage = layout.stage.index
+    mesh = layout.mesh
+    prec = layout.precision
+    rule = wrap_lib.as_rule(wrap)
+    replicas = tuple(a for a in BATCH_AXES if a != FSDP_AXIS and mesh.shape[a] > 1)
+    reduce = _Reduce(replicas, prec.compute_dtype, prec.reduce_dtype, prec.master_dtype)
+    materialize = reduce.materializer(stage)
+    leaves = layout.leaves
+    by_path = {l.path: l for l in jax.tree.leaves(leaves, is_leaf=_is_layout)}
+    dp = data_parallel_size(mesh)
+    fsdp = mesh.shape[FSDP_AXIS]
+    stacks = [k for k in layer_stacks if isinstance(leaves, dict) and k in leaves]
+    hooked = model.accepts_layer_hook and len(stacks) == 1
+    linen = isinstance(model.module_type, type) and issubclass(model.module_type, nn.Module)
+    report = GatherReport()
+
+    def gather_all(layouts, raw):
+        return jax.tree.map(materialize, layouts, raw, is_leaf=_is_layout)
+
+    def run_model(raw, inputs):
+        """Model outputs from stored values, each leaf materialised where the route says."""
+        if stage < 2:
+            report.route, report.description = "replicated", f"stage {stage}: compute params are replicated"
+            return model.apply(raw, static, inputs)
+        if hooked:
+            (stack,) = stacks
+            report.route = "layers"
+            report.description = (f"per layer: '{stack}' gathered one layer per scan iteration"
+                                  + (", next layer prefetched" if prefetch and stage == 3 else ""))
+            params = {k: v if k == stack else gather_all(leaves[k], v) for k, v in raw.items()}
+            hook = _LayerHook(jax.tree.map(_layer_layout, leaves[stack], is_leaf=_is_layout), materialize,
+                              prefetch and stage == 3)
+            return model.apply(params, static, inputs, layer_hook=hook)
+        if rule is None:
+            report.route, report.description = "whole", wrap_lib.describe([], {}, None)
+            return model.apply(gather_all(leaves, raw), static, inputs)
+
+        def record(text):
+            report.route = "whole" if text.startswith("whole") else "units"
+            report.description = text
+
+        at_path = lambda path, x: materialize(by_path[path], x)  # noqa: E731
+        if linen:
+            def around(module):
+                logical = jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape, prec.compute_dtype), leaves,
+                                       is_leaf=_is_layout)
+                abstract = jax.ShapeDtypeStruct(inputs.shape, inputs.dtype)
+                modules = wrap_lib.linen_modules(module, logical, static, abstract)
+                units = wrap_lib.choose_units(modules, rule)
+                record(wrap_lib.describe(units, {p: c for p, c, _ in modules}, rule))
+                paths = [tuple(p.split("/")) for p in by_path]
+                return wrap_lib.linen_around(units, at_path, paths)(module)
+        else:
+            around = wrap_lib.nnx_around(rule, at_path, record)
+        return model.apply(raw, static, inputs, around=around)
+
+    def local(params, batch):
+        """Per device: loss and gradient of the local batch, reduced as the stage asks."""
+        fixed = params if stage == 2 else None
+        if stage == 2:  # differentiate w.r.t. shard-shaped zeros: see `Resident`
+            params = jax.tree.map(lambda l: jnp.zeros(_local_shape(l, fsdp), prec.reduce_dtype), leaves,
+                                  is_leaf=_is_layout)
+
+        def loss_of(diff):
+            raw = jax.tree.map(Resident, fixed, diff) if fixed is not None else diff
+            # The loss is the mean over the global batch: each device's mean over its equal share,
+            # divided by the number of shares, summed across devices.
+            return loss_fn(run_model(raw, batch["inputs"]), batch) / dp
+
+        loss, grads = jax.value_and_grad(loss_of)(params)
+        if stage == 0:
+            grads = jax.tree.map(reduce.to_all, grads)
+        elif stage == 1:
+            grads = jax.tree.map(lambda l, g: reduce.to_shard(g, l), leaves, grads, is_leaf=_is_layout)
+        return jax.lax.psum(loss, BATCH_AXES), grads
+
+    specs = lambda sharded: jax.tree.map(lambda l: l.spec(sharded), leaves, is_leaf=_is_layout)  # noqa: E731
+    grads_fn = jax.shard_map(local, mesh=mesh, in_specs=(specs(stage == 3), P(BATCH_AXES)),
+                             out_specs=(P(), specs(stage > 0)), check_vma=False)
+
+    # Stages 1-2 in bf16: the new compute copy is the cast master shards, all-gathered (left to XLA,
+    # the fp32 shards are gathered and then cast: twice the bytes).
+    gather_compute = jax.shard_map(
+        lambda params: jax.tree.map(lambda l, x: reduce.cast_gather(x, l), leaves, params, is_leaf=_is_layout),
+        mesh=mesh, in_specs=(specs(True),), out_specs=specs(False), check_vma=False)
+
+    def step(state, batch):
+        params = state["params"] if stage == 3 else compute_params(layout, state)
+        loss, grads = grads_fn(params, batch)
+        new_state, metrics = apply_update(layout, tx, state, grads, loss)
+        if layout.keeps_compute_copy and layout.master_sharded:
+            new_state["compute"] = gather_compute(new_state["params"])  # params already kept if bad
+        return new_state, {"loss": loss, **metrics}
+
+    step.gather_report = report
+    return step

@@ -1,0 +1,192 @@
+"""FSDP units for user models: which submodules gather their own parameters when they are called.
+
+Like PyTorch FSDP's auto-wrap policy, a `WrapRule` picks submodules by class. A unit's parameters
+are gathered right before its call and (with `reshard_after_forward`, NNX only) dropped after it:
+the call runs under `jax.checkpoint`, which saves its activations but not the gathered weights, so
+the backward pass gathers them again and the gather's transpose reduce-scatters the gradient.
+Parameters outside every unit belong to the root and are gathered once, before the model runs.
+
+The default rule, `WrapRule()`, needs no configuration: every module class that is used more than
+once and holds parameters is a unit, outermost first (a transformer's blocks, an MLP's layers).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+from flax import linen as nn
+from flax import nnx
+
+Path = tuple[str, ...]
+Materialize = Callable[[str, Any], Any]  # ("a/b/kernel", stored value) -> compute-dtype array
+_GATHERED = "fsdp_unit_gathered"  # checkpoint name of a unit's gathered weights: never saved
+
+
+@dataclass(frozen=True)
+class WrapRule:
+    classes: tuple[type, ...] | None = None  # units by class; None: classes used more than once
+    reshard_after_forward: bool = True  # NNX: re-gather in backward instead of keeping weights
+
+
+def as_rule(wrap) -> WrapRule | None:
+    """`"auto"` -> the default rule; `None`/`"none"` -> no units (one whole-model gather);
+    a class or a tuple of classes -> those classes; a `WrapRule` as is."""
+    if isinstance(wrap, WrapRule):
+        return wrap
+    if wrap is None or wrap is False or wrap == "none":
+        return None
+    if wrap == "auto":
+        return WrapRule()
+    classes = (wrap,) if isinstance(wrap, type) else tuple(wrap)
+    if not classes or not all(isinstance(c, type) for c in classes):
+        raise ValueError(f"wrap must be 'auto', 'none', a module class or a tuple of them, got {wrap!r}")
+    return WrapRule(classes)
+
+
+def choose_units(modules: list[tuple[Path, type, int]], rule: WrapRule) -> list[Path]:
+    """Unit paths from `(path, class, parameter leaves in its subtree)` of every non-root module."""
+    holding = [(p, c) for p, c, n in modules if p and n > 0]
+    if rule.classes is not None:
+        return sorted(p for p, c in holding if issubclass(c, rule.classes))
+    uses = collections.Counter(c for _, c in holding)
+    repeated = [p for p, c in holding if uses[c] > 1]
+    return sorted(p for p in repeated if not any(q != p and p[: len(q)] == q for q in repeated))
+
+
+def owner(leaf: Path, units) -> Path | None:
+    """The deepest unit whose subtree holds `leaf`; None: the root's."""
+    best = None
+    for u in units:
+        if leaf[: len(u)] == u and len(leaf) > len(u) and (best is None or len(u) > len(best)):
+            best = u
+    return best
+
+
+def describe(units: list[Path], classes: dict[Path, type], rule: WrapRule | None) -> str:
+    if not units:
+        why = "wrap disabled" if rule is None else "no submodule matched the wrap rule"
+        return f"whole model gathered at once ({why})"
+    counts = collections.Counter(classes[u].__name__ for u in units)
+    kinds = ", ".join(f"{n} x {name}" for name, n in sorted(counts.items()))
+    how = "auto: classes used more than once" if rule.classes is None else "by class"
+    return f"FSDP units: {kinds} ({how})"
+
+
+def _key(path) -> str:
+    return "/".join(str(p) for p in path)
+
+
+# ---- NNX: a unit is the same module object with a subclass whose __call__ gathers first ------------
+
+
+def nnx_around(rule: WrapRule, materialize: Materialize, record: Callable[[str], None]):
+    """`around(module)` for `FunctionalModel.apply`: makes the chosen submodules units."""
+
+    def around(module: nnx.Module):
+        nodes = [(tuple(str(k) for k in p), n) for p, n in nnx.iter_graph(module)]
+        params = [p for p, n in nodes if isinstance(n, nnx.Param)]
+        modules = [(p, type(n), sum(q[: len(p)] == p for q in params)) for p, n in nodes
+                   if isinstance(n, nnx.Module) and p]
+        units = choose_units(modules, rule)
+        record(describe(units, {p: c for p, c, _ in modules}, rule))
+        by_path = dict(nodes)
+        for p in params:  # the root's own params: gathered once, now
+            if owner(p, units) is None:
+                by_path[p].set_value(materialize(_key(p), by_path[p].get_value()))
+        for u in units:
+            sub = by_path[u]
+            sub.__class__ = _unit_class(type(sub), materialize, rule.reshard_after_forward)
+            sub._fsdp_path = u
+        return contextlib.nullcontext()
+
+    return around
+
+
+def _unit_class(cls: type, materialize: Materialize, reshard: bool) -> type:
+    def __call__(self, *args, **kwargs):
+        prefix = self._fsdp_path
+        graphdef, params, rest = nnx.split(self, nnx.Param, ...)
+        flat = nnx.traversals.flatten_mapping(nnx.to_pure_dict(params))
+        inner = [tuple(str(k) for k in p) for p, n in nnx.iter_graph(self)
+                 if p and isinstance(n, nnx.Module) and hasattr(n, "_fsdp_path")]
+        owned = [p for p in flat if owner(tuple(str(k) for k in p), inner) is None]
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        dynamic = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+
+        def run(owned_raw, dynamic_args):
+            values = dict(flat)
+            for p, raw in zip(owned, owned_raw):
+                values[p] = checkpoint_name(materialize(_key(prefix + p), raw), _GATHERED)
+            unit = nnx.merge(graphdef, nnx.State(nnx.traversals.unflatten_mapping(values)), rest)
+            call_leaves = list(leaves)
+            for i, x in zip(dynamic, dynamic_args):
+                call_leaves[i] = x
+            a, k = jax.tree.unflatten(treedef, call_leaves)
+            return cls.__call__(unit, *a, **k)
+
+        if reshard:  # activations are saved; the gathered weights are gathered again in backward
+            run = jax.checkpoint(run, policy=jax.checkpoint_policies.save_anything_except_these_names(_GATHERED))
+        return run([flat[p] for p in owned], [leaves[i] for i in dynamic])
+
+    return type(f"FSDPUnit_{cls.__name__}", (cls,), {"__call__": __call__})
+
+
+# ---- Linen: a method interceptor writes a unit's gathered params into its scope on first call ------
+
+
+def linen_modules(module: nn.Module, params, static, inputs) -> list[tuple[Path, type, int]]:
+    """Every submodule the model calls, found by tracing it once on abstract values."""
+    seen: dict[Path, type] = {}
+
+    def record(next_fun, args, kwargs, context):
+        scope = context.module.scope
+        if scope is not None:
+            seen.setdefault(tuple(scope.path), type(context.module))
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(record):
+        jax.eval_shape(lambda p, x: module.apply({"params": p, **static}, x), params, inputs)
+    leaves = [tuple(str(k) for k in p) for p in nnx.traversals.flatten_mapping(params)]
+    return [(p, c, sum(q[: len(p)] == p for q in leaves)) for p, c in seen.items() if p]
+
+
+def linen_around(units: list[Path], materialize: Materialize, params_paths: list[Path]):
+    """`around(module)` for a Linen model: the root's params are written into its scope when it is
+    first entered, each unit's when the unit is first entered (before its setup or call)."""
+    owners = {p: owner(p, units) for p in params_paths}
+
+    def around(module: nn.Module):
+        done: set[Path] = set()
+
+        def interceptor(next_fun, args, kwargs, context):
+            m = context.module
+            path = tuple(m.scope.path) if m.scope is not None else None
+            if path is not None and path not in done and (not path or path in units):
+                done.add(path)
+                _put_gathered(m, path, [p for p, o in owners.items() if o == (path or None)], materialize)
+            return next_fun(*args, **kwargs)
+
+        return nn.intercept_methods(interceptor)
+
+    return around
+
+
+def _put_gathered(m: nn.Module, path: Path, leaves: list[Path], materialize: Materialize) -> None:
+    tree = nnx.traversals.flatten_mapping(_as_dict(m.variables.get("params", {})))
+    for leaf in leaves:
+        rel = leaf[len(path):]
+        tree[rel] = materialize(_key(leaf), tree[rel])
+    nested = nnx.traversals.unflatten_mapping(tree)
+    for name in {leaf[len(path)] for leaf in leaves}:
+        m.put_variable("params", name, nested[name])
+
+
+def _as_dict(tree):
+    if hasattr(tree, "items") and not hasattr(tree, "shape"):
+        return {k: _as_dict(v) for k, v in tree.items()}
+    return tree
