@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -173,24 +174,62 @@ def _losses(out_dir) -> list[float]:
         return [json.loads(line)["loss"] for line in f]
 
 
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """`launched(stage, processes)`: a 5-step tiny run through `zerojax launch`, run once per module.
+
+    Checkpoints at steps 3 and 5, written by every process, for the cross-process restore test.
+    """
+    cache = {}
+
+    def run(stage: int, processes: int):
+        if (stage, processes) not in cache:
+            out = tmp_path_factory.mktemp(f"stage{stage}-p{processes}")
+            done = _launch(["--processes", str(processes), "--devices-per-process", str(8 // processes), "--",
+                            "train", TINY, *FAST, "--set", f"zero.stage={stage}", "--set", "checkpoint.every=3",
+                            "--out", str(out)])
+            assert done.returncode == 0, done.stderr[-3000:]
+            cache[stage, processes] = (out, done)
+        return cache[stage, processes]
+
+    return run
+
+
 @pytest.mark.parametrize("stage", [0, 3])
-def test_two_processes_match_one_process(stage, tmp_path):
+def test_two_processes_match_one_process(stage, launched):
     """2 processes x 4 devices and 1 process x 8 devices: the same global batches, the same losses."""
-    runs = {}
-    for processes, devices in ((2, 4), (1, 8)):
-        out = tmp_path / f"p{processes}"
-        done = _launch(["--processes", str(processes), "--devices-per-process", str(devices), "--",
-                        "train", TINY, *FAST, "--set", f"zero.stage={stage}", "--out", str(out)])
-        assert done.returncode == 0, done.stderr[-3000:]
-        runs[processes] = _losses(out)
-        assert f"[0] zerojax: process 0 of {processes}: {devices} local cpu devices, 8 in all" in done.stderr
+    losses = {}
+    for processes in (2, 1):
+        out, done = launched(stage, processes)
+        losses[processes] = _losses(out)
+        assert f"[0] zerojax: process 0 of {processes}: {8 // processes} local cpu devices, 8 in all" in done.stderr
         # Only process 0 reports: progress and the summary table carry its prefix, never another's.
         assert re.search(r"^\[0\] .*zerojax run", done.stdout, re.M)
         assert not re.search(r"^\[1\] .*(zerojax run|step \d)", done.stdout + done.stderr, re.M)
-    assert len(runs[2]) == len(runs[1]) == 5
-    for two, one in zip(runs[2], runs[1]):
+    assert len(losses[2]) == len(losses[1]) == 5
+    for two, one in zip(losses[2], losses[1]):
         assert two == pytest.approx(one, rel=1e-6)
-    assert runs[2][-1] < runs[2][0]  # it did train
+    assert losses[2][-1] < losses[2][0]  # it did train
+
+
+def test_a_two_process_checkpoint_resumes_in_one_process(launched, tmp_path):
+    """Both processes wrote their shards of step 3; one process with 8 devices reads them all back."""
+    two, _ = launched(3, 2)
+    one, _ = launched(3, 1)
+    # Orbax keeps each process's shards in its own store: both processes wrote theirs.
+    written = sorted(p.name for p in (two / "checkpoints" / "3" / "state").glob("ocdbt.process_*"))
+    assert written == ["ocdbt.process_0", "ocdbt.process_1"]
+    ckpt = tmp_path / "checkpoints"
+    shutil.copytree(two / "checkpoints", ckpt)
+    shutil.rmtree(ckpt / "5")  # resume from step 3, written by the two processes
+    out = tmp_path / "resumed"
+    done = _launch(["--processes", "1", "--devices-per-process", "8", "--", "train", TINY, *FAST,
+                    "--set", "zero.stage=3", "--set", f"checkpoint.dir={ckpt}", "--out", str(out), "--resume"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed = _losses(out)
+    assert len(resumed) == 2  # steps 4 and 5 only
+    for got, want in zip(resumed, _losses(one)[3:]):
+        assert got == pytest.approx(want, rel=1e-6)
 
 
 _PROBE = """
