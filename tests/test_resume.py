@@ -162,6 +162,11 @@ def test_bad_checkpoints_exit_2_with_one_line_and_change_nothing(reference, env,
     sets = [a for s in SETS for a in ("--set", s)]
     before = _digest(run)
 
+    # Checkpoints there, but no --resume: refuse rather than overwrite them; a different data order.
+    rc, err = _main(capsys, "train", CONFIG, "--out", run, *sets)
+    assert rc == 2 and len(err) == 1 and f"already holds checkpoints (latest step {STEPS}); pass --resume" in err[0]
+    rc, err = _main(capsys, "train", CONFIG, "--out", run, "--resume", *sets, "--set", "train.seed=1")
+    assert rc == 2 and len(err) == 1 and "train.seed=1 differs from the seed 0" in err[0], err
     # Another model (shape mismatch).
     rc, err = _main(capsys, "train", CONFIG, "--out", run, "--resume", *sets, "--set", "model.d_model=32")
     assert rc == 2 and len(err) == 1 and "is from another model: parameter" in err[0], err

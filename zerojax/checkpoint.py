@@ -15,7 +15,7 @@ is exact because padding is always zeros at the end of one axis.
 
 from __future__ import annotations
 
-import json
+import functools
 import os
 import sys
 import zipfile
@@ -107,12 +107,17 @@ def _sum_bits(x):
     return jnp.sum(jax.lax.bitcast_convert_type(x, jnp.uint32), dtype=jnp.uint32)
 
 
-def _checksums(tree) -> list[int]:
-    """One checksum per leaf (all saved leaves are 32-bit), computed where the shards live."""
+@functools.lru_cache(maxsize=8)
+def _checksum_fn(mesh):
     from jax.sharding import NamedSharding, PartitionSpec
 
-    mesh = jax.tree.leaves(tree)[0].sharding.mesh
-    sums = jax.jit(lambda t: jax.tree.map(_sum_bits, t), out_shardings=NamedSharding(mesh, PartitionSpec()))(tree)
+    # Replicated results: every process can read them, also in a multi-process run.
+    return jax.jit(lambda tree: jax.tree.map(_sum_bits, tree), out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
+def _checksums(tree) -> list[int]:
+    """One checksum per leaf (all saved leaves are 32-bit), computed where the shards live."""
+    sums = _checksum_fn(jax.tree.leaves(tree)[0].sharding.mesh)(tree)
     return [int(c) for c in jax.device_get(jax.tree.leaves(sums))]
 
 
@@ -218,8 +223,8 @@ def _check_leaves(meta: dict, target: dict, step_dir: str) -> None:
     saved, here = meta["leaves"], _leaf_table(target)
     differ = sorted(set(saved) ^ set(here)) or [p for p in sorted(here) if saved[p]["dtype"] != here[p]["dtype"]]
     if differ:
-        raise UserError(f"checkpoint {step_dir!r} holds the state of another optimizer or precision (e.g. "
-                        f"{differ[0]!r} does not match); resume with the optimizer it was trained with.")
+        raise UserError(f"checkpoint {step_dir!r} holds the state of another optimizer ({differ[0]!r} does not "
+                        "match); resume with the optimizer it was trained with.")
 
 
 def restore(trainer, step_dir: str, key, batch: dict) -> tuple[dict, dict]:
@@ -311,7 +316,7 @@ def export_params(checkpoint: str, out_path: str) -> dict:
                     item=item, restore_args=args, partial_restore=True))
                 stored = np.asarray(_dig(tree, ("params", *k)), dtype=np.float32)
                 want = meta["leaves"][f"params/{name}"]
-                if want.get("checksum", None) not in (None, _host_checksum(stored)):
+                if "checksum" in want and want["checksum"] != _host_checksum(stored):
                     raise UserError(f"checkpoint {step_dir!r} is corrupted: {'params/' + name!r} does not match its checksum.")
                 logical = tuple(meta["params"][name]["shape"])
                 leaf = stored[tuple(slice(0, s) for s in logical)]  # a view: write_array streams it
