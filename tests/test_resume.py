@@ -121,7 +121,7 @@ def test_sigkill_mid_run_and_mid_save_then_resume_is_bit_exact(reference, env, t
     _wait_for(lambda: len(_records(out)) >= 5, proc, "step 5")
     proc.kill()
     proc.wait()
-    first_kill = complete_steps(str(ckpt_dir), warn=False)
+    first_kill = complete_steps(str(ckpt_dir), report=False)
     assert first_kill and first_kill[-1] >= 2
 
     # 2. Resumed, then killed while an asynchronous save is being written.
@@ -130,7 +130,7 @@ def test_sigkill_mid_run_and_mid_save_then_resume_is_bit_exact(reference, env, t
     interrupted = _kill_during_save(proc, ckpt_dir, stale)
     assert os.path.isdir(ckpt_dir / interrupted)  # left behind, half written
     assert int(interrupted.split(".")[0]) > first_kill[-1]  # by the resumed process
-    steps_before = complete_steps(str(ckpt_dir), warn=False)
+    steps_before = complete_steps(str(ckpt_dir), report=False)
 
     # 3. The same command again: skips the half-written save with a warning, finishes the run.
     done = subprocess.run(_train_cmd(out), env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
@@ -142,7 +142,7 @@ def test_sigkill_mid_run_and_mid_save_then_resume_is_bit_exact(reference, env, t
     assert [r["loss"] for r in got] == [r["loss"] for r in want]  # bit for bit (JSON floats round-trip)
     assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in want]
     assert not any(TMP_MARK in n for n in os.listdir(ckpt_dir))  # the writer cleaned it up
-    assert complete_steps(str(ckpt_dir), warn=False) == [STEPS - 2, STEPS]  # checkpoint.keep = 2
+    assert complete_steps(str(ckpt_dir), report=False) == [STEPS - 2, STEPS]  # checkpoint.keep = 2
     with open(out / "summary.json") as f:
         assert json.load(f)["resumed_from"] == steps_before[-1]
 

@@ -37,7 +37,8 @@ def _ocp():
     return ocp
 
 
-def _warn(message: str) -> None:
+def warn(message: str) -> None:
+    """One `warning: ...` line on stderr, from process 0 only."""
     if jax.process_index() == 0:
         sys.stderr.write(f"warning: {message}\n")
         sys.stderr.flush()
@@ -58,14 +59,14 @@ def checkpoint_dir(config, out_dir: str) -> str:
 # ---- finding checkpoints -------------------------------------------------------------------------
 
 
-def complete_steps(directory: str, *, warn: bool = True) -> list[int]:
+def complete_steps(directory: str, *, report: bool = True) -> list[int]:
     """Steps with a complete checkpoint in `directory`, oldest first; interrupted saves are skipped."""
     if not os.path.isdir(directory):
         return []
-    if warn:
+    if report:
         for name in sorted(os.listdir(directory)):
             if _TMP_MARK in name:
-                _warn(f"ignoring the incomplete checkpoint {os.path.join(directory, name)} (its save was interrupted).")
+                warn(f"ignoring the incomplete checkpoint {os.path.join(directory, name)} (its save was interrupted).")
     return sorted(_ocp().step.checkpoint_steps(directory))
 
 
@@ -83,7 +84,7 @@ def find_step_dir(path: str) -> str:
     if _is_step_dir(path):
         return path
     for directory in (path, os.path.join(path, "checkpoints")):
-        steps = complete_steps(directory, warn=False)
+        steps = complete_steps(directory, report=False)
         if steps:
             return os.path.join(directory, str(steps[-1]))
     raise UserError(f"{path!r} holds no complete checkpoint; give a checkpoint step directory or a run's output folder.")

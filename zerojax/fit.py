@@ -63,9 +63,11 @@ def _start(exp: Experiment, ckpt_dir: str, resume: bool, sharding) -> tuple[dict
     if steps and not resume and c.checkpoint.every:
         raise UserError(f"{ckpt_dir} already holds checkpoints (latest step {steps[-1]}); pass --resume to "
                         "continue from it, or choose another --out or checkpoint.dir.")
+    if resume and not c.checkpoint.every:
+        checkpoint.warn("checkpoint.every=0: this run writes no checkpoints to resume from later.")
     if not (resume and steps):
-        if resume and _is_main_process():
-            checkpoint._warn(f"no complete checkpoint in {ckpt_dir} yet; starting from scratch.")
+        if resume:
+            checkpoint.warn(f"no complete checkpoint in {ckpt_dir} yet; starting from scratch.")
         return trainer.init(key, exp.train_data.global_batch(0, sharding)), 0
     step_dir = os.path.join(ckpt_dir, str(steps[-1]))
     meta = checkpoint.read_meta(step_dir)
@@ -92,8 +94,8 @@ def prepare(exp: Experiment, out_dir: str, *, resume: bool = False) -> Start:
     t0 = time.perf_counter()
     state, step = _start(exp, checkpoint.checkpoint_dir(c, out_dir), resume, trainer.batch_sharding)
     trainer.compile(state, exp.train_data.global_batch(step, trainer.batch_sharding))
-    if step >= c.train.steps and _is_main_process():
-        checkpoint._warn(f"the checkpoint is at step {step}, not before train.steps={c.train.steps}; nothing to train.")
+    if step >= c.train.steps:
+        checkpoint.warn(f"the checkpoint is at step {step}, not before train.steps={c.train.steps}; nothing to train.")
     return Start(state, step, time.perf_counter() - t0)
 
 
