@@ -148,7 +148,7 @@ def fit(exp: Experiment, out_dir: str, on_step: Callable[[dict], None] | None = 
             if on_step:
                 on_step(record)
             if bad_run >= c.train.max_bad_steps:
-                kept = f"the last good checkpoint is step {last_saved} in {ckpt_dir}" if writer and last_saved \
+                kept = f"the last good checkpoint is step {last_saved} in {ckpt_dir}" if last_saved \
                     else "no checkpoint was written"
                 raise UserError(f"training stopped at step {step + 1}: {bad_run} consecutive steps had a non-finite "
                                 f"loss or gradient norm (train.max_bad_steps={c.train.max_bad_steps}); {kept}.")
@@ -164,8 +164,8 @@ def fit(exp: Experiment, out_dir: str, on_step: Callable[[dict], None] | None = 
     if not c.train.eval_every or c.train.steps % c.train.eval_every or not records:
         eval_loss = evaluate(exp, state, c.train.eval_batches)
 
-    every = history + records
-    losses = [r["loss"] for r in every]
+    all_records = history + records
+    losses = [r["loss"] for r in all_records]
     steady = times[1:] or times or [float("nan")]
     summary = {
         "steps": c.train.steps,
@@ -179,7 +179,7 @@ def fit(exp: Experiment, out_dir: str, on_step: Callable[[dict], None] | None = 
         "first_loss": _num(losses[0] if losses else None),
         "final_loss": _num(losses[-1] if losses else None),
         "eval_loss": eval_loss,
-        "bad_steps": sum(int(r.get("bad_step", 0)) for r in every),
+        "bad_steps": sum(int(r.get("bad_step", 0)) for r in all_records),
         "compile_s": compile_s,
         "median_step_time_s": float(np.median(steady)),
         "tokens_per_s": tokens_per_step / float(np.median(steady)),
