@@ -13,6 +13,7 @@ from zerojax.accounting.analytic import (
     flops_per_step,
     get_optimizer,
     get_precision_bytes,
+    kept_state_bytes,
     model_state_bytes,
     plan,
     plan_dict,
@@ -20,11 +21,11 @@ from zerojax.accounting.analytic import (
     traffic_bytes,
 )
 from zerojax.accounting.hardware import HARDWARE, Hardware, get_hardware
-from zerojax.accounting.hlo import collective_bytes, partitioned_hlo_text, shape_bytes
+from zerojax.accounting.hlo import collective_bytes, compile_partitioned, partitioned_hlo_text, shape_bytes
 
 __all__ = [
     "ACTIVATION_MODEL", "GPTShape", "HARDWARE", "Hardware", "Plan", "activation_bytes_gpt",
-    "collective_bytes", "comm_bound_tokens_per_device", "flops_per_step", "get_hardware",
-    "get_optimizer", "get_precision_bytes", "model_state_bytes", "partitioned_hlo_text", "plan",
+    "collective_bytes", "comm_bound_tokens_per_device", "compile_partitioned", "flops_per_step", "get_hardware",
+    "get_optimizer", "get_precision_bytes", "kept_state_bytes", "model_state_bytes", "partitioned_hlo_text", "plan",
     "plan_dict", "shape_bytes", "step_time_estimate", "traffic_bytes",
 ]

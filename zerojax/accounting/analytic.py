@@ -133,6 +133,27 @@ def model_state_bytes(
     return out
 
 
+def kept_state_bytes(
+    params: float,
+    devices: int,
+    stage: int,
+    policy: PrecisionBytes,
+    optimizer: OptimizerState,
+    shapes: list[tuple[int, ...]] | None = None,
+) -> dict[str, float]:
+    """The persistent bytes zerojax itself keeps per device, by group (and `total`).
+
+    Unlike the textbook `model_state_bytes`: no gradients (they live only inside the step), and at
+    stage 3 no separate compute copy (each fp32 shard is cast right before it is gathered), so bf16
+    stage 3 keeps 12 bytes per parameter over p, not 14 (or 16 with gradients).
+    """
+    out = model_state_bytes(params, devices, stage, policy, optimizer, include_grads=False, shapes=shapes)
+    if get_stage(stage).compute_params and policy.master_bytes:
+        out["total"] -= out["compute_params"]
+        out["compute_params"] = 0.0
+    return out
+
+
 def traffic_units(stage: Stage) -> tuple[int, int]:
     """(param all-gathers, gradient reductions) per step, in units of b * params * (p - 1) / p.
 
@@ -168,6 +189,11 @@ class GPTShape:
     n_heads: int
     d_ff: int
     vocab_size: int = 256
+
+    @classmethod
+    def of(cls, cfg) -> "GPTShape":
+        """From anything with these attributes, e.g. the shipped model's `GPTConfig`."""
+        return cls(cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_ff, cfg.vocab_size)
 
 
 @dataclass(frozen=True)
@@ -235,6 +261,21 @@ def activation_bytes_gpt(
 
     peak = n_layers * layer(model.saved[remat]) + layer(model.working_set)
     return int(round(peak + tokens * vocab * model.logits_bytes))
+
+
+def step_temp_bytes(params: float, devices: int, stage: int, policy: PrecisionBytes, activations: float) -> float:
+    """Temporaries of one train step per device (beside the kept state): the activations, the
+    gradients (whole at stages 0-1, only this device's shard at 2-3) and one fp32 update-sized buffer
+    on the optimizer's layout (whole at stage 0, sharded from stage 1).
+
+    A rough sum, not a schedule: XLA overlaps some of these (activations are freed before the update)
+    and keeps others this does not model (the scan's stacked gradient accumulators; bf16 matmul
+    operands upcast to f32 on CPU). `zerojax compare` prints measured / this ratio beside it.
+    """
+    st = get_stage(stage)
+    grads = policy.grad_bytes * params / (devices if st.gradients else 1)
+    update = 4.0 * params / (devices if st.optimizer else 1)
+    return activations + grads + update
 
 
 # --- time ----------------------------------------------------------------------------------

@@ -277,7 +277,12 @@ def collective_bytes(hlo_text: str) -> dict:
 
 
 def partitioned_hlo_text(lowered, dump_dir: str) -> str:
-    """Compile `lowered` (a `jax.stages.Lowered`) and return its HLO right after SPMD partitioning.
+    """Compile `lowered` (a `jax.stages.Lowered`) and return its HLO right after SPMD partitioning."""
+    return compile_partitioned(lowered, dump_dir)[1]
+
+
+def compile_partitioned(lowered, dump_dir: str):
+    """(the `jax.stages.Compiled`, its HLO right after SPMD partitioning) from one compile.
 
     XLA writes one file per dumped pass; the wanted one is named
     `module_NNNN.<module>.NNNN.spmd-partitioner.after_spmd-partitioning...txt`. Files this call
@@ -285,7 +290,7 @@ def partitioned_hlo_text(lowered, dump_dir: str) -> str:
     """
     os.makedirs(dump_dir, exist_ok=True)
     before = set(os.listdir(dump_dir))
-    lowered.compile(
+    compiled = lowered.compile(
         compiler_options={"xla_dump_to": dump_dir, "xla_dump_hlo_pass_re": "spmd-partitioning"}
     )
     m = re.search(r"module @([\w.\-]+)", lowered.as_text())
@@ -304,4 +309,4 @@ def partitioned_hlo_text(lowered, dump_dir: str) -> str:
             "a persistent compilation cache may have skipped the compile."
         )
     with open(os.path.join(dump_dir, files[-1])) as fh:
-        return fh.read()
+        return compiled, fh.read()

@@ -1,0 +1,228 @@
+"""Measure a built `Trainer` beside the analytic model, per device:
+
+  persistent bytes   the live state's shards on one device, against `kept_state_bytes` (what zerojax
+                     keeps: no gradients, no stage-3 compute copy), not the textbook 16-byte figure;
+  peak / temp bytes  `memory_analysis()` of the compiled step (peak = arguments + outputs - aliased
+                     + temporaries), against the kept state plus `step_temp_bytes`;
+  collective bytes   per step, counted on the HLO right after SPMD partitioning, against
+                     `traffic_bytes`. The CPU's final HLO is also counted (`final_hlo_collective_bytes`):
+                     XLA:CPU's float-normalization pass upcasts bf16 collectives to f32 after
+                     partitioning, so there bf16 traffic shows twice the bytes a GPU or TPU moves.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+
+from zerojax.accounting import analytic
+from zerojax.accounting.hlo import collective_bytes, compile_partitioned
+from zerojax.mesh import data_parallel_size
+from zerojax.stages import LeafLayout, get_stage
+
+
+@dataclass(frozen=True)
+class Ideal:
+    """The analytic figures for one trainer (bytes per device; traffic per step)."""
+
+    params: int
+    devices: int
+    persistent_bytes: float  # kept_state_bytes total
+    persistent_by_group: dict
+    param_allgather_bytes: float
+    grad_reduce_bytes: float
+    temp_bytes: float | None  # step_temp_bytes; None without a model shape for activations
+    activation_bytes: float | None
+
+    @property
+    def collective_bytes(self) -> float:
+        return self.param_allgather_bytes + self.grad_reduce_bytes
+
+
+@dataclass(frozen=True)
+class Measurement:
+    stage: int
+    engine: str
+    precision: str
+    ideal: Ideal
+    persistent_bytes: int  # the live arrays' shards (or, for an abstract state, their shardings')
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    collective_bytes: float  # post-partitioning HLO, per device per step
+    collective_by_kind: dict = field(default_factory=dict)
+    collective_counts: dict = field(default_factory=dict)
+    final_hlo_collective_bytes: float = 0.0  # the CPU's final HLO (bf16 collectives upcast to f32)
+    unknown_trip_counts: int = 0
+
+    @property
+    def peak_bytes(self) -> int:
+        """Everything live at once in the worst case: XLA's own `peak_memory_in_bytes` is not
+        reported consistently on CPU, so the usual upper bound is used."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    @property
+    def ideal_peak_bytes(self) -> float | None:
+        if self.ideal.temp_bytes is None:
+            return None
+        return self.ideal.persistent_bytes + self.ideal.temp_bytes
+
+    @property
+    def persistent_ratio(self) -> float:
+        return self.persistent_bytes / self.ideal.persistent_bytes
+
+    @property
+    def collective_ratio(self) -> float | None:
+        return _ratio(self.collective_bytes, self.ideal.collective_bytes)
+
+    @property
+    def temp_ratio(self) -> float | None:
+        return None if self.ideal.temp_bytes is None else _ratio(self.temp_bytes, self.ideal.temp_bytes)
+
+    @property
+    def peak_ratio(self) -> float | None:
+        ideal = self.ideal_peak_bytes
+        return None if ideal is None else _ratio(self.peak_bytes, ideal)
+
+    def row(self) -> dict:
+        """Plain JSON-ready values (the `compare --json` row fields, and more)."""
+        return {
+            "stage": self.stage,
+            "engine": self.engine,
+            "precision": self.precision,
+            "persistent_bytes_per_device": self.persistent_bytes,
+            "ideal_persistent_bytes_per_device": self.ideal.persistent_bytes,
+            "persistent_ratio": self.persistent_ratio,
+            "peak_bytes_per_device": self.peak_bytes,
+            "ideal_peak_bytes_per_device": self.ideal_peak_bytes,
+            "peak_ratio": self.peak_ratio,
+            "temp_bytes_per_device": self.temp_bytes,
+            "ideal_temp_bytes_per_device": self.ideal.temp_bytes,
+            "activation_bytes_per_device": self.ideal.activation_bytes,
+            "collective_bytes_per_device_per_step": self.collective_bytes,
+            "ideal_collective_bytes_per_device_per_step": self.ideal.collective_bytes,
+            "collective_ratio": self.collective_ratio,
+            "collective_bytes_by_kind": dict(self.collective_by_kind),
+            "final_hlo_collective_bytes_per_device_per_step": self.final_hlo_collective_bytes,
+            "unknown_trip_counts": self.unknown_trip_counts,
+        }
+
+
+def _ratio(measured: float, ideal: float) -> float | None:
+    if ideal == 0:
+        return 1.0 if measured == 0 else None  # p = 1: nothing should move
+    return measured / ideal
+
+
+_is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
+
+
+def param_count(trainer) -> int:
+    """Logical (unpadded) parameters of the trainer's model, from its layout."""
+    leaves = jax.tree.leaves(trainer.layout.leaves, is_leaf=_is_layout)
+    return int(sum(math.prod(l.shape) for l in leaves))
+
+
+def ideal(trainer, optimizer: str = "adamw", shape: analytic.GPTShape | None = None, seq_len: int = 0,
+          micro_batch: int = 0, remat: str = "full") -> Ideal:
+    """The analytic figures for what `trainer` keeps and moves (over its fsdp axis; replicas on `data`
+    are not modelled); activations need the model's shape."""
+    layout = trainer.layout
+    psi, p = param_count(trainer), layout.fsdp_size
+    policy = analytic.get_precision_bytes(trainer.precision.name)
+    kept = analytic.kept_state_bytes(psi, p, trainer.stage.index, policy, analytic.get_optimizer(optimizer))
+    gathers, reductions = analytic.traffic_units(get_stage(trainer.stage.index))
+    unit = psi * (p - 1) / p
+    # Parameters are gathered in the compute dtype; gradients are reduced in the reduce dtype.
+    compute_b = jnp.dtype(trainer.precision.compute_dtype).itemsize
+    reduce_b = jnp.dtype(trainer.precision.reduce_dtype).itemsize
+    act = temp = None
+    if shape is not None and seq_len and micro_batch:
+        act = float(analytic.activation_bytes_gpt(shape.d_model, shape.n_layers, shape.n_heads, shape.d_ff,
+                                                  shape.vocab_size, seq_len, micro_batch, compute_b, remat))
+        temp = analytic.step_temp_bytes(psi, p, trainer.stage.index, policy, act)
+    return Ideal(psi, p, kept["total"], kept, gathers * compute_b * unit, reductions * reduce_b * unit, temp, act)
+
+
+def _abstract(tree):
+    return all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
+
+
+def lower_step(trainer, state, batch):
+    """The trainer's jitted step lowered for `state` (arrays, or ShapeDtypeStructs with shardings)."""
+    if _abstract(batch):
+        batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding) for k, v in batch.items()}
+    else:
+        batch = trainer.shard_batch(batch)
+    # Trainer.compile lowers the same function; the Lowered object is needed here for the dump.
+    return trainer._step_fn.lower(state, batch)
+
+
+def persistent_bytes(trainer, state) -> int:
+    """Bytes of the state's shards on the first device: from the live arrays or, for an abstract
+    state, from each leaf's sharding (what `init` would place there)."""
+    if not _abstract(state):
+        return trainer.persistent_bytes_per_device(state)
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state))
+
+
+def measure_step(trainer, state, batch, *, optimizer: str = "adamw", shape: analytic.GPTShape | None = None,
+                 seq_len: int = 0, remat: str = "full", dump_dir: str | None = None):
+    """(Measurement, the compiled step). The compiled step runs as `compiled(state, sharded_batch)`:
+    one compile serves the memory analysis, the collective count and training."""
+    with tempfile.TemporaryDirectory(prefix="zerojax-hlo-") as tmp:
+        compiled, text = compile_partitioned(lower_step(trainer, state, batch), dump_dir or tmp)
+    counted = collective_bytes(text)
+    final = collective_bytes(compiled.as_text())
+    ma = compiled.memory_analysis()
+    rows = batch["inputs"].shape[0]
+    micro = rows // data_parallel_size(trainer.mesh)
+    m = Measurement(
+        stage=trainer.stage.index,
+        engine=trainer.engine,
+        precision=trainer.precision.name,
+        ideal=ideal(trainer, optimizer, shape, seq_len or batch["inputs"].shape[-1], micro, remat),
+        persistent_bytes=persistent_bytes(trainer, state),
+        argument_bytes=int(ma.argument_size_in_bytes),
+        output_bytes=int(ma.output_size_in_bytes),
+        alias_bytes=int(ma.alias_size_in_bytes),
+        temp_bytes=int(ma.temp_size_in_bytes),
+        collective_bytes=float(counted["total"]),
+        collective_by_kind={k: v for k, v in counted["bytes"].items() if v},
+        collective_counts={k: v for k, v in counted["counts"].items() if v},
+        final_hlo_collective_bytes=float(final["total"]),
+        unknown_trip_counts=int(counted["unknown_trip_counts"]),
+    )
+    return m, compiled
+
+
+def activation_temp_bytes(trainer, batch) -> int:
+    """Temporaries of the forward + backward alone at stage 0 (replicated compute params): its
+    gradients are outputs, not temporaries, so this is the activation memory the planner models,
+    free of the optimizer update's parameter-sized buffers."""
+    layout = trainer.layout
+    dtype = trainer.precision.compute_dtype
+    shapes = jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape, dtype, sharding=layout.replicated), layout.leaves,
+                          is_leaf=_is_layout)
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding) for k, v in batch.items()}
+
+    def loss(params, batch):
+        return trainer.loss_fn(trainer.model.apply(params, trainer.static, batch["inputs"]), batch)
+
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(shapes, batch).compile()
+    return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def human_bytes(n: float | None) -> str:
+    """'1.32 MiB'; '-' for None."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
