@@ -1,6 +1,9 @@
 """`zerojax plan`: per-device memory, traffic and step time of ZeRO stages 0-3, and which to use.
 
-Pure arithmetic (`zerojax.accounting.analytic`): no JAX import, so it answers instantly.
+`--params N --devices P` is pure arithmetic (`zerojax.accounting.analytic`, no JAX import). `plan
+CONFIG` counts the config's model parameters with `jax.eval_shape` (nothing is allocated, so a 70B
+config plans in seconds) and takes the shape, sequence length, per-device micro-batch, precision and
+optimizer from the config; flags given explicitly override it.
 """
 
 from __future__ import annotations
@@ -26,16 +29,19 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "plan", help="memory, traffic and time per device for ZeRO stages 0-3, and which to use"
     )
-    # CONFIG HOOK: planning from a YAML config (model shape, mesh, precision) is wired in later;
-    # until then the positional is accepted and --params is required.
-    p.add_argument("config", nargs="?", help="experiment YAML (not yet supported: pass --params)")
+    p.add_argument("config", nargs="?", help="experiment YAML: plan its model (or pass --params instead)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of CONFIG, e.g. --set model.preset=7b (repeatable)")
     p.add_argument("--params", help="parameter count, e.g. 7e9 or 125M")
-    p.add_argument("--devices", type=int, help="devices along the data-parallel (fsdp) axis")
+    p.add_argument("--devices", type=int,
+                   help="devices in all; the state is sharded over those not on mesh.data (default: "
+                        "CONFIG's mesh.data x mesh.fsdp)")
     p.add_argument("--hardware", default="h100", help="a100, h100, h200, tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e")
-    p.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per device per step (default 1)")
-    p.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd_momentum, sgd, adafactor")
-    p.add_argument("--precision", default="bf16", help="bf16 (fp32 master) or fp32")
+    p.add_argument("--seq", type=int, help="sequence length (default: CONFIG's model.seq_len, else 2048)")
+    p.add_argument("--micro-batch", type=int,
+                   help="sequences per device per step (default: CONFIG's train.batch_size / devices, else 1)")
+    p.add_argument("--optimizer", help="adamw, adam, sgd_momentum, sgd, adafactor (default: CONFIG's, else adamw)")
+    p.add_argument("--precision", help="bf16 (fp32 master) or fp32 (default: CONFIG's, else bf16)")
     p.add_argument("--mfu", type=float, default=1.0, help="assumed fraction of peak FLOP/s (default 1.0)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=_run)
@@ -45,31 +51,99 @@ def _run(args: argparse.Namespace) -> int:
     from zerojax.accounting import analytic
     from zerojax.accounting.hardware import get_hardware
 
-    if args.params is None:
-        if args.config is not None:
-            raise UserError(
-                f"planning from a config ({args.config}) is not supported yet; pass --params and --devices."
-            )
-        raise UserError("--params is required, e.g. `zerojax plan --params 7e9 --devices 8`.")
-    if args.devices is None:
-        raise UserError("--devices is required: how many devices share the model state.")
-    if args.devices < 1:
-        raise UserError(f"--devices must be a positive integer, got {args.devices}.")
+    if args.config is not None and args.params is not None:
+        raise UserError("give either CONFIG or --params, not both.")
+    if args.overrides and args.config is None:
+        raise UserError("--set needs a CONFIG to override; pass CONFIG or plan with --params alone.")
+    for key in ("devices", "seq", "micro_batch"):
+        value = getattr(args, key)
+        if value is not None and value < 1:
+            raise UserError(f"--{key.replace('_', '-')} must be a positive integer, got {value}.")
+    hardware = get_hardware(args.hardware)
+    if args.config is not None:
+        inputs = _from_config(args)
+    else:
+        if args.params is None:
+            raise UserError("--params is required, e.g. `zerojax plan --params 7e9 --devices 8`, "
+                            "or give a CONFIG.")
+        if args.devices is None:
+            raise UserError("--devices is required: how many devices share the model state.")
+        inputs = {"params": parse_count(args.params), "devices": args.devices, "seq_len": args.seq or 2048,
+                  "micro_batch": args.micro_batch or 1, "precision": args.precision or "bf16",
+                  "optimizer": args.optimizer or "adamw", "shape": None, "remat": "full"}
     result = analytic.plan(
-        parse_count(args.params),
-        args.devices,
-        get_hardware(args.hardware),
-        seq_len=args.seq,
-        micro_batch=args.micro_batch,
-        precision=analytic.get_precision_bytes(args.precision),
-        optimizer=analytic.get_optimizer(args.optimizer),
+        inputs["params"],
+        inputs["devices"],
+        hardware,
+        seq_len=inputs["seq_len"],
+        micro_batch=inputs["micro_batch"],
+        precision=analytic.get_precision_bytes(inputs["precision"]),
+        optimizer=analytic.get_optimizer(inputs["optimizer"]),
+        shape=inputs["shape"],
+        remat=inputs["remat"],
         mfu=args.mfu,
     )
     if args.json:
-        print(json.dumps(analytic.plan_dict(result), indent=2))
+        out = analytic.plan_dict(result)
+        if args.config is not None:
+            out["config"] = {"path": args.config, "overrides": list(args.overrides), "remat": inputs["remat"],
+                             "model": vars(inputs["shape"]), "params_counted_with": "jax.eval_shape"}
+        print(json.dumps(out, indent=2))
     else:
-        _print_table(result)
+        _print_table(result, args.config, inputs["remat"])
     return 0
+
+
+def _from_config(args: argparse.Namespace) -> dict:
+    """Plan inputs from a config: parameters counted on the abstract model, nothing allocated."""
+    import os
+
+    if not os.path.isfile(args.config):
+        raise UserError(f"config file {args.config!r} does not exist; give an existing YAML config, "
+                        "or plan with --params N --devices P.")
+    from zerojax.accounting.analytic import GPTShape
+    from zerojax.config import load_config
+    from zerojax.experiment import model_config
+
+    c = load_config(args.config, args.overrides)
+    gpt = model_config(c)
+    replicas = c.mesh.data * c.mesh.tensor
+    if args.devices is not None:
+        if args.devices % replicas:
+            raise UserError(f"--devices {args.devices} is not divisible by mesh.data x mesh.tensor = {replicas}.")
+        fsdp = args.devices // replicas
+    elif c.mesh.fsdp is not None:
+        fsdp = c.mesh.fsdp
+    else:
+        raise UserError(f"--devices is required: {args.config} leaves mesh.fsdp to the device count.")
+    dp = c.mesh.data * fsdp
+    seq = args.seq or gpt.seq_len
+    return {
+        "params": float(count_params(gpt)),
+        "devices": fsdp,
+        "seq_len": seq,
+        "micro_batch": args.micro_batch or max(1, c.train.batch_size // dp),
+        "precision": args.precision or c.precision,
+        "optimizer": args.optimizer or c.optimizer.name,
+        "shape": GPTShape.of(gpt),
+        "remat": gpt.remat,
+    }
+
+
+def count_params(gpt) -> int:
+    """Parameters of the shipped GPT with this config, counted on `jax.eval_shape` of its init."""
+    import functools
+    import math
+
+    import jax
+    import jax.numpy as jnp
+
+    from zerojax.adapt import functional, param_shapes
+    from zerojax.models.gpt import GPT
+
+    inputs = jax.ShapeDtypeStruct((1, gpt.seq_len), jnp.int32)
+    shapes = param_shapes(functional(functools.partial(GPT, gpt)), jax.random.key(0), inputs)
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
 
 
 def _gb(x: float) -> str:
@@ -80,21 +154,26 @@ def _time(s: float) -> str:
     return f"{s * 1e3:,.1f} ms" if s < 10 else f"{s:,.1f} s"
 
 
-def _print_table(p) -> None:
+def _print_table(p, config: str | None = None, remat: str = "full") -> None:
     from rich.console import Console
     from rich.table import Table
 
     hw = p.hardware
     console = Console(width=None if Console().is_terminal else 120)
+    source = f" ({config}: {p.shape.n_layers} layers, d_model {p.shape.d_model})" if config and p.shape else ""
+    act = p.stages[0].activation_bytes
+    activations = ("Activations not included." if act is None else
+                   f"'fits' includes {_gb(act)} GB of activations (remat={remat}), not in 'state GB'.")
     table = Table(
         title=(
-            f"ZeRO plan: {p.params / 1e9:g}B params on {p.devices} x {hw.name} "
+            f"ZeRO plan: {p.params / 1e9:g}B params{source} on {p.devices} x {hw.name} "
             f"({hw.hbm_bytes / 1e9:.0f} GB, {hw.peak_flops / 1e12:.0f} TFLOP/s, "
             f"{hw.link_bytes_per_s / 1e9:.0f} GB/s per direction), {p.precision.name} + {p.optimizer.name}"
         ),
         caption=(
-            f"GB = 1e9 bytes per device; traffic per step; {p.micro_batch} x {p.seq_len} tokens per "
-            f"device per step at {p.mfu:g} x peak. Activations not included."
+            f"GB = 1e9 bytes per device; state is the textbook model state (params, master, optimizer, "
+            f"grads); traffic per step; {p.micro_batch} x {p.seq_len} tokens per device per step at "
+            f"{p.mfu:g} x peak. {activations}"
         ),
     )
     for col in ("stage", "params", "master", "optim", "grads", "state GB", "gather GB",
