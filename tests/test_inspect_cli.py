@@ -1,0 +1,82 @@
+"""`zerojax inspect`: each parameter's spec per state group, bytes per device, replicated and padded leaves."""
+
+import json
+
+import pytest
+
+from tests.cli_helpers import assert_one_line_error, run_cli
+from zerojax.accounting import analytic as A
+
+TINY = "configs/tiny.yaml"
+PSI = 115008  # the tiny GPT
+
+
+def _inspect(*args) -> dict:
+    r = run_cli("inspect", TINY, "--json", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)
+
+
+@pytest.fixture(scope="module")
+def three_devices():
+    # 3 divides no dimension of the tiny GPT: big leaves are padded, the small norms replicated.
+    return _inspect("--devices", "3", "--set", "train.batch_size=12", "--stage", "3")
+
+
+def test_uneven_leaves_are_padded_or_replicated_with_the_reason(three_devices):
+    leaves = {l["path"]: l for l in three_devices["leaves"]}
+    assert three_devices["params"] == PSI and three_devices["fsdp"] == 3
+    norm = leaves["final_norm"]
+    assert norm["status"] == "replicated" and "256 bytes" in norm["reason"] and "divisible by 3" in norm["reason"]
+    assert norm["spec"]["master"] == "()" and norm["bytes_per_device"]["master"] == 64 * 4
+    embed = leaves["embed"]
+    assert embed["status"] == "padded" and embed["stored_shape"] == [258, 64]
+    assert embed["reason"] == "padded axis 0 from 256 to 258"
+    assert embed["spec"]["master"] == "('fsdp',)" and embed["spec"]["optimizer"] == "('fsdp',)"
+    assert embed["bytes_per_device"]["master"] == 258 * 64 // 3 * 4
+    assert embed["bytes_per_device"]["optimizer"] == 2 * 258 * 64 // 3 * 4  # Adam's two moments
+    wq = leaves["blocks/wq"]  # the layer axis is never split
+    assert wq["stored_shape"] == [2, 66, 64] and wq["spec"]["master"] == "(None, 'fsdp')"
+    statuses = [l["status"] for l in three_devices["leaves"]]
+    assert statuses.count("replicated") == 3 and statuses.count("padded") == 9
+
+
+def test_totals_add_up(three_devices):
+    t = three_devices["persistent_bytes_per_device"]
+    per_leaf = sum(l["bytes_per_device"]["total"] for l in three_devices["leaves"])
+    assert t["total"] == per_leaf + t["other_state"]
+    assert t["compute"] == 0  # fp32 at stage 3: the master is the compute copy
+
+
+def test_bf16_stage_1_specs_per_group_and_total():
+    out = _inspect("--devices", "8", "--stage", "1", "--set", "precision=bf16")
+    assert out["groups_sharded"] == {"compute": False, "master": True, "optimizer": True, "grads": False}
+    for leaf in out["leaves"]:  # every tiny leaf divides by 8
+        assert leaf["status"] == "sharded"
+        assert leaf["spec"]["compute"] == "()" and leaf["spec"]["grads"] == "()"
+        assert "fsdp" in leaf["spec"]["master"] and leaf["spec"]["optimizer"] == leaf["spec"]["master"]
+    kept = A.kept_state_bytes(PSI, 8, 1, A.PRECISIONS["bf16"], A.OPTIMIZERS["adamw"])
+    total = out["persistent_bytes_per_device"]
+    assert total["compute"] == kept["compute_params"] == 2 * PSI
+    assert total["total"] == pytest.approx(kept["total"], rel=0.001)
+
+
+def test_table_lists_replicated_and_padded_leaves(three_devices, capsys):
+    from zerojax.commands.inspect import print_report
+
+    print_report(three_devices)
+    out = capsys.readouterr().out
+    assert "replicated leaves: 3 (blocks/attn_norm, blocks/mlp_norm, final_norm)" in out
+    assert "padded leaves: 9" in out and "padded axis" in out  # the reason column
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--stage", "7"], ["--stage", "0, 1, 2 or 3"]),
+    (["--set", "precision=fp8"], ["precision", "fp8"]),
+])
+def test_bad_arguments_exit_2_with_one_line(args, needles):
+    assert_one_line_error(run_cli("inspect", TINY, *args), *needles)
+
+
+def test_missing_config_is_one_line():
+    assert_one_line_error(run_cli("inspect", "configs/none.yaml"), "configs/none.yaml")

@@ -1,0 +1,154 @@
+"""`zerojax inspect CONFIG [--stage S] [--devices N] [--set KEY=VALUE]... [--json]`: every parameter's
+shape, its PartitionSpec in each state group, the bytes one device keeps of it, and which leaves are
+replicated or padded, and why. Built from the trainer's abstract state: nothing is allocated."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+from zerojax.errors import UserError
+
+GROUPS = ("compute", "master", "optimizer", "grads")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("inspect", help="per-parameter layout of each state group, bytes per device")
+    p.add_argument("config", help="YAML experiment config, e.g. configs/tiny.yaml")
+    p.add_argument("--stage", type=int, default=None, help="ZeRO stage to lay out (default: the config's)")
+    p.add_argument("--devices", type=int, default=None, help="simulate N CPU devices (keeps other XLA_FLAGS)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key (repeatable)")
+    p.add_argument("--json", action="store_true", help="print the layout as JSON")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from zerojax.config import load_config
+    from zerojax.mesh import simulate_cpu_devices
+
+    overrides = list(args.overrides)
+    if args.stage is not None:
+        if args.stage not in (0, 1, 2, 3):
+            raise UserError(f"--stage must be 0, 1, 2 or 3, got {args.stage}.")
+        overrides.append(f"zero.stage={args.stage}")
+    config = load_config(args.config, overrides)  # before JAX starts: bad input fails fast
+    if args.devices is not None:
+        simulate_cpu_devices(args.devices)
+    report = layout_report(config)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report)
+    return 0
+
+
+def _spec(sharding) -> str:
+    return str(tuple(sharding.spec)) if len(sharding.spec) else "()"
+
+
+def _shard_bytes(sds) -> int:
+    return math.prod(sds.sharding.shard_shape(sds.shape)) * sds.dtype.itemsize
+
+
+def layout_report(c) -> dict:
+    """The layout `Trainer.init` would build for config `c`, as plain JSON-ready values."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    from zerojax.experiment import build_experiment
+    from zerojax.stages import LeafLayout, path_str
+
+    exp = build_experiment(c)
+    trainer = exp.trainer
+    rows = c.train.batch_size
+    batch = {k: jax.ShapeDtypeStruct((rows, exp.model.seq_len), jnp.int32) for k in ("inputs", "targets")}
+    state = trainer.abstract_state(jax.random.key(c.train.seed), batch)
+    layout = trainer.layout
+    prec = layout.precision
+    compute_dtype = jnp.dtype(prec.compute_dtype)
+
+    # Optimizer leaves belong to the parameter whose path ends theirs (Adam's mu/..., nu/...).
+    by_param: dict[str, list] = {}
+    other = []
+    params = {path_str(p): l for p, l in jax.tree_util.tree_flatten_with_path(
+        layout.leaves, is_leaf=lambda x: isinstance(x, LeafLayout))[0]}
+    for p, sds in jax.tree_util.tree_flatten_with_path(state["opt_state"])[0]:
+        name = path_str(p)
+        owner = next((k for k in params if name == k or name.endswith("/" + k)), None)
+        if owner is not None and sds.shape:
+            by_param.setdefault(owner, []).append(sds)
+        else:
+            other.append({"path": name, "shape": list(sds.shape), "dtype": str(sds.dtype),
+                          "spec": _spec(sds.sharding), "bytes_per_device": _shard_bytes(sds)})
+    master = {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(state["params"])[0]}
+
+    leaves = []
+    for name, l in params.items():
+        m = master[name]
+        opt = by_param.get(name, [])
+        if layout.keeps_compute_copy:
+            compute_spec, compute_bytes, compute_note = "()", math.prod(l.shape) * compute_dtype.itemsize, "kept"
+        elif layout.compute_sharded and prec.separate_compute_copy:
+            compute_spec, compute_bytes, compute_note = _spec(m.sharding), 0, "cast from the shard and gathered per use"
+        else:
+            compute_spec, compute_bytes, compute_note = _spec(m.sharding), 0, "the master itself (fp32)"
+        grads = NamedSharding(layout.mesh, l.spec(layout.grads_sharded))
+        status = "replicated" if l.axis is None else ("padded" if l.padded else "sharded")
+        leaves.append({
+            "path": name, "shape": list(l.shape), "stored_shape": list(m.shape), "status": status,
+            "reason": l.reason,
+            "spec": {"compute": compute_spec, "master": _spec(m.sharding),
+                     "optimizer": _spec(opt[0].sharding) if opt else "-", "grads": _spec(grads)},
+            "compute_note": compute_note,
+            "bytes_per_device": {"compute": compute_bytes, "master": _shard_bytes(m),
+                                 "optimizer": sum(_shard_bytes(s) for s in opt)},
+        })
+    for leaf in leaves:
+        leaf["bytes_per_device"]["total"] = sum(leaf["bytes_per_device"].values())
+    totals = {g: sum(leaf["bytes_per_device"][g] for leaf in leaves) for g in ("compute", "master", "optimizer")}
+    totals["other_state"] = sum(o["bytes_per_device"] for o in other) + _shard_bytes(state["step"])
+    totals["total"] = sum(totals.values())
+    return {
+        "config": c.to_dict()["model"], "stage": layout.stage.index, "precision": prec.name,
+        "engine": trainer.engine, "mesh": {k: int(v) for k, v in layout.mesh.shape.items()},
+        "fsdp": layout.fsdp_size, "params": sum(math.prod(l.shape) for l in params.values()),
+        "groups_sharded": {"compute": layout.compute_sharded, "master": layout.master_sharded,
+                           "optimizer": layout.optimizer_sharded, "grads": layout.grads_sharded},
+        "leaves": leaves, "other_state": other, "persistent_bytes_per_device": totals,
+    }
+
+
+def print_report(r: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from zerojax.accounting.measure import human_bytes as b
+
+    sharded = ", ".join(g for g, on in r["groups_sharded"].items() if on) or "nothing"
+    table = Table(
+        title=f"zerojax inspect: stage {r['stage']}, {r['precision']}, {r['params']:,} params, fsdp={r['fsdp']} "
+              f"(mesh {r['mesh']}); sharded groups: {sharded}",
+        caption="PartitionSpec per group; bytes = what one device keeps between steps (compute copy + fp32 master "
+                "+ optimizer state). Gradients live only inside the step.",
+    )
+    for col in ("parameter", "shape", "stored", "compute", "master", "optimizer", "grads", "bytes/device", "why"):
+        table.add_column(col, justify="right" if col == "bytes/device" else "left")
+    for leaf in r["leaves"]:
+        s = leaf["spec"]
+        stored = "" if leaf["stored_shape"] == leaf["shape"] else str(tuple(leaf["stored_shape"]))
+        why = leaf["reason"] if leaf["status"] != "sharded" else ""
+        table.add_row(leaf["path"], str(tuple(leaf["shape"])), stored, s["compute"], s["master"], s["optimizer"],
+                      s["grads"], b(leaf["bytes_per_device"]["total"]),
+                      f"[yellow]{why}[/yellow]" if why else "")
+    console = Console(width=None if Console().is_terminal else 160)
+    console.print(table)
+    t = r["persistent_bytes_per_device"]
+    replicated = [l["path"] for l in r["leaves"] if l["status"] == "replicated"]
+    padded = [l["path"] for l in r["leaves"] if l["status"] == "padded"]
+    console.print(f"per device: compute {b(t['compute'])}, master {b(t['master'])}, optimizer {b(t['optimizer'])}, "
+                  f"other {b(t['other_state'])}; total {b(t['total'])}")
+    console.print(f"replicated leaves: {len(replicated)}" + (f" ({', '.join(replicated)})" if replicated else ""))
+    console.print(f"padded leaves: {len(padded)}" + (f" ({', '.join(padded)})" if padded else ""))
