@@ -477,7 +477,9 @@ def plan_dict(p: Plan) -> dict:
         "stages": [
             {
                 "stage": r.stage,
-                "persistent_bytes_per_device": r.memory["total"],
+                "persistent_bytes_per_device": r.memory["total"],  # textbook model state, grads included
+                "kept_bytes_per_device": kept_state_bytes(p.params, p.devices, r.stage, p.precision,
+                                                          p.optimizer)["total"],  # what zerojax keeps
                 "persistent_bytes_by_group": {g: r.memory[g] for g in GROUPS},
                 "activation_bytes_per_device": r.activation_bytes,
                 "param_allgather_bytes_per_device_per_step": r.traffic["param_allgather"],

@@ -158,12 +158,14 @@ def _print_table(p, config: str | None = None, remat: str = "full") -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from zerojax.accounting import analytic
+
     hw = p.hardware
-    console = Console(width=None if Console().is_terminal else 120)
+    console = Console(width=None if Console().is_terminal else 140)
     source = f" ({config}: {p.shape.n_layers} layers, d_model {p.shape.d_model})" if config and p.shape else ""
     act = p.stages[0].activation_bytes
     activations = ("Activations not included." if act is None else
-                   f"'fits' includes {_gb(act)} GB of activations (remat={remat}), not in 'state GB'.")
+                   f"'fits' includes {_gb(act)} GB of activations (remat={remat}), not in the state columns.")
     table = Table(
         title=(
             f"ZeRO plan: {p.params / 1e9:g}B params{source} on {p.devices} x {hw.name} "
@@ -171,19 +173,22 @@ def _print_table(p, config: str | None = None, remat: str = "full") -> None:
             f"{hw.link_bytes_per_s / 1e9:.0f} GB/s per direction), {p.precision.name} + {p.optimizer.name}"
         ),
         caption=(
-            f"GB = 1e9 bytes per device; state is the textbook model state (params, master, optimizer, "
-            f"grads); traffic per step; {p.micro_batch} x {p.seq_len} tokens per device per step at "
+            f"GB = 1e9 bytes per device. model state: the textbook ZeRO accounting (compute params, fp32 "
+            f"master, optimizer, gradients); kept: what zerojax keeps between steps (no gradients; stage 3 "
+            f"casts each fp32 shard when it gathers it, so no bf16 copy). Traffic per step; {p.micro_batch} x {p.seq_len} tokens per device per step at "
             f"{p.mfu:g} x peak. {activations}"
         ),
     )
-    for col in ("stage", "params", "master", "optim", "grads", "state GB", "gather GB",
+    for col in ("stage", "params", "master", "optim", "grads", "model state GB", "kept GB", "gather GB",
                 "reduce GB", "compute", "comm", "fits", "bound"):
         table.add_column(col, justify="left" if col in ("fits", "bound") else "right")
     for r in p.stages:
         m = r.memory
         table.add_row(
             str(r.stage), _gb(m["compute_params"]), _gb(m["master"]), _gb(m["optimizer"]),
-            _gb(m["grads"]), _gb(m["total"]), _gb(r.traffic["param_allgather"]),
+            _gb(m["grads"]), _gb(m["total"]),
+            _gb(analytic.kept_state_bytes(p.params, p.devices, r.stage, p.precision, p.optimizer)["total"]),
+            _gb(r.traffic["param_allgather"]),
             _gb(r.traffic["grad_reduce"]), _time(r.time.compute_s), _time(r.time.comm_s),
             "yes" if r.fits else "[red]no[/red]", r.time.bound,
         )
