@@ -136,7 +136,7 @@ class _LayerHook:
         """
         fetch = lambda shards: self(jax.lax.stop_gradient(shards))  # noqa: E731
         n = jax.tree.leaves(stacked)[0].shape[0]
-        take = lambda i: jax.tree.map(lambda a: a[i], stacked)  # noqa: E731
+        take = lambda i: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), stacked)  # noqa: E731
         gathered = fetch(take(0))
         # custom_vjp may not close over traced values (the model's rotary tables): make them args.
         layer, consts = jax.closure_convert(layer, x, gathered)
@@ -156,16 +156,14 @@ class _LayerHook:
 
         run.defvjp(run_fwd, run_bwd)
 
-        def body(carry, xs):
-            x, gathered = carry
-            shards, next_shards = xs
-            next_gathered = fetch(next_shards)  # no dependence on this iteration's layer
-            return (run(x, gathered, shards, consts), next_gathered), None
+        def body(carry, shards):
+            x, gathered, i = carry
+            # Layer i+1's gather does not depend on layer i's compute; after the last layer, none.
+            next_gathered = jax.lax.cond(i + 1 < n, lambda: fetch(take(i + 1)), lambda: gathered)
+            return (run(x, gathered, shards, consts), next_gathered, i + 1), None
 
-        if n > 1:
-            xs = (jax.tree.map(lambda a: a[:-1], stacked), jax.tree.map(lambda a: a[1:], stacked))
-            (x, gathered), _ = jax.lax.scan(body, (x, gathered), xs)
-        return run(x, gathered, take(n - 1), consts)
+        (x, _, _), _ = jax.lax.scan(body, (x, gathered, 0), stacked)
+        return x
 
 
 def build_step(layout: StateLayout, model, static, loss_fn, tx, *, prefetch: bool = False, wrap="auto",
