@@ -106,8 +106,9 @@ def test_gspmd_stage_3_moves_at_least_the_ideal():
     assert _measured("tiny", 3, "gspmd")[0].collective_ratio >= 0.9
 
 
-@pytest.mark.xfail(strict=True, reason="GSPMD partitions stage 3's matmuls over the sharded weight dimension and "
-                                       "all-reduces activations instead of gathering the weights (see compare)")
+@pytest.mark.xfail(strict=True, reason="at stage 3 XLA's partitioner gathers the batch's activations and partitions "
+                                       "the matmuls over the sharded weights (tensor parallelism) instead of "
+                                       "gathering the weights: see experiments/results/traffic_by_stage.md")
 def test_gspmd_stage_3_reaches_fsdp_traffic():
     assert _measured("tiny", 3, "gspmd")[0].collective_ratio <= 1.1
 

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     rows, params, devices = [], None, None
     for engine in engines:
         for stage in stages:
-            row, params, devices = _run_one(load_config(args.config, _overrides(args, stage, engine)), args.steps)
+            row, params, devices = run_row(load_config(args.config, _overrides(args, stage, engine)), args.steps)
             rows.append(row)
     _add_loss_differences(rows)
     result = {"config": args.config, "overrides": list(args.overrides), "steps": args.steps, "params": params,
@@ -85,15 +85,16 @@ def _overrides(args, stage: int, engine: str) -> list[str]:
     return [*args.overrides, f"zero.stage={stage}", f"zero.engine={engine}", f"train.steps={args.steps}"]
 
 
-def _run_one(c, steps: int) -> tuple[dict, int, int]:
-    """One stage x engine: init, one compile (measured), `steps` steps on the config's data."""
+def run_row(c, steps: int, devices=None) -> tuple[dict, int, int]:
+    """One stage x engine: init, one compile (measured), `steps` steps on the config's data.
+    Returns (row, parameters, devices); `devices` (default all) are those the mesh is built over."""
     import jax
 
     from zerojax.accounting import measure
     from zerojax.accounting.analytic import GPTShape
     from zerojax.experiment import build_experiment
 
-    exp = build_experiment(c)
+    exp = build_experiment(c, devices=devices)
     trainer, gpt = exp.trainer, exp.model
     sharding = trainer.batch_sharding
     first = exp.train_data.global_batch(0, sharding)
