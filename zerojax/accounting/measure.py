@@ -175,8 +175,13 @@ def measure_step(trainer, state, batch, *, optimizer: str = "adamw", shape: anal
                  seq_len: int = 0, remat: str = "full", dump_dir: str | None = None):
     """(Measurement, the compiled step). The compiled step runs as `compiled(state, sharded_batch)`:
     one compile serves the memory analysis, the collective count and training."""
-    with tempfile.TemporaryDirectory(prefix="zerojax-hlo-") as tmp:
-        compiled, text = compile_partitioned(lower_step(trainer, state, batch), dump_dir or tmp)
+    lowered = lower_step(trainer, state, batch)
+    if trainer.mesh.devices.size == 1:  # XLA skips SPMD partitioning: there is nothing to dump or move
+        compiled = lowered.compile()
+        text = compiled.as_text()
+    else:
+        with tempfile.TemporaryDirectory(prefix="zerojax-hlo-") as tmp:
+            compiled, text = compile_partitioned(lowered, dump_dir or tmp)
     counted = collective_bytes(text)
     final = collective_bytes(compiled.as_text())
     ma = compiled.memory_analysis()

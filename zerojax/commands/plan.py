@@ -70,7 +70,7 @@ def _run(args: argparse.Namespace) -> int:
             raise UserError("--devices is required: how many devices share the model state.")
         inputs = {"params": parse_count(args.params), "devices": args.devices, "seq_len": args.seq or 2048,
                   "micro_batch": args.micro_batch or 1, "precision": args.precision or "bf16",
-                  "optimizer": args.optimizer or "adamw", "shape": None, "remat": "full"}
+                  "optimizer": args.optimizer or "adamw", "shape": None, "remat": "full", "replicas": 1}
     result = analytic.plan(
         inputs["params"],
         inputs["devices"],
@@ -87,10 +87,11 @@ def _run(args: argparse.Namespace) -> int:
         out = analytic.plan_dict(result)
         if args.config is not None:
             out["config"] = {"path": args.config, "overrides": list(args.overrides), "remat": inputs["remat"],
+                             "replicas": inputs["replicas"],
                              "model": vars(inputs["shape"]), "params_counted_with": "jax.eval_shape"}
         print(json.dumps(out, indent=2))
     else:
-        _print_table(result, args.config, inputs["remat"])
+        _print_table(result, args.config, inputs["remat"], inputs["replicas"])
     return 0
 
 
@@ -127,6 +128,7 @@ def _from_config(args: argparse.Namespace) -> dict:
         "optimizer": args.optimizer or c.optimizer.name,
         "shape": GPTShape.of(gpt),
         "remat": gpt.remat,
+        "replicas": replicas,
     }
 
 
@@ -154,7 +156,7 @@ def _time(s: float) -> str:
     return f"{s * 1e3:,.1f} ms" if s < 10 else f"{s:,.1f} s"
 
 
-def _print_table(p, config: str | None = None, remat: str = "full") -> None:
+def _print_table(p, config: str | None = None, remat: str = "full", replicas: int = 1) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -168,7 +170,8 @@ def _print_table(p, config: str | None = None, remat: str = "full") -> None:
                    f"'fits' includes {_gb(act)} GB of activations (remat={remat}), not in the state columns.")
     table = Table(
         title=(
-            f"ZeRO plan: {p.params / 1e9:g}B params{source} on {p.devices} x {hw.name} "
+            f"ZeRO plan: {p.params / 1e9:g}B params{source} on {p.devices * replicas} x {hw.name}"
+            f"{f' (state sharded over {p.devices}, {replicas} replicas)' if replicas > 1 else ''} "
             f"({hw.hbm_bytes / 1e9:.0f} GB, {hw.peak_flops / 1e12:.0f} TFLOP/s, "
             f"{hw.link_bytes_per_s / 1e9:.0f} GB/s per direction), {p.precision.name} + {p.optimizer.name}"
         ),
@@ -177,6 +180,8 @@ def _print_table(p, config: str | None = None, remat: str = "full") -> None:
             f"master, optimizer, gradients); kept: what zerojax keeps between steps (no gradients; stage 3 "
             f"casts each fp32 shard when it gathers it, so no bf16 copy). Traffic per step; {p.micro_batch} x {p.seq_len} tokens per device per step at "
             f"{p.mfu:g} x peak. {activations}"
+            + (" Traffic is within one group of the sharding devices; the replicas' gradient all-reduce is not "
+               "included." if replicas > 1 else "")
         ),
     )
     for col in ("stage", "params", "master", "optim", "grads", "model state GB", "kept GB", "gather GB",
