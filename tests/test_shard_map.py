@@ -15,13 +15,8 @@ import pytest
 
 import zerojax as zj
 from tests.models import LinenMLP, UnevenMLP, classification_batch, tiny_gpt, token_batch
-from zerojax.accounting.hlo import collective_bytes, partitioned_hlo_text
-
-try:
-    from zerojax.accounting.hlo import compile_partitioned
-except ImportError:  # an accounting module without it: compile twice
-    def compile_partitioned(lowered, dump_dir):
-        return lowered.compile(), partitioned_hlo_text(lowered, dump_dir)
+from zerojax.accounting.hlo import collective_bytes, compile_partitioned, partitioned_hlo_text
+from zerojax.engines.shard_map import gather_report
 from zerojax.models import GPT, gpt_config
 from zerojax.wrap import WrapRule, as_rule, choose_units
 
@@ -39,10 +34,6 @@ def _trainer(model, stage, engine, mesh, precision="fp32", **options):
                       engine_options=options or None)
 
 
-def _report(trainer):
-    return trainer._step_fn.__wrapped__.gather_report  # the engine's step, under jit
-
-
 @functools.lru_cache(maxsize=None)
 def _run(name, engine, stage, data=1, **options):
     """(losses over STEPS steps, gather report) for one model / engine / stage / mesh."""
@@ -53,7 +44,7 @@ def _run(name, engine, stage, data=1, **options):
     for step in range(STEPS):
         state, metrics = trainer.step(state, batches(step))
         losses.append(float(metrics["loss"]))
-    report = _report(trainer) if engine == "shard_map" else None
+    report = gather_report(trainer)
     return np.array(losses), report
 
 

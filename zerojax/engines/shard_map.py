@@ -52,6 +52,11 @@ class GatherReport:
     description: str = ""
 
 
+def gather_report(trainer) -> GatherReport | None:
+    """How a `Trainer`'s shard_map step gathers its params (None for gspmd or before `init`)."""
+    return getattr(getattr(trainer._step_fn, "__wrapped__", None), "gather_report", None)
+
+
 @dataclass(frozen=True)
 class _Reduce:
     replicas: tuple[str, ...]  # batch axes besides fsdp with size > 1: pure replicas (hybrid sharding)
