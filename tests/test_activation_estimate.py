@@ -34,8 +34,10 @@ def test_activation_estimate_within_15_percent_at_stage_0(preset, seq, batch):
 
 def _plan_with_rss(*args) -> tuple[dict, int]:
     """`zerojax plan ... --json` in a fresh process: (its JSON, its peak resident set in bytes)."""
-    code = ("import resource, sys; from zerojax.cli import main; rc = main(sys.argv[1:]); "
-            "sys.stderr.write(f'RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}\\n'); sys.exit(rc)")
+    # VmHWM, not ru_maxrss: the latter keeps the forking parent's (this test process's) peak across exec.
+    code = ("import re, sys; from zerojax.cli import main; rc = main(sys.argv[1:]); "
+            "hwm = re.search(r'VmHWM:\\s*(\\d+)', open('/proc/self/status').read()).group(1); "
+            "sys.stderr.write(f'RSS {hwm}\\n'); sys.exit(rc)")
     r = subprocess.run([sys.executable, "-c", code, "plan", *args, "--json"], cwd=REPO, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
