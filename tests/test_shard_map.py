@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import zerojax as zj
 from tests.models import LinenMLP, UnevenMLP, classification_batch, tiny_gpt, token_batch
@@ -20,6 +21,31 @@ from zerojax.engines.shard_map import gather_report
 from zerojax.models import GPT, gpt_config
 from zerojax.wrap import WrapRule, as_rule, choose_units
 
+class _Block(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.norm = nnx.LayerNorm(48, rngs=rngs)
+        self.fc1 = nnx.Linear(48, 96, rngs=rngs)
+        self.fc2 = nnx.Linear(96, 48, rngs=rngs)
+
+    def __call__(self, x, *, train: bool = True):
+        return x + self.fc2(jax.nn.gelu(self.fc1(self.norm(x))))
+
+
+class _Nested(nnx.Module):
+    """Units inside a list, units inside units, a keyword argument to a unit's call."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.inp = nnx.Linear(37, 48, rngs=rngs)
+        self.blocks = nnx.List([_Block(rngs) for _ in range(3)])
+        self.out = nnx.Linear(48, 10, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x, train=True)
+        return self.out(x)
+
+
 STEPS = 10
 RTOL = 1e-5
 MODELS = {
@@ -27,6 +53,7 @@ MODELS = {
     "uneven_nnx": (UnevenMLP, lambda step: classification_batch(0)),  # one batch: the loss must fall
     "linen": (LinenMLP(), lambda step: classification_batch(0)),
 }
+EXTRA_MODELS = {"nested_nnx": (_Nested, lambda step: classification_batch(0))}
 
 
 def _trainer(model, stage, engine, mesh, precision="fp32", **options):
@@ -37,7 +64,7 @@ def _trainer(model, stage, engine, mesh, precision="fp32", **options):
 @functools.lru_cache(maxsize=None)
 def _run(name, engine, stage, data=1, **options):
     """(losses over STEPS steps, gather report) for one model / engine / stage / mesh."""
-    model, batches = MODELS[name]
+    model, batches = {**MODELS, **EXTRA_MODELS}[name]
     trainer = _trainer(model, stage, engine, zj.make_mesh(data=data, fsdp=8 // data), **options)
     state = trainer.init(jax.random.key(0), batches(0))
     losses = []
@@ -79,6 +106,29 @@ def test_whole_model_gather_without_units_trains_the_same():
     losses, report = _run("uneven_nnx", "shard_map", 3, wrap="none")
     assert report.route == "whole"
     np.testing.assert_allclose(losses, _run("uneven_nnx", "gspmd", 0)[0], rtol=RTOL, atol=0)
+
+
+def test_nested_units_train_the_same():
+    losses, report = _run("nested_nnx", "shard_map", 3, wrap=(_Block, nnx.Linear))
+    assert report.description == "FSDP units: 8 x Linear, 3 x _Block (by class)"
+    np.testing.assert_allclose(losses, _run("nested_nnx", "gspmd", 0)[0], rtol=RTOL, atol=0)
+
+
+def _all_gathers(wrap) -> int:
+    trainer = _trainer(UnevenMLP, 3, "shard_map", zj.make_mesh(fsdp=8), wrap=wrap)
+    batch = classification_batch(0)
+    state = trainer.init(jax.random.key(0), batch)
+    hlo = partitioned_hlo_text(trainer._step_fn.lower(state, trainer.shard_batch(batch)),
+                               tempfile.mkdtemp(prefix="zerojax-hlo-"))
+    return collective_bytes(hlo)["counts"]["all-gather"]
+
+
+def test_units_gather_again_in_backward_the_whole_model_once():
+    # UnevenMLP shards its two kernels (padded); its biases are small and replicated. The output
+    # layer's backward needs its kernel (for the input gradient), so the unit gathers it again; the
+    # first layer's backward needs only its input, so its kernel is gathered once.
+    assert _all_gathers("auto") == 1 + 2
+    assert _all_gathers("none") == 1 + 1  # the whole model gathered once, kept for the backward
 
 
 @pytest.mark.parametrize("name, stage", [("gpt", 3), ("uneven_nnx", 2)])
@@ -147,12 +197,13 @@ def test_traffic_is_textbook_and_never_above_gspmd(measured, stage, units):
     assert ours["bytes"][kind] / _unit() == pytest.approx(2.0 if stage == 0 else 1.0, rel=0.02)
 
 
-def test_stage_3_scatters_each_layer_inside_the_loop(measured):
-    counts = measured["shard_map", 3]["traffic"]["counts"]
+def test_stages_2_3_scatter_each_layer_inside_the_loop(measured):
     per_layer, outside = 9, 3  # 9 stacked leaves per block; embed, head, final norm
-    assert counts["reduce-scatter"] == BIG.n_layers * per_layer + outside
-    # forward gather + backward re-gather per layer; the outside leaves once
-    assert counts["all-gather"] == 2 * BIG.n_layers * per_layer + outside
+    for stage in (2, 3):  # counts multiply a loop body's collectives by the trip count
+        assert measured["shard_map", stage]["traffic"]["counts"]["reduce-scatter"] == BIG.n_layers * per_layer + outside
+    assert measured["shard_map", 1]["traffic"]["counts"]["reduce-scatter"] == per_layer + outside  # after the loop
+    # Stage 3: forward gather + backward re-gather per layer; the outside leaves once.
+    assert measured["shard_map", 3]["traffic"]["counts"]["all-gather"] == 2 * BIG.n_layers * per_layer + outside
 
 
 def test_cpu_executed_traffic_is_reported_separately(measured):

@@ -2,8 +2,9 @@
 
 Like PyTorch FSDP's auto-wrap policy, a `WrapRule` picks submodules by class. A unit's parameters
 are gathered right before its call and (with `reshard_after_forward`, NNX only) dropped after it:
-the call runs under `jax.checkpoint`, which saves its activations but not the gathered weights, so
-the backward pass gathers them again and the gather's transpose reduce-scatters the gradient.
+the call runs under `jax.checkpoint` saving only its matmul outputs, so the backward pass gathers the
+weights again (and redoes the cheap elementwise work) and the gather's transpose reduce-scatters the
+gradient.
 Parameters outside every unit belong to the root and are gathered once, before the model runs.
 
 The default rule, `WrapRule()`, needs no configuration: every module class that is used more than
@@ -18,13 +19,15 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
-from jax.ad_checkpoint import checkpoint_name
 from flax import linen as nn
 from flax import nnx
 
 Path = tuple[str, ...]
 Materialize = Callable[[str, Any], Any]  # ("a/b/kernel", stored value) -> compute-dtype array
-_GATHERED = "fsdp_unit_gathered"  # checkpoint name of a unit's gathered weights: never saved
+# A unit's remat policy: matmul outputs are saved, anything else (the gathered weights above all) is
+# recomputed. (Saving "all but the named weights" does not work: the gather's own output, before the
+# name, would be saved.)
+_UNIT_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,7 @@ def _unit_class(cls: type, materialize: Materialize, reshard: bool) -> type:
         def run(owned_raw, dynamic_args):
             values = dict(flat)
             for p, raw in zip(owned, owned_raw):
-                values[p] = checkpoint_name(materialize(_key(prefix + p), raw), _GATHERED)
+                values[p] = materialize(_key(prefix + p), raw)
             unit = nnx.merge(graphdef, nnx.State(nnx.traversals.unflatten_mapping(values)), rest)
             call_leaves = list(leaves)
             for i, x in zip(dynamic, dynamic_args):
@@ -129,8 +132,8 @@ def _unit_class(cls: type, materialize: Materialize, reshard: bool) -> type:
             a, k = jax.tree.unflatten(treedef, call_leaves)
             return cls.__call__(unit, *a, **k)
 
-        if reshard:  # activations are saved; the gathered weights are gathered again in backward
-            run = jax.checkpoint(run, policy=jax.checkpoint_policies.save_anything_except_these_names(_GATHERED))
+        if reshard:  # the gathered weights are not kept for the backward pass: gathered again there
+            run = jax.checkpoint(run, policy=_UNIT_POLICY)
         return run([flat[p] for p in owned], [leaves[i] for i in dynamic])
 
     return type(f"FSDPUnit_{cls.__name__}", (cls,), {"__call__": __call__})
