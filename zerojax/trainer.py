@@ -88,8 +88,7 @@ class Trainer:
     def _build_functions(self) -> None:
         engine = importlib.import_module(f"zerojax.engines.{self.engine}")
         options = dict(self.engine_options)
-        if self.engine == "shard_map":  # it gathers the stacks the layout keeps whole layer by layer
-            options.setdefault("layer_stacks", self.layer_stacks)
+        options.setdefault("layer_stacks", self.layer_stacks)  # the stacks gathered layer by layer
         step = engine.build_step(self.layout, self.model, self.static, self.loss_fn, self.tx, **options)
         metrics_sharding = self.layout.replicated
         self._step_fn = jax.jit(

@@ -8,10 +8,32 @@ import jax
 from zerojax.engines.common import apply_update, compute_params, constrain
 
 
-def build_step(layout, model, static, loss_fn, tx):
+def _replicated(layout, tree):
+    return constrain(tree, jax.tree.map(lambda _: layout.replicated, tree))
+
+
+def _gather_where_used(layout, model, params, layer_stacks):
+    """Stage 3: ask for whole weights at the point of use, so XLA all-gathers weights (FSDP).
+
+    Left alone, the partitioner keeps the weights sharded and splits each matmul over them instead,
+    moving activations that grow with the batch. Stacked layers are gathered one layer at a time
+    inside the scan (through the model's layer hook); the rest, or a model without a hook, at once.
+    The gradient still comes back as an all-reduce and a slice on this backend (4 units of traffic
+    where FSDP needs 3), which is what the `shard_map` engine is for.
+    """
+    if not layout.compute_sharded:
+        return params, None
+    if not model.accepts_layer_hook:
+        return _replicated(layout, params), None
+    outside = {k: v if k in layer_stacks else _replicated(layout, v) for k, v in params.items()}
+    return outside, lambda layer: _replicated(layout, layer)
+
+
+def build_step(layout, model, static, loss_fn, tx, *, layer_stacks: tuple[str, ...] = ("blocks",)):
     def step(state, batch):
         def loss_of(params):
-            return loss_fn(model.apply(params, static, batch["inputs"]), batch)
+            params, hook = _gather_where_used(layout, model, params, layer_stacks)
+            return loss_fn(model.apply(params, static, batch["inputs"], layer_hook=hook), batch)
 
         loss, grads = jax.value_and_grad(loss_of)(compute_params(layout, state))
         # Stages 2-3 ask for sharded gradients, which XLA can meet with a reduce-scatter;
