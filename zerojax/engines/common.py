@@ -47,8 +47,9 @@ def apply_update(layout: StateLayout, tx: optax.GradientTransformation, state: d
     params = constrain(layout.to_layout(master, layout.master_sharded), layout.shardings(layout.master_sharded))
     new_state = {"params": params, "opt_state": opt_state}
     if layout.keeps_compute_copy:
-        compute = cast_tree(layout.to_layout(params, sharded=False), layout.precision.compute_dtype)
-        new_state["compute"] = constrain(compute, layout.shardings(False))
+        # Cast the shard before it is gathered, so the all-gather moves compute-dtype bytes.
+        compute = constrain(cast_tree(params, layout.precision.compute_dtype), layout.shardings(layout.master_sharded))
+        new_state["compute"] = constrain(layout.to_layout(compute, sharded=False), layout.shardings(False))
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     kept = {k: state[k] for k in new_state}
