@@ -159,5 +159,5 @@ def print_table(result: dict) -> None:
             f"{r['step_time_s'] * 1e3:,.1f} ms", f"{r['final_loss']:.4f}",
             "-" if diff is None else f"{diff:+.2e}",
         )
-    console = Console(width=None if Console().is_terminal else 160)
+    console = Console(width=None if Console().is_terminal else 240)  # a file or pipe: never wrap headers
     console.print(table)
