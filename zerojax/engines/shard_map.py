@@ -259,8 +259,9 @@ def build_step(layout: StateLayout, model, static, loss_fn, tx, *, prefetch: boo
     grads_fn = jax.shard_map(local, mesh=mesh, in_specs=(specs(stage == 3), P(BATCH_AXES)),
                              out_specs=(P(), specs(stage > 0)), check_vma=False)
 
-    # Stages 1-2 in bf16: the new compute copy is the cast master shards, all-gathered (left to XLA,
-    # the fp32 shards are gathered and then cast: twice the bytes).
+    # Stages 1-2 in bf16: the new compute copy is the cast master shards, all-gathered here. The
+    # gather apply_update leaves to XLA moves the same bytes, but the step then holds 32-41 MB more
+    # at its peak (20m GPT, 8 devices).
     gather_compute = jax.shard_map(
         lambda params: jax.tree.map(lambda l, x: reduce.cast_gather(x, l), leaves, params, is_leaf=_is_layout),
         mesh=mesh, in_specs=(specs(True),), out_specs=specs(False), check_vma=False)
