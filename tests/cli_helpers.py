@@ -24,3 +24,16 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) ->
     assert "Traceback" not in result.stderr
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])
+
+
+def dir_digest(path) -> dict:
+    """SHA-256 of every file under `path`, by relative path: proof that nothing on disk changed."""
+    import hashlib
+
+    out = {}
+    for root, _, files in os.walk(path):
+        for name in files:
+            full = os.path.join(root, name)
+            with open(full, "rb") as f:
+                out[os.path.relpath(full, path)] = hashlib.sha256(f.read()).hexdigest()
+    return out

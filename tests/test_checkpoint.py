@@ -3,7 +3,6 @@ device counts, with padding that differs between them), the fp32 export round tr
 mismatched checkpoints."""
 
 import functools
-import hashlib
 import os
 import shutil
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from zerojax.checkpoint import CheckpointWriter, export_params, restore, run_met
 from zerojax.data import BatchStream, load_corpus
 from zerojax.errors import UserError
 from zerojax.models.gpt import GPT, gpt_config
+from tests.cli_helpers import dir_digest
 
 # d_model 36 and d_ff 100 divide 4 but not 8: on 8 devices wq and w_down are stored padded, on 4
 # and 1 device not, so restoring across device counts must crop and pad.
@@ -48,16 +48,6 @@ def _logical_params(trainer, state) -> dict:
     """Host copies of the master params in their logical shapes (a test-only gather)."""
     return jax.tree.map(lambda l, x: np.asarray(x)[tuple(slice(0, s) for s in l.shape)],
                         trainer.layout.leaves, state["params"], is_leaf=lambda x: hasattr(x, "padded_shape"))
-
-
-def _dir_digest(path) -> dict:
-    out = {}
-    for root, _, files in os.walk(path):
-        for name in files:
-            full = os.path.join(root, name)
-            with open(full, "rb") as f:
-                out[os.path.relpath(full, path)] = hashlib.sha256(f.read()).hexdigest()
-    return out
 
 
 @dataclass
@@ -178,7 +168,7 @@ def test_bad_checkpoints_raise_one_sentence_and_change_nothing(sources, stream, 
     root = tmp_path / "ckpt"
     shutil.copytree(os.path.dirname(sources[0].step_dir), root)
     step_dir = str(root / str(SAVE_AT))
-    before = _dir_digest(root)
+    before = dir_digest(root)
 
     other = _trainer(0, 8, gpt_config("tiny", d_model=32, n_heads=4, d_ff=64, n_layers=1, seq_len=16))
     with pytest.raises(UserError, match=r"from another model: parameter 'blocks/attn_norm' has shape \(1, 36\) "
@@ -186,19 +176,19 @@ def test_bad_checkpoints_raise_one_sentence_and_change_nothing(sources, stream, 
         restore(other, step_dir, KEY, stream.host_batch(SAVE_AT))
     with pytest.raises(UserError, match="does not exist"):
         export_params(str(root / "missing"), str(tmp_path / "x.npz"))
-    assert _dir_digest(root) == before and not os.path.exists(tmp_path / "x.npz")
+    assert dir_digest(root) == before and not os.path.exists(tmp_path / "x.npz")
 
     # Truncated array data: tensorstore cannot read it. Every data file is cut, since which file holds
     # the params (all that export reads) depends on how the asynchronous writes were batched.
     data = root / str(SAVE_AT) / "state" / "ocdbt.process_0" / "d"
     for chunk in data.iterdir():
         chunk.write_bytes(chunk.read_bytes()[:100])
-    before = _dir_digest(root)
+    before = dir_digest(root)
     with pytest.raises(UserError, match="corrupted or truncated"):
         restore(sources[0].trainer, step_dir, KEY, stream.host_batch(SAVE_AT))
     with pytest.raises(UserError, match="corrupted or truncated"):
         export_params(str(root), str(tmp_path / "x.npz"))
-    assert _dir_digest(root) == before
+    assert dir_digest(root) == before
     assert not os.path.exists(tmp_path / "x.npz") and not os.path.exists(tmp_path / "x.npz.partial")
 
 

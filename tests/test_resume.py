@@ -3,7 +3,6 @@ save continues bit-exactly; fit-level resume continues metrics.jsonl; non-finite
 and counted, and train.max_bad_steps stops the run keeping the last good checkpoint; bad
 checkpoints exit 2 with one line and change nothing."""
 
-import hashlib
 import json
 import os
 import shutil
@@ -24,6 +23,7 @@ from zerojax.engines.common import cross_entropy
 from zerojax.errors import UserError
 from zerojax.experiment import build_experiment
 from zerojax.fit import fit
+from tests.cli_helpers import dir_digest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "tiny.yaml")
@@ -41,16 +41,6 @@ def _records(out) -> list[dict]:
         return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.endswith("\n")]
-
-
-def _digest(path) -> dict:
-    out = {}
-    for root, _, files in os.walk(path):
-        for name in files:
-            full = os.path.join(root, name)
-            with open(full, "rb") as f:
-                out[os.path.relpath(full, path)] = hashlib.sha256(f.read()).hexdigest()
-    return out
 
 
 def _train_cmd(out, *sets) -> list[str]:
@@ -160,7 +150,7 @@ def test_bad_checkpoints_exit_2_with_one_line_and_change_nothing(reference, env,
     run = tmp_path / "run"
     shutil.copytree(reference, run)
     sets = [a for s in SETS for a in ("--set", s)]
-    before = _digest(run)
+    before = dir_digest(run)
 
     # Checkpoints there, but no --resume: refuse rather than overwrite them; a different data order.
     rc, err = _main(capsys, "train", CONFIG, "--out", run, *sets)
@@ -173,28 +163,28 @@ def test_bad_checkpoints_exit_2_with_one_line_and_change_nothing(reference, env,
     # A path that does not exist.
     rc, err = _main(capsys, "export", run / "nope", tmp_path / "p.npz")
     assert rc == 2 and err == [f"error: checkpoint path {str(run / 'nope')!r} does not exist."]
-    assert _digest(run) == before
+    assert dir_digest(run) == before
 
     # Corrupted metadata of the latest checkpoint.
     meta = run / "checkpoints" / str(STEPS) / "meta" / "metadata"
     meta.write_text('{"format": 1, "step": ')
-    before = _digest(run)
+    before = dir_digest(run)
     for argv in (("train", CONFIG, "--out", run, "--resume", *sets), ("export", run, tmp_path / "p.npz")):
         rc, err = _main(capsys, *argv)
         assert rc == 2 and len(err) == 1 and "is corrupted or truncated: its metadata cannot be read" in err[0], err
-    assert _digest(run) == before
+    assert dir_digest(run) == before
 
     # Truncated array data (export runs as a real process: nothing but the one line on stderr).
     data = run / "checkpoints" / str(STEPS - 2) / "state" / "ocdbt.process_0" / "d"
     for f in data.iterdir():
         f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-    before = _digest(run)
+    before = dir_digest(run)
     done = subprocess.run([sys.executable, "-m", "zerojax.cli", "export", str(run / "checkpoints" / str(STEPS - 2)),
                            str(tmp_path / "p.npz")], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.splitlines() == [f"error: checkpoint {str(run / 'checkpoints' / str(STEPS - 2))!r} is "
                                         "corrupted or truncated: its parameters cannot be read."]
-    assert _digest(run) == before and not (tmp_path / "p.npz").exists()
+    assert dir_digest(run) == before and not (tmp_path / "p.npz").exists()
 
 
 # ---- fit: resume, non-finite steps, max_bad_steps ------------------------------------------------
