@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax.accounting.hlo import collective_bytes, partitioned_hlo_text, shape_bytes
+import pathlib
+
+from zerojax.accounting.hlo import UnknownTripCount, collective_bytes, partitioned_hlo_text, shape_bytes
 
 # --- hand-written HLO: each construct the parser must handle --------------------------------
 
@@ -106,6 +108,70 @@ def test_shape_bytes():
     assert shape_bytes("bf16[8,1024]{1,0}") == 16384
     assert shape_bytes("(f32[2,3]{1,0}, s8[4], pred[])") == 24 + 4 + 1
     assert shape_bytes("f8e4m3fn[10]") == 10 and shape_bytes("s4[6]") == 3
+
+
+# --- frozen post-partitioning HLO from each supported jax release ----------------------------
+# The gradient of a 3-layer scanned, rematerialised FSDP stack (4 devices, f32[3,16,16] weights
+# sharded 4-ways on dim 1): the forward and backward loops each gather every layer's f32[16,16]
+# (1 KiB, 3/4 of it sent), and the backward reduce-scatters each f32[4,16] gradient shard
+# (256 B, x 3). jax 0.10 reads the loop counter through get-tuple-element; jax 0.11 and 0.12 write
+# it as the operand `%param.1#0`.
+SNAPSHOTS = sorted((pathlib.Path(__file__).parent / "data" / "hlo").glob("scan_grad_jax*.txt"))
+
+
+def test_a_snapshot_from_each_supported_release_is_present():
+    names = {p.name for p in SNAPSHOTS}
+    assert {"scan_grad_jax0.10.2.txt", "scan_grad_jax0.11.2.txt", "scan_grad_jax0.12.0.1.txt"} <= names
+
+
+@pytest.mark.parametrize("path", SNAPSHOTS, ids=lambda p: p.stem)
+def test_scan_trip_counts_from_every_hlo_text_form(path):
+    got = collective_bytes(path.read_text())
+    assert got["unknown_trip_counts"] == 0
+    assert got["counts"]["all-gather"] == 6 and got["bytes"]["all-gather"] == 6 * 1024 * 3 / 4
+    assert got["counts"]["reduce-scatter"] == 3 and got["bytes"]["reduce-scatter"] == 3 * 256 * 3
+    assert got["total"] == 6 * 768 + 3 * 768
+
+
+UNREADABLE_LOOP = """HloModule m, num_partitions=4
+
+%body (p: (s32[], f32[16])) -> (s32[], f32[16]) {
+  %p = (s32[], f32[16]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[16]{0} get-tuple-element(%p), index=1
+  %ag = f32[16]{0} all-gather(%x), channel_id=1, replica_groups=[1,4]<=[4], dimensions={0}
+  %two = s32[] constant(2)
+  %j = s32[] multiply(%i, %two)
+  ROOT %t = (s32[], f32[16]{0}) tuple(%j, %ag)
+}
+
+%cond (p: (s32[], f32[16])) -> pred[] {
+  %p = (s32[], f32[16]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(100)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (x: f32[16]) -> (s32[], f32[16]) {
+  %x = f32[16]{0} parameter(0)
+  %one = s32[] constant(1)
+  %init = (s32[], f32[16]{0}) tuple(%one, %x)
+  ROOT %w = (s32[], f32[16]{0}) while(%init), condition=%cond, body=%body
+}
+"""
+
+
+def test_a_collective_in_a_loop_of_unknown_trip_count_is_refused_not_undercounted():
+    with pytest.raises(UnknownTripCount, match="all-gather %ag in %body"):
+        collective_bytes(UNREADABLE_LOOP)
+    lower_bound = collective_bytes(UNREADABLE_LOOP, allow_unknown_trips=True)
+    assert lower_bound["unknown_trip_counts"] == 1 and lower_bound["total"] == 64 * 3 / 4
+
+
+def test_a_loop_of_unknown_trip_count_without_collectives_is_fine():
+    quiet = UNREADABLE_LOOP.replace("all-gather(%x), channel_id=1, replica_groups=[1,4]<=[4], dimensions={0}",
+                                    "negate(%x)")
+    assert collective_bytes(quiet)["total"] == 0
 
 
 # --- real programs: the post-partitioning HLO of jitted functions ---------------------------

@@ -141,7 +141,12 @@ def _constant(comp: _Computation, name: str) -> int | None:
 
 
 def _tuple_index(comp: _Computation, name: str) -> int | None:
-    """k when `name` is get-tuple-element(parameter), index=k."""
+    """k when `name` reads element k of a parameter tuple: `get-tuple-element(%p), index=k`, or,
+    in the HLO text newer XLA prints (jax >= 0.12), the operand `%p#k` itself."""
+    if "#" in name:
+        base, k = name.rsplit("#", 1)
+        src = comp.instructions.get(base)
+        return int(k) if k.isdigit() and src is not None and src.opcode == "parameter" else None
     instr = comp.instructions.get(name)
     if instr is None or instr.opcode != "get-tuple-element":
         return None
@@ -189,38 +194,38 @@ def _attr(attrs: str, key: str) -> str | None:
     return m.group(1) if m else None
 
 
-def _multipliers(comps: dict[str, _Computation]) -> tuple[dict[str, int], int]:
-    """How many times each computation runs per execution of the entry, and the number of while
-    loops whose trip count could not be read (counted as 1)."""
-    callers: dict[str, list[tuple[str, int]]] = {name: [] for name in comps}
-    unknown = 0
+def _multipliers(comps: dict[str, _Computation]) -> tuple[dict[str, int], list[str]]:
+    """How many times each computation runs per execution of the entry, and the computations that
+    run inside a while loop whose trip count could not be read (their multiplier is a lower bound)."""
+    callers: dict[str, list[tuple[str, int, bool]]] = {name: [] for name in comps}
     for comp in comps.values():
         for instr in comp.instructions.values():
             # async-done / -update name the same computation as their async-start: count it once.
             if instr.opcode.endswith(("-done", "-update")):
                 continue
-            factor = 1
+            factor, known = 1, True
             if instr.opcode == "while":
                 trips = _trip_count(instr, comp, comps)
-                unknown += trips is None
-                factor = 1 if trips is None else trips
+                factor, known = (1, False) if trips is None else (trips, True)
             # Conditional branches count as if each ran: an upper bound.
             names = [n for _, n in _CALLEE.findall(instr.attrs)]
             for group in _CALLEE_LIST.findall(instr.attrs):
                 names += [n.strip().lstrip("%") for n in group.split(",") if n.strip()]
             for callee in names:
                 if callee in callers:
-                    callers[callee].append((comp.name, factor))
+                    callers[callee].append((comp.name, factor, known))
     entries = [c.name for c in comps.values() if c.entry] or [n for n, cs in callers.items() if not cs]
-    memo: dict[str, int] = {n: 1 for n in entries}
+    memo: dict[str, tuple[int, bool]] = {n: (1, True) for n in entries}
 
-    def mult(name: str) -> int:
+    def mult(name: str) -> tuple[int, bool]:
         if name not in memo:
-            memo[name] = 0  # guards against a malformed cyclic graph
-            memo[name] = sum(mult(caller) * f for caller, f in callers[name])
+            memo[name] = (0, True)  # guards against a malformed cyclic graph
+            runs = [(mult(c), f, k) for c, f, k in callers[name]]
+            memo[name] = (sum(m * f for (m, _), f, _ in runs), all(ok and k for (_, ok), _, k in runs))
         return memo[name]
 
-    return {name: mult(name) for name in comps}, unknown
+    results = {name: mult(name) for name in comps}
+    return {n: m for n, (m, _) in results.items()}, [n for n, (_, ok) in results.items() if not ok]
 
 
 def _group_size(attrs: str, devices: int) -> int:
@@ -260,20 +265,36 @@ def _moved_bytes(instr: _Instruction, devices: int) -> tuple[str, float] | None:
     return opcode, result * factor
 
 
-def collective_bytes(hlo_text: str) -> dict:
+class UnknownTripCount(ValueError):
+    """A collective runs inside a while loop whose trip count the counter cannot read."""
+
+
+def collective_bytes(hlo_text: str, *, allow_unknown_trips: bool = False) -> dict:
     """{"bytes": {kind: per-device bytes}, "counts": {kind: executions}, "total": bytes,
-    "unknown_trip_counts": while loops counted once because their trip count was unreadable}."""
+    "unknown_trip_counts": collectives inside loops of unreadable trip count}.
+
+    Such a collective would be counted once instead of once per iteration, so by default this
+    raises `UnknownTripCount` rather than report a total that silently under-counts;
+    `allow_unknown_trips=True` returns the lower bound instead."""
     comps, devices = _parse(hlo_text)
-    mults, unknown = _multipliers(comps)
+    mults, uncertain = _multipliers(comps)
     moved = {k: 0.0 for k in KINDS}
     counts = {k: 0 for k in KINDS}
+    unknown = []
     for comp in comps.values():
         for instr in comp.instructions.values():
             hit = _moved_bytes(instr, devices)
             if hit and mults[comp.name]:
                 moved[hit[0]] += hit[1] * mults[comp.name]
                 counts[hit[0]] += mults[comp.name]
-    return {"bytes": moved, "counts": counts, "total": sum(moved.values()), "unknown_trip_counts": unknown}
+                if comp.name in uncertain:
+                    unknown.append(f"{instr.opcode} %{instr.name} in %{comp.name}")
+    if unknown and not allow_unknown_trips:
+        raise UnknownTripCount(
+            f"cannot count collective bytes: {len(unknown)} collective(s) run inside a while loop whose "
+            f"trip count this HLO text does not show in a form the counter reads ({'; '.join(unknown[:3])})"
+        )
+    return {"bytes": moved, "counts": counts, "total": sum(moved.values()), "unknown_trip_counts": len(unknown)}
 
 
 def partitioned_hlo_text(lowered, dump_dir: str) -> str:
