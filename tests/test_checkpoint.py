@@ -192,13 +192,67 @@ def test_bad_checkpoints_raise_one_sentence_and_change_nothing(sources, stream, 
     assert not os.path.exists(tmp_path / "x.npz") and not os.path.exists(tmp_path / "x.npz.partial")
 
 
-def test_flipped_bit_is_caught_by_the_checksums(sources, stream, tmp_path):
-    root = tmp_path / "ckpt"
-    shutil.copytree(os.path.dirname(sources[3].step_dir), root)
-    data = root / str(SAVE_AT) / "state" / "ocdbt.process_0" / "d"
-    largest = max(data.iterdir(), key=lambda p: p.stat().st_size)
-    raw = bytearray(largest.read_bytes())
-    raw[len(raw) // 2] ^= 0x10
-    largest.write_bytes(bytes(raw))
-    with pytest.raises(UserError, match="does not match its checksum"):
-        restore(sources[3].trainer, str(root / str(SAVE_AT)), KEY, stream.host_batch(SAVE_AT))
+def _stored_chunks(step_dir: str) -> list[tuple[str, str, int, int]]:
+    """(key, data file, offset, length) of every array chunk the checkpoint's own OCDBT index (the
+    one restore reads) stores outside its tree nodes, newest version."""
+    import tensorstore as ts
+
+    state = os.path.join(step_dir, "state")
+    base = ts.KvStore.open(f"file://{state}/").result()
+    version = ts.ocdbt.dump(base).result()["versions"][-1]
+    nodes, chunks = [version["root"]["location"]], []
+    while nodes:
+        node = ts.ocdbt.dump(base, nodes.pop()).result()
+        for entry in node["entries"]:
+            if "node" in entry:  # an interior node of a taller tree
+                nodes.append(entry["node"]["location"])
+            elif "indirect_value" in entry:
+                # value:<dir>/:<file>:<offset>:<length>, relative to the state folder
+                _, where, file, offset, length = entry["indirect_value"].split(":")
+                chunks.append((entry["key"].decode(), os.path.join(state, where, file), int(offset), int(length)))
+    return chunks
+
+
+def _damaged_copy(step_dir: str, root) -> str:
+    shutil.copytree(os.path.dirname(step_dir), root)
+    return str(root / str(SAVE_AT))
+
+
+def test_every_stored_chunk_flipped_is_refused(sources, stream, tmp_path):
+    """A bit flipped in the middle of any stored chunk: the chunk either fails to decode or restores
+    to other values, which its leaf's checksum refuses. Never a silent restore."""
+    chunks = _stored_chunks(sources[3].step_dir)
+    per_leaf = {}
+    for key, file, offset, length in chunks:  # the largest chunk of each leaf keeps the test short
+        leaf = key.rsplit("/", 1)[0]
+        if length > per_leaf.get(leaf, (None, None, 0, 0))[3]:
+            per_leaf[leaf] = (key, file, offset, length)
+    assert len(per_leaf) >= 10, per_leaf
+    for i, (key, file, offset, length) in enumerate(sorted(per_leaf.values())):
+        step_dir = _damaged_copy(sources[3].step_dir, tmp_path / f"c{i}")
+        file = file.replace(os.path.dirname(sources[3].step_dir), os.path.dirname(step_dir))
+        raw = bytearray(open(file, "rb").read())
+        raw[offset + length // 2] ^= 0x10
+        open(file, "wb").write(bytes(raw))
+        with pytest.raises(UserError, match="does not match its checksum|cannot be read"):
+            restore(sources[3].trainer, step_dir, KEY, stream.host_batch(SAVE_AT))
+
+
+def test_any_changed_value_of_any_leaf_is_caught_by_its_checksum(sources, stream, tmp_path):
+    """One element of one leaf rewritten through the checkpoint's own arrays (so it decodes fine):
+    the checksum, and nothing else, must catch it, for every saved leaf."""
+    import tensorstore as ts
+
+    leaves = sorted({key.rsplit("/", 1)[0] for key, *_ in _stored_chunks(sources[3].step_dir)})
+    assert len(leaves) >= 10, leaves
+    for i, leaf in enumerate(leaves):
+        step_dir = _damaged_copy(sources[3].step_dir, tmp_path / f"v{i}")
+        spec = {"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{step_dir}/state/", "path": f"{leaf}/"}}
+        arr = ts.open(spec).result()
+        first = (0,) * arr.ndim
+        value = np.asarray(arr[first].read().result())
+        flipped = (value.view(np.uint32) ^ np.uint32(1 << 20)).view(value.dtype)  # one bit of the 32
+        arr[first].write(flipped).result()
+        named = leaf.replace(".", "/")  # the index's key 'opt_state.1.0.mu' is the leaf 'opt_state/1/0/mu'
+        with pytest.raises(UserError, match=f"'{named}' does not match its checksum"):
+            restore(sources[3].trainer, step_dir, KEY, stream.host_batch(SAVE_AT))
