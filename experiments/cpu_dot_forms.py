@@ -1,0 +1,87 @@
+"""Why `shard_map` steps run slower than `gspmd` on XLA:CPU with jax 0.12: the weight-gradient dot.
+
+    python experiments/cpu_dot_forms.py     # prints, per engine, each dot of the compiled program and its time
+
+A two-layer scanned, rematerialised `tanh(h @ w)` stack in bf16, differentiated on 8 simulated CPU
+devices, once partitioned by GSPMD from shardings and once written per device with `jax.shard_map`
+(gradients averaged with `pmean`). JAX emits the same weight-gradient `dot_general` followed by a
+`transpose` in both. Under GSPMD the partitioner puts an all-reduce between the two; under
+`shard_map` nothing separates them, so XLA's algebraic simplifier folds the transpose into the dot
+(`lhs_contracting_dims={0}`), and XLA:CPU in jaxlib 0.12 keeps such a dot out of its YNNPACK
+fusions, running it on a slower path. jaxlib 0.10 upcasts these dots to f32 and fuses them either way.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import time
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+LAYERS, WIDTH, ROWS, SEQ = 2, 512, 16, 128
+
+
+def loss(ws, x):
+    def layer(h, w):
+        return jnp.tanh(h @ w), None
+
+    h, _ = jax.lax.scan(jax.checkpoint(layer), x, ws)
+    return jnp.mean(h.astype(jnp.float32) ** 2)
+
+
+def per_device(ws, x):
+    value, grads = jax.value_and_grad(loss)(ws, x)
+    return jax.lax.pmean(value, "d"), jax.lax.pmean(grads, "d")
+
+
+def dot_forms(text: str) -> collections.Counter:
+    """(inside a library fusion?, result shape, lhs contracting, rhs contracting) -> count."""
+    fused = set(re.findall(r"calls=%?([\w.\-]+)[^\n]*_(?:ynn|xnn)_fusion", text))
+    forms, computation = collections.Counter(), None
+    for line in text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) \(", line)
+        if head:
+            computation = head.group(1)
+        dot = re.search(r"= (\S+) dot\(.*lhs_contracting_dims=\{([\d,]*)\}, rhs_contracting_dims=\{([\d,]*)\}", line)
+        if dot:
+            forms[(computation in fused, re.sub(r"\{[\d,]*\}", "", dot.group(1)), dot.group(2), dot.group(3))] += 1
+    return forms
+
+
+def main() -> None:
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    ws = jnp.full((LAYERS, WIDTH, WIDTH), 0.01, jnp.bfloat16)
+    x = jax.device_put(jnp.ones((ROWS, SEQ, WIDTH), jnp.bfloat16), NamedSharding(mesh, P("d")))
+    replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))
+    programs = {
+        "gspmd": jax.jit(jax.value_and_grad(loss), in_shardings=(replicated, rows),
+                         out_shardings=(replicated, replicated)),
+        "shard_map": jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("d")),
+                                           out_specs=(P(), P()), check_vma=False)),
+    }
+    compiled = {name: f.lower(ws, x).compile() for name, f in programs.items()}
+    times = {name: [] for name in compiled}
+    for _ in range(9):  # interleaved, so both see the same machine load
+        for name, c in compiled.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(c(ws, x))
+            times[name].append(time.perf_counter() - t0)
+    print(f"jax {jax.__version__}")
+    for name, c in compiled.items():
+        print(f"{name}: median {np.median(times[name][1:]) * 1e3:.1f} ms")
+        for (fused, shape, lhs, rhs), n in sorted(dot_forms(c.as_text()).items()):
+            print(f"  {n} x {shape} dot, lhs_contracting={{{lhs}}} rhs_contracting={{{rhs}}}, "
+                  f"{'in a library fusion' if fused else 'NOT in a library fusion'}")
+    ratio = np.median(np.array(times["shard_map"][1:]) / np.array(times["gspmd"][1:]))
+    print(f"shard_map / gspmd (paired median): {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()
