@@ -52,7 +52,7 @@ def main() -> int:
                   flush=True)
     psi = rows[0]["params"]
     seq = model_config(load_config(CONFIG, [f"model.preset={a.model}"])).seq_len
-    policy, adam = A.get_precision_bytes(a.precision), A.get_optimizer("adamw")
+    policy, adam = A.get_precision(a.precision), A.get_optimizer("adamw")
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "memory_vs_devices.json"), "w") as f:
         json.dump({"started": started, "args": vars(a), "rows": rows}, f, indent=2)

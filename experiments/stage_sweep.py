@@ -48,7 +48,7 @@ def sweep(models, precisions, engines, steps: int) -> list[dict]:
 def textbook(row) -> float:
     from zerojax.accounting import analytic as A
 
-    return A.model_state_bytes(row["params"], row["devices"], row["stage"], A.get_precision_bytes(row["precision"]),
+    return A.model_state_bytes(row["params"], row["devices"], row["stage"], A.get_precision(row["precision"]),
                                A.get_optimizer("adamw"))["total"]
 
 

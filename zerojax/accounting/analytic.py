@@ -12,48 +12,16 @@ from dataclasses import dataclass
 
 from zerojax.accounting.hardware import Hardware
 from zerojax.errors import UserError
+from zerojax.optim import OPTIMIZERS, Optimizer, get_optimizer
+from zerojax.precision import PRECISIONS, Precision, get_precision
 from zerojax.stages import STAGES, Stage, get_stage
 
 GROUPS = ("compute_params", "master", "optimizer", "grads")
 
 
-# --- precision and optimizer: bytes per parameter -------------------------------------------
-
-
-@dataclass(frozen=True)
-class PrecisionBytes:
-    name: str
-    param_bytes: int  # the copy forward and backward read; also the dtype collectives move
-    master_bytes: int  # separate fp32 master copy; 0 when the params themselves are the fp32 master
-    grad_bytes: int
-
-
-PRECISIONS: dict[str, PrecisionBytes] = {
-    "bf16": PrecisionBytes("bf16", param_bytes=2, master_bytes=4, grad_bytes=2),
-    "fp32": PrecisionBytes("fp32", param_bytes=4, master_bytes=0, grad_bytes=4),
-}
-
-
-def get_precision_bytes(name: str) -> PrecisionBytes:
-    if name not in PRECISIONS:
-        raise UserError(f"precision must be one of {', '.join(PRECISIONS)}, got {name!r}.")
-    return PRECISIONS[name]
-
-
-@dataclass(frozen=True)
-class OptimizerState:
-    name: str
-    slots: int  # fp32 tensors of the parameters' size (Adam: first and second moment)
-    factored: bool = False  # Adafactor: second moment kept as row and column statistics
-
-
-OPTIMIZERS: dict[str, OptimizerState] = {
-    "adam": OptimizerState("adam", 2),
-    "adamw": OptimizerState("adamw", 2),
-    "sgd_momentum": OptimizerState("sgd_momentum", 1),
-    "sgd": OptimizerState("sgd", 0),
-    "adafactor": OptimizerState("adafactor", 0, factored=True),  # optax default: no momentum
-}
+# --- optimizer state: bytes per parameter -------------------------------------------------
+# Precision (`zerojax.precision`) and the optimizer registry (`zerojax.optim`) are the library's
+# own: the planner reads their bytes per parameter and state slots, it keeps no lists of its own.
 
 # Without leaf shapes, a factored second moment is approximated as 1% of a full fp32 one: an r x c
 # matrix keeps r + c statistics, 2/d of its r * c entries for a square d x d matrix, so 1% is the
@@ -62,14 +30,8 @@ _FACTORED_FRACTION = 0.01
 _FACTOR_MIN_DIM = 128  # optax.adafactor's min_dim_size_to_factor: smaller dims keep full stats
 
 
-def get_optimizer(name: str) -> OptimizerState:
-    if name not in OPTIMIZERS:
-        raise UserError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}.")
-    return OPTIMIZERS[name]
-
-
 def optimizer_state_bytes(
-    optimizer: OptimizerState, params: float, shapes: list[tuple[int, ...]] | None = None
+    optimizer: Optimizer, params: float, shapes: list[tuple[int, ...]] | None = None
 ) -> float:
     """Unsharded fp32 optimizer state; `shapes` (one per leaf) makes Adafactor exact."""
     if not optimizer.factored:
@@ -110,8 +72,8 @@ def model_state_bytes(
     params: float,
     devices: int,
     stage: int,
-    policy: PrecisionBytes,
-    optimizer: OptimizerState,
+    policy: Precision,
+    optimizer: Optimizer,
     include_grads: bool = True,
     shapes: list[tuple[int, ...]] | None = None,
 ) -> dict[str, float]:
@@ -137,8 +99,8 @@ def kept_state_bytes(
     params: float,
     devices: int,
     stage: int,
-    policy: PrecisionBytes,
-    optimizer: OptimizerState,
+    policy: Precision,
+    optimizer: Optimizer,
     shapes: list[tuple[int, ...]] | None = None,
 ) -> dict[str, float]:
     """The persistent bytes zerojax itself keeps per device, by group (and `total`).
@@ -169,12 +131,19 @@ def traffic_units(stage: Stage) -> tuple[int, int]:
     return gathers, reductions
 
 
-def traffic_bytes(params: float, devices: int, stage: int, compute_bytes: float) -> dict[str, float]:
-    """Bytes one device sends per optimizer step (ring collectives, no gradient accumulation)."""
+def traffic_bytes(
+    params: float, devices: int, stage: int, compute_bytes: float, reduce_bytes: float | None = None
+) -> dict[str, float]:
+    """Bytes one device sends per optimizer step (ring collectives, no gradient accumulation).
+
+    Parameters are gathered in the compute dtype (`compute_bytes`), gradients reduced in the reduce
+    dtype (`reduce_bytes`, default: the compute dtype).
+    """
     _check(params, devices)
-    unit = compute_bytes * params * (devices - 1) / devices
+    ring = params * (devices - 1) / devices
     gathers, reductions = traffic_units(get_stage(stage))
-    out = {"param_allgather": gathers * unit, "grad_reduce": reductions * unit}
+    reduce_bytes = compute_bytes if reduce_bytes is None else reduce_bytes
+    out = {"param_allgather": gathers * compute_bytes * ring, "grad_reduce": reductions * reduce_bytes * ring}
     out["total"] = out["param_allgather"] + out["grad_reduce"]
     return out
 
@@ -263,7 +232,7 @@ def activation_bytes_gpt(
     return int(round(peak + tokens * vocab * model.logits_bytes))
 
 
-def step_temp_bytes(params: float, devices: int, stage: int, policy: PrecisionBytes, activations: float) -> float:
+def step_temp_bytes(params: float, devices: int, stage: int, policy: Precision, activations: float) -> float:
     """Temporaries of one train step per device (beside the kept state): the activations, the
     gradients (whole at stages 0-1, only this device's shard at 2-3) and one fp32 update-sized buffer
     on the optimizer's layout (whole at stage 0, sharded from stage 1).
@@ -276,6 +245,12 @@ def step_temp_bytes(params: float, devices: int, stage: int, policy: PrecisionBy
     grads = policy.grad_bytes * params / (devices if st.gradients else 1)
     update = 4.0 * params / (devices if st.optimizer else 1)
     return activations + grads + update
+
+
+def peak_bytes(arguments: float, outputs: float, aliased: float, temporaries: float) -> float:
+    """Peak bytes of a compiled program from its `memory_analysis()` sizes: everything live at once in
+    the worst case (XLA's own peak figure is not reported consistently on CPU)."""
+    return arguments + outputs - aliased + temporaries
 
 
 # --- time ----------------------------------------------------------------------------------
@@ -367,8 +342,8 @@ class Plan:
     params: float
     devices: int
     hardware: Hardware
-    precision: PrecisionBytes
-    optimizer: OptimizerState
+    precision: Precision
+    optimizer: Optimizer
     seq_len: int
     micro_batch: int
     mfu: float
@@ -383,8 +358,8 @@ def plan(
     hardware: Hardware,
     seq_len: int,
     micro_batch: int,
-    precision: PrecisionBytes = PRECISIONS["bf16"],
-    optimizer: OptimizerState = OPTIMIZERS["adamw"],
+    precision: Precision = PRECISIONS["bf16"],
+    optimizer: Optimizer = OPTIMIZERS["adamw"],
     shape: GPTShape | None = None,
     remat: str = "full",
     mfu: float = 1.0,
@@ -428,8 +403,8 @@ def _recommend(
     rows: tuple[StagePlan, ...],
     params: float,
     hardware: Hardware,
-    precision: PrecisionBytes,
-    optimizer: OptimizerState,
+    precision: Precision,
+    optimizer: Optimizer,
     seq_len: int,
 ) -> Recommendation:
     fitting = [r for r in rows if r.fits]
