@@ -20,14 +20,16 @@ import json
 import os
 import sys
 
+from zerojax.stages import STAGE_INDICES
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 CONFIG = os.path.join(os.path.dirname(HERE), "configs", "tiny.yaml")
-STAGES = (0, 1, 2, 3)
+STAGES = STAGE_INDICES
 
 
 def sweep(models, precisions, engines, steps: int) -> list[dict]:
-    from zerojax.commands.compare import run_row
+    from zerojax.accounting.compare import run_row
     from zerojax.config import load_config
 
     rows = []
