@@ -1,7 +1,9 @@
 """Accounting: the analytic memory / traffic model and measurement from compiled programs.
 
-`analytic` and `hardware` are pure arithmetic (no JAX import); `hlo` counts collective bytes in
-HLO text and compiles a lowered program to get the post-partitioning HLO.
+`analytic`, `activations` and `hardware` are pure arithmetic (no JAX import); `params` is the one
+parameter count; `hlo` counts collective bytes in HLO text and compiles a lowered program to get the
+post-partitioning HLO; `measure` sets a built trainer beside the analytic model and `compare.run_row`
+trains and measures one stage x engine.
 """
 
 from zerojax.accounting.analytic import (
