@@ -20,6 +20,8 @@ import time
 
 import numpy as np
 
+from zerojax.accounting.analytic import peak_bytes
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -82,8 +84,8 @@ def measure(args, cfg, rows_per_batch: int) -> tuple[int, list[dict]]:
         row = {"engine": engine + (" +prefetch" if prefetch else ""), "stage": stage,
                "units": traffic["total"] / unit, "traffic_mb": traffic["total"] / 1e6,
                "cpu_mb": cpu["total"] / 1e6,
-               "peak_mb": (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-                           + mem.temp_size_in_bytes) / 1e6,
+               "peak_mb": peak_bytes(mem.argument_size_in_bytes, mem.output_size_in_bytes,
+                                     mem.alias_size_in_bytes, mem.temp_size_in_bytes) / 1e6,
                "temp_mb": mem.temp_size_in_bytes / 1e6, "compile_s": compile_s, "times": [],
                "losses": [float(metrics["loss"])]}
         print(f"batch {rows_per_batch}: built {row['engine']} stage {stage}: {row['units']:.3f} units, "

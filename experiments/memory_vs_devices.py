@@ -15,11 +15,13 @@ import datetime
 import json
 import os
 
+from zerojax.stages import STAGE_INDICES
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 CONFIG = os.path.join(os.path.dirname(HERE), "configs", "tiny.yaml")
 COUNTS = (1, 2, 4, 8, 16)
-STAGES = (0, 1, 2, 3)
+STAGES = STAGE_INDICES
 
 
 def main() -> int:
@@ -33,12 +35,28 @@ def main() -> int:
     simulate_cpu_devices(max(COUNTS))
     import jax
 
-    from zerojax.accounting import analytic as A
-    from zerojax.commands.compare import run_row
     from zerojax.config import load_config
     from zerojax.experiment import model_config
 
     started = datetime.datetime.now().isoformat(timespec="seconds")
+    rows = _measure(a)
+    psi = rows[0]["params"]
+    seq = model_config(load_config(CONFIG, [f"model.preset={a.model}"])).seq_len
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "memory_vs_devices.json"), "w") as f:
+        json.dump({"started": started, "args": vars(a), "rows": rows}, f, indent=2)
+    _write_table(a, rows, psi, seq, started, jax.__version__)
+    _plot(a, rows, psi)
+    return 0
+
+
+def _measure(a) -> list[dict]:
+    """One row per stage x device count: the first `count` simulated devices."""
+    import jax
+
+    from zerojax.accounting.compare import run_row
+    from zerojax.config import load_config
+
     rows = []
     for stage in STAGES:
         for count in COUNTS:
@@ -50,17 +68,14 @@ def main() -> int:
             print(f"stage {stage} p={count:2d}: persistent {row['persistent_bytes_per_device'] / 2**20:8.2f} MiB "
                   f"(x{row['persistent_ratio']:.4f} ideal), peak {row['peak_bytes_per_device'] / 2**20:8.2f} MiB",
                   flush=True)
-    psi = rows[0]["params"]
-    seq = model_config(load_config(CONFIG, [f"model.preset={a.model}"])).seq_len
-    policy, adam = A.get_precision_bytes(a.precision), A.get_optimizer("adamw")
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "memory_vs_devices.json"), "w") as f:
-        json.dump({"started": started, "args": vars(a), "rows": rows}, f, indent=2)
+    return rows
 
+
+def _write_table(a, rows: list[dict], psi: float, seq: int, started: str, jax_version: str) -> None:
     lines = [
         "# Memory per device against device count", "",
         f"Made by `python experiments/memory_vs_devices.py` on {started}: the {a.model} GPT ({psi / 1e6:.2f}M "
-        f"parameters), {a.precision} + Adam, engine `{a.engine}`, global batch 16 x {seq} tokens, meshes over the first p of 16 simulated CPU devices (jax {jax.__version__}).", "",
+        f"parameters), {a.precision} + Adam, engine `{a.engine}`, global batch 16 x {seq} tokens, meshes over the first p of 16 simulated CPU devices (jax {jax_version}).", "",
         "**persistent**: the live state's shards on one device; **ideal**: `kept_state_bytes` (what zerojax keeps; "
         "no gradients); **peak**: `memory_analysis()` of the step (arguments + outputs - aliased + temporaries). "
         "MiB per device.", "",
@@ -85,11 +100,16 @@ def main() -> int:
     with open(os.path.join(RESULTS, "memory_vs_devices.md"), "w") as f:
         f.write("\n".join(lines))
 
+
+def _plot(a, rows: list[dict], psi: float) -> None:
     import matplotlib
+
+    from zerojax.accounting import analytic as A
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    policy, adam = A.get_precision(a.precision), A.get_optimizer("adamw")
     fig, ax = plt.subplots(figsize=(7.5, 5))
     every = range(1, max(COUNTS) + 1)
     for stage, color in zip(STAGES, ("tab:red", "tab:orange", "tab:green", "tab:blue")):
@@ -109,7 +129,6 @@ def main() -> int:
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(os.path.join(RESULTS, "memory_vs_devices.png"), dpi=120)
-    return 0
 
 
 if __name__ == "__main__":

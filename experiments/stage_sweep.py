@@ -20,14 +20,16 @@ import json
 import os
 import sys
 
+from zerojax.stages import STAGE_INDICES
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 CONFIG = os.path.join(os.path.dirname(HERE), "configs", "tiny.yaml")
-STAGES = (0, 1, 2, 3)
+STAGES = STAGE_INDICES
 
 
 def sweep(models, precisions, engines, steps: int) -> list[dict]:
-    from zerojax.commands.compare import run_row
+    from zerojax.accounting.compare import run_row
     from zerojax.config import load_config
 
     rows = []
@@ -48,7 +50,7 @@ def sweep(models, precisions, engines, steps: int) -> list[dict]:
 def textbook(row) -> float:
     from zerojax.accounting import analytic as A
 
-    return A.model_state_bytes(row["params"], row["devices"], row["stage"], A.get_precision_bytes(row["precision"]),
+    return A.model_state_bytes(row["params"], row["devices"], row["stage"], A.get_precision(row["precision"]),
                                A.get_optimizer("adamw"))["total"]
 
 

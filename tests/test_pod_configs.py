@@ -45,7 +45,7 @@ def test_pod_config_validates_and_its_stage_fits(name, capsys):
     c = load_config(_path(name))  # full validation, as `zerojax train` does before starting JAX
     params = model_config(c).num_params()
     assert low <= params <= high
-    assert c.mesh.fsdp is not None and c.mesh.data * c.mesh.fsdp * c.mesh.tensor == devices
+    assert c.mesh.fsdp is not None and c.mesh.data * c.mesh.fsdp == devices
     assert devices % hosts == 0
     dp = c.mesh.data * c.mesh.fsdp
     assert c.train.batch_size % dp == 0
@@ -61,7 +61,7 @@ def test_pod_config_validates_and_its_stage_fits(name, capsys):
 
     # Stricter: with this model's activations at this micro-batch and remat policy.
     plan = analytic.plan(params, c.mesh.fsdp, get_hardware(hardware), gpt.seq_len, micro_batch,
-                         precision=analytic.get_precision_bytes(c.precision),
+                         precision=analytic.get_precision(c.precision),
                          optimizer=analytic.get_optimizer(c.optimizer.name),
                          shape=analytic.GPTShape(gpt.d_model, gpt.n_layers, gpt.n_heads, gpt.d_ff, gpt.vocab_size),
                          remat=gpt.remat)

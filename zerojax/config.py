@@ -1,160 +1,151 @@
 """Typed experiment config: YAML plus dotted `--set key=value` overrides, validated once.
 
-Every error is a `UserError` whose one sentence names the key, the value and what is valid.
+The sections are pydantic models: pydantic checks each key's type and bounds (unknown keys are
+errors), and `validate` asks the owner of every other rule (`stages`, `precision`, `optim`, `mesh`,
+the engines) instead of repeating it. Every error is a `UserError` whose one sentence names the
+dotted key, the value and what is valid.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import re
-import typing
-from dataclasses import dataclass, field
+from typing import Annotated, Optional
 
 import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationError
+from pydantic_core import PydanticCustomError
 
 from zerojax.errors import UserError
 
 
-@dataclass
-class ModelConfig:
+def _no_bool(kind: str):
+    """YAML's `true` is not a number, though pydantic's lax mode would read it as 1."""
+
+    def check(value):
+        if isinstance(value, bool):
+            raise PydanticCustomError(f"{kind}_type", f"Input should be a valid {kind}")
+        return value
+
+    return BeforeValidator(check)
+
+
+Int = Annotated[int, _no_bool("integer")]
+Float = Annotated[float, _no_bool("number")]  # also accepts ints and numeric text ('3e-4')
+PositiveInt = Annotated[Int, Field(ge=1)]
+NonNegativeInt = Annotated[Int, Field(ge=0)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
     preset: str = "tiny"
-    d_model: int | None = None
-    n_layers: int | None = None
-    n_heads: int | None = None
-    d_ff: int | None = None
-    seq_len: int | None = None
-    remat: str | None = None
+    d_model: Optional[Int] = None
+    n_layers: Optional[Int] = None
+    n_heads: Optional[Int] = None
+    d_ff: Optional[Int] = None
+    seq_len: Optional[Int] = None
+    remat: Optional[str] = None  # the GPT config owns the valid policies and checks them
 
 
-@dataclass
-class ZeroConfig:
-    stage: int = 3
+class ZeroConfig(_Section):
+    stage: Int = 3
     engine: str = "gspmd"
-    reduce_dtype: str | None = None
-    prefetch: bool = False  # shard_map stage 3: gather layer i+1 while layer i computes
+    reduce_dtype: Optional[str] = None
+    prefetch: StrictBool = False  # shard_map stage 3: gather layer i+1 while layer i computes
 
 
-@dataclass
-class MeshConfig:
-    data: int = 1
-    fsdp: int | None = None  # default: every device not on `data` or `tensor`
-    tensor: int = 1
+class MeshConfig(_Section):
+    data: Int = 1
+    fsdp: Optional[Int] = None  # default: every device not on `data`
 
 
-@dataclass
-class OptimizerConfig:
+class OptimizerConfig(_Section):
     name: str = "adamw"
-    lr: float = 3e-3
-    weight_decay: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.95
-    warmup_steps: int = 0
-    grad_clip: float | None = 1.0
+    lr: Annotated[Float, Field(gt=0)] = 3e-3
+    weight_decay: Annotated[Float, Field(ge=0)] = 0.0
+    b1: Float = 0.9
+    b2: Float = 0.95
+    warmup_steps: NonNegativeInt = 0
+    grad_clip: Optional[Annotated[Float, Field(gt=0)]] = 1.0
 
 
-@dataclass
-class TrainConfig:
-    steps: int = 30
-    batch_size: int = 16  # global, split over mesh data x fsdp
-    seed: int = 0
-    log_every: int = 1
-    eval_every: int = 0  # 0: evaluate only at the end
-    eval_batches: int = 2
-    max_bad_steps: int = 3
+class TrainConfig(_Section):
+    steps: PositiveInt = 30
+    batch_size: PositiveInt = 16  # global, split over mesh data x fsdp
+    seed: Int = 0
+    eval_every: NonNegativeInt = 0  # 0: evaluate only at the end
+    eval_batches: PositiveInt = 2
+    max_bad_steps: PositiveInt = 3
 
 
-@dataclass
-class DataConfig:
-    path: str | None = None  # None: the Python standard library's own sources
-    max_bytes: int = 16 * 2**20
-    eval_fraction: float = 0.05
+class DataConfig(_Section):
+    path: Optional[str] = None  # None: the Python standard library's own sources
+    max_bytes: Annotated[Int, Field(gt=0)] = 16 * 2**20
+    eval_fraction: Annotated[Float, Field(ge=0, lt=1)] = 0.05
 
 
-@dataclass
-class CheckpointConfig:
-    dir: str | None = None  # default: OUT/checkpoints
-    every: int = 0  # steps; 0 = off
-    keep: int = 2
+class CheckpointConfig(_Section):
+    dir: Optional[str] = None  # default: OUT/checkpoints
+    every: NonNegativeInt = 0  # steps; 0 = off
+    keep: PositiveInt = 2
 
 
-@dataclass
-class XlaConfig:
+XlaFlag = Annotated[str, Field(pattern=r"^--[A-Za-z0-9_]+(=\S*)?$")]
+
+
+class XlaConfig(_Section):
     # Compiler flags a pod config needs; applied before JAX starts, and overridden by the
     # environment's own XLA_FLAGS / LIBTPU_INIT_ARGS (which come after them).
-    flags: list[str] = field(default_factory=list)  # XLA_FLAGS: the CPU and GPU compilers
-    libtpu_flags: list[str] = field(default_factory=list)  # LIBTPU_INIT_ARGS: the TPU compiler
+    flags: list[XlaFlag] = Field(default_factory=list)  # XLA_FLAGS: the CPU and GPU compilers
+    libtpu_flags: list[XlaFlag] = Field(default_factory=list)  # LIBTPU_INIT_ARGS: the TPU compiler
 
 
-@dataclass
-class Config:
+class Config(_Section):
     precision: str = "fp32"
-    model: ModelConfig = field(default_factory=ModelConfig)
-    zero: ZeroConfig = field(default_factory=ZeroConfig)
-    mesh: MeshConfig = field(default_factory=MeshConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    xla: XlaConfig = field(default_factory=XlaConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    zero: ZeroConfig = Field(default_factory=ZeroConfig)
+    mesh: MeshConfig = Field(default_factory=MeshConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    xla: XlaConfig = Field(default_factory=XlaConfig)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return self.model_dump()
 
 
 # ---- parsing --------------------------------------------------------------------------------------
 
 
-def _field_types(cls) -> dict[str, typing.Any]:
-    return typing.get_type_hints(cls)
+def _section(loc: tuple) -> type[BaseModel] | None:
+    """The model class at a location of the config tree (None below a leaf)."""
+    cls = Config
+    for part in loc:
+        field = cls.model_fields.get(part) if isinstance(part, str) else None
+        cls = field.annotation if field is not None else None
+        if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
+            return None
+    return cls
 
 
-def _coerce(key: str, value, annotation):
-    """Check `value` against a field's annotation; ints pass for floats, '1e-3' strings for numbers."""
-    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, getattr(__import__("types"), "UnionType", None)) else (annotation,)
-    if value is None and type(None) in options:
-        return None
-    if typing.get_origin(annotation) is list:  # only list[str] so far (compiler flags)
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return list(value)
-        raise UserError(f"{key} must be a list of strings, got {value!r}.")
-    for opt in options:
-        if opt is bool and isinstance(value, bool):
-            return value
-        if opt is int and isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if opt is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if opt is str and isinstance(value, str):
-            return value
-    if isinstance(value, str):  # YAML reads 3e-4 as a string; accept numeric text for number fields
-        for opt in options:
-            try:
-                if opt is int:
-                    return int(value)
-                if opt is float:
-                    return float(value)
-            except ValueError:
-                pass
-    names = " or ".join("null" if o is type(None) else o.__name__ for o in options)
-    raise UserError(f"{key} must be {names}, got {value!r}.")
-
-
-def _build(cls, data, prefix: str):
-    if not isinstance(data, dict):
-        raise UserError(f"{prefix.rstrip('.') or 'the config'} must be a mapping, got {data!r}.")
-    types = _field_types(cls)
-    kwargs = {}
-    for key, value in data.items():
-        full = f"{prefix}{key}"
-        if key not in types:
-            raise UserError(f"unknown config key {full!r}; valid keys here are: {', '.join(types)}.")
-        annotation = types[key]
-        if dataclasses.is_dataclass(annotation):
-            kwargs[key] = _build(annotation, value, f"{full}.")
-        else:
-            kwargs[key] = _coerce(full, value, annotation)
-    return cls(**kwargs)
+def _one_sentence(error: ValidationError) -> str:
+    """pydantic's first error as one sentence naming the dotted key, what is valid and the value."""
+    e = error.errors(include_url=False)[0]
+    loc = tuple(e["loc"])
+    key = ".".join(str(p) for p in loc)
+    if e["type"] == "extra_forbidden":
+        section = _section(loc[:-1])
+        valid = ", ".join(section.model_fields) if section else "none"
+        return f"unknown config key {key!r}; valid keys here are: {valid}."
+    if e["type"] == "model_type":
+        return f"{key or 'the config'} must be a mapping, got {e['input']!r}."
+    if e["type"] == "string_pattern_mismatch":
+        return f"{'.'.join(str(p) for p in loc[:-1])} entries must look like --name=value, got {e['input']!r}."
+    what = e["msg"].removeprefix("Input should be ").split(", ")[0]  # "a valid integer, unable to parse ..."
+    return f"{key} must be {what}, got {e['input']!r}."
 
 
 def _set_dotted(tree: dict, dotted: str, value) -> None:
@@ -197,7 +188,10 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(raw, key, value)
-    config = _build(Config, raw, "")
+    try:
+        config = Config.model_validate(raw)
+    except ValidationError as e:
+        raise UserError(_one_sentence(e)) from None
     validate(config)
     return config
 
@@ -205,68 +199,19 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
 # ---- validation -----------------------------------------------------------------------------------
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise UserError(message)
-
-
 def validate(c: Config) -> None:
+    """The rules beyond each key's own type and bounds, each asked of the module that owns it."""
     from zerojax.engines import ENGINES
+    from zerojax.mesh import check_batch, check_sizes
+    from zerojax.optim import get_optimizer
+    from zerojax.precision import get_precision
+    from zerojax.stages import get_stage
 
-    _require(c.precision in ("fp32", "bf16"), f"precision must be 'fp32' or 'bf16', got {c.precision!r}.")
-    _require(c.zero.stage in (0, 1, 2, 3), f"zero.stage must be 0, 1, 2 or 3, got {c.zero.stage!r}.")
-    _require(c.zero.engine in ENGINES, f"zero.engine must be one of {', '.join(ENGINES)}, got {c.zero.engine!r}.")
-    _require(c.zero.reduce_dtype in (None, "fp32", "bf16"),
-             f"zero.reduce_dtype must be fp32, bf16 or null, got {c.zero.reduce_dtype!r}.")
-    _require(c.optimizer.name in OPTIMIZERS,
-             f"optimizer.name must be one of {', '.join(OPTIMIZERS)}, got {c.optimizer.name!r}.")
-    _require(c.optimizer.lr > 0, f"optimizer.lr must be positive, got {c.optimizer.lr!r}.")
-    _require(c.optimizer.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {c.optimizer.weight_decay!r}.")
-    _require(c.optimizer.warmup_steps >= 0, f"optimizer.warmup_steps must be >= 0, got {c.optimizer.warmup_steps!r}.")
-    _require(c.optimizer.grad_clip is None or c.optimizer.grad_clip > 0,
-             f"optimizer.grad_clip must be positive or null, got {c.optimizer.grad_clip!r}.")
-    for key in ("steps", "batch_size", "log_every", "eval_batches", "max_bad_steps"):
-        value = getattr(c.train, key)
-        _require(value >= 1, f"train.{key} must be a positive integer, got {value!r}.")
-    _require(c.train.eval_every >= 0, f"train.eval_every must be >= 0, got {c.train.eval_every!r}.")
-    for key in ("data", "tensor"):
-        value = getattr(c.mesh, key)
-        _require(value >= 1, f"mesh.{key} must be a positive integer, got {value!r}.")
-    _require(c.mesh.fsdp is None or c.mesh.fsdp >= 1, f"mesh.fsdp must be a positive integer, got {c.mesh.fsdp!r}.")
-    _require(c.mesh.tensor == 1, f"mesh.tensor must be 1 (tensor parallelism is reserved), got {c.mesh.tensor!r}.")
+    get_precision(c.precision, c.zero.reduce_dtype)
+    get_stage(c.zero.stage)
+    if c.zero.engine not in ENGINES:
+        raise UserError(f"zero.engine must be one of {', '.join(ENGINES)}, got {c.zero.engine!r}.")
+    get_optimizer(c.optimizer.name)
+    check_sizes(c.mesh.data, c.mesh.fsdp)
     if c.mesh.fsdp is not None:
-        dp = c.mesh.data * c.mesh.fsdp
-        _require(c.train.batch_size % dp == 0,
-                 f"train.batch_size={c.train.batch_size} is not divisible by the data-parallel size {dp} "
-                 f"(mesh.data x mesh.fsdp).")
-    _require(0 <= c.data.eval_fraction < 1, f"data.eval_fraction must be in [0, 1), got {c.data.eval_fraction!r}.")
-    _require(c.data.max_bytes > 0, f"data.max_bytes must be positive, got {c.data.max_bytes!r}.")
-    _require(c.checkpoint.every >= 0, f"checkpoint.every must be >= 0, got {c.checkpoint.every!r}.")
-    _require(c.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {c.checkpoint.keep!r}.")
-    _require(c.model.remat in (None, "full", "dots", "none"),
-             f"model.remat must be full, dots or none, got {c.model.remat!r}.")
-    for key in ("flags", "libtpu_flags"):
-        for flag in getattr(c.xla, key):
-            _require(re.fullmatch(r"--[A-Za-z0-9_]+(=\S*)?", flag) is not None,
-                     f"xla.{key} entries must look like --name=value, got {flag!r}.")
-
-
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd_momentum", "adafactor")
-
-
-def build_optimizer(c: OptimizerConfig, total_steps: int):
-    """The optax transformation a config names, with warm-up then cosine decay."""
-    import optax
-
-    if c.warmup_steps:
-        lr = optax.warmup_cosine_decay_schedule(0.0, c.lr, c.warmup_steps, max(total_steps, c.warmup_steps + 1))
-    else:
-        lr = c.lr
-    base = {
-        "adamw": lambda: optax.adamw(lr, b1=c.b1, b2=c.b2, weight_decay=c.weight_decay),
-        "adam": lambda: optax.adam(lr, b1=c.b1, b2=c.b2),
-        "sgd": lambda: optax.sgd(lr),
-        "sgd_momentum": lambda: optax.sgd(lr, momentum=c.b1),
-        "adafactor": lambda: optax.adafactor(lr),
-    }[c.name]()
-    return optax.chain(optax.clip_by_global_norm(c.grad_clip), base) if c.grad_clip else base
+        check_batch(c.train.batch_size, c.mesh.data * c.mesh.fsdp)

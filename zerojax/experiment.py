@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
-from zerojax.config import Config, build_optimizer
+from zerojax.config import Config
 from zerojax.data import BatchStream, load_corpus, split_corpus
-from zerojax.errors import UserError
-from zerojax.mesh import make_mesh
+from zerojax.mesh import check_batch, data_parallel_size, make_mesh
 from zerojax.models.gpt import GPT, GPTConfig, gpt_config
+from zerojax.optim import build_optimizer
 from zerojax.trainer import Trainer
 
 
 def model_config(c: Config) -> GPTConfig:
-    overrides = {k: v for k, v in dataclasses.asdict(c.model).items() if k != "preset" and v is not None}
+    overrides = {k: v for k, v in c.model.model_dump().items() if k != "preset" and v is not None}
     return gpt_config(c.model.preset, **overrides)
 
 
@@ -30,11 +29,8 @@ class Experiment:
 
 def build_experiment(c: Config, devices=None) -> Experiment:
     gpt = model_config(c)
-    mesh = make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor, devices=devices)
-    dp = mesh.shape["data"] * mesh.shape["fsdp"]
-    if c.train.batch_size % dp:
-        raise UserError(f"train.batch_size={c.train.batch_size} is not divisible by the data-parallel size {dp} "
-                        f"(mesh.data x mesh.fsdp).")
+    mesh = make_mesh(c.mesh.data, c.mesh.fsdp, devices=devices)
+    check_batch(c.train.batch_size, data_parallel_size(mesh))
     tokens = load_corpus(c.data.path, c.data.max_bytes)
     train_tokens, eval_tokens = split_corpus(tokens, c.data.eval_fraction)
     stream = functools.partial(BatchStream, seq_len=gpt.seq_len, global_batch=c.train.batch_size, path=c.data.path)

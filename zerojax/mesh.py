@@ -1,4 +1,6 @@
-"""Device mesh with the axes `data` (pure replicas), `fsdp` (the axis ZeRO shards over) and `tensor`."""
+"""Device mesh with the axes `data` (pure replicas), `fsdp` (the axis ZeRO shards over) and `tensor`
+(size 1 until tensor parallelism exists; the config has no key for it). Owns the mesh-size and
+batch-divisibility rules."""
 
 from __future__ import annotations
 
@@ -28,6 +30,20 @@ def simulate_cpu_devices(count: int) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+def check_sizes(data, fsdp=None, tensor=1) -> None:
+    """Each mesh size given is a positive integer (`fsdp` None: every device left over)."""
+    for name, size in (("mesh.data", data), ("mesh.tensor", tensor), ("mesh.fsdp", fsdp)):
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise UserError(f"{name} must be a positive integer, got {size!r}.")
+
+
+def check_batch(batch_size: int, data_parallel: int) -> None:
+    """The global batch splits evenly over every data-parallel device (mesh data x fsdp)."""
+    if batch_size % data_parallel:
+        raise UserError(f"train.batch_size={batch_size} is not divisible by the data-parallel size "
+                        f"{data_parallel} (mesh.data x mesh.fsdp).")
+
+
 def make_mesh(data: int = 1, fsdp: int | None = None, tensor: int = 1, *, devices: Sequence | None = None):
     """A `jax.sharding.Mesh` over `devices` (default: all) with axes (data, fsdp, tensor).
 
@@ -39,9 +55,7 @@ def make_mesh(data: int = 1, fsdp: int | None = None, tensor: int = 1, *, device
 
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
-    for name, size in (("mesh.data", data), ("mesh.tensor", tensor), ("mesh.fsdp", fsdp)):
-        if size is not None and (not isinstance(size, int) or size < 1):
-            raise UserError(f"{name} must be a positive integer, got {size!r}.")
+    check_sizes(data, fsdp, tensor)
     if fsdp is None:
         if n % (data * tensor):
             raise UserError(

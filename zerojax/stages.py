@@ -35,9 +35,14 @@ STAGES = (
 )
 
 
-def get_stage(index) -> Stage:
-    if isinstance(index, bool) or index not in range(len(STAGES)):
-        raise UserError(f"zero.stage must be 0, 1, 2 or 3, got {index!r}.")
+STAGE_INDICES = tuple(s.index for s in STAGES)
+
+
+def get_stage(index, key: str = "zero.stage") -> Stage:
+    """The table row for `index`; `key` names the setting in the error (e.g. `--stage`)."""
+    if isinstance(index, bool) or index not in STAGE_INDICES:
+        valid = ", ".join(map(str, STAGE_INDICES[:-1])) + f" or {STAGE_INDICES[-1]}"
+        raise UserError(f"{key} must be {valid}, got {index!r}.")
     return STAGES[index]
 
 

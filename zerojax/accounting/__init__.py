@@ -1,7 +1,9 @@
 """Accounting: the analytic memory / traffic model and measurement from compiled programs.
 
-`analytic` and `hardware` are pure arithmetic (no JAX import); `hlo` counts collective bytes in
-HLO text and compiles a lowered program to get the post-partitioning HLO.
+`analytic`, `activations` and `hardware` are pure arithmetic (no JAX import); `params` is the one
+parameter count; `hlo` counts collective bytes in HLO text and compiles a lowered program to get the
+post-partitioning HLO; `measure` sets a built trainer beside the analytic model and `compare.run_row`
+trains and measures one stage x engine.
 """
 
 from zerojax.accounting.analytic import (
@@ -12,9 +14,10 @@ from zerojax.accounting.analytic import (
     comm_bound_tokens_per_device,
     flops_per_step,
     get_optimizer,
-    get_precision_bytes,
+    get_precision,
     kept_state_bytes,
     model_state_bytes,
+    peak_bytes,
     plan,
     plan_dict,
     step_time_estimate,
@@ -26,6 +29,7 @@ from zerojax.accounting.hlo import collective_bytes, compile_partitioned, partit
 __all__ = [
     "ACTIVATION_MODEL", "GPTShape", "HARDWARE", "Hardware", "Plan", "activation_bytes_gpt",
     "collective_bytes", "comm_bound_tokens_per_device", "compile_partitioned", "flops_per_step", "get_hardware",
-    "get_optimizer", "get_precision_bytes", "kept_state_bytes", "model_state_bytes", "partitioned_hlo_text", "plan",
+    "get_optimizer", "get_precision", "kept_state_bytes", "model_state_bytes", "partitioned_hlo_text", "peak_bytes",
+    "plan",
     "plan_dict", "shape_bytes", "step_time_estimate", "traffic_bytes",
 ]

@@ -10,50 +10,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from zerojax.accounting.activations import ACTIVATION_MODEL, GPTShape, activation_bytes_gpt
 from zerojax.accounting.hardware import Hardware
 from zerojax.errors import UserError
+from zerojax.optim import OPTIMIZERS, Optimizer, get_optimizer
+from zerojax.precision import PRECISIONS, Precision, get_precision
 from zerojax.stages import STAGES, Stage, get_stage
 
 GROUPS = ("compute_params", "master", "optimizer", "grads")
 
 
-# --- precision and optimizer: bytes per parameter -------------------------------------------
-
-
-@dataclass(frozen=True)
-class PrecisionBytes:
-    name: str
-    param_bytes: int  # the copy forward and backward read; also the dtype collectives move
-    master_bytes: int  # separate fp32 master copy; 0 when the params themselves are the fp32 master
-    grad_bytes: int
-
-
-PRECISIONS: dict[str, PrecisionBytes] = {
-    "bf16": PrecisionBytes("bf16", param_bytes=2, master_bytes=4, grad_bytes=2),
-    "fp32": PrecisionBytes("fp32", param_bytes=4, master_bytes=0, grad_bytes=4),
-}
-
-
-def get_precision_bytes(name: str) -> PrecisionBytes:
-    if name not in PRECISIONS:
-        raise UserError(f"precision must be one of {', '.join(PRECISIONS)}, got {name!r}.")
-    return PRECISIONS[name]
-
-
-@dataclass(frozen=True)
-class OptimizerState:
-    name: str
-    slots: int  # fp32 tensors of the parameters' size (Adam: first and second moment)
-    factored: bool = False  # Adafactor: second moment kept as row and column statistics
-
-
-OPTIMIZERS: dict[str, OptimizerState] = {
-    "adam": OptimizerState("adam", 2),
-    "adamw": OptimizerState("adamw", 2),
-    "sgd_momentum": OptimizerState("sgd_momentum", 1),
-    "sgd": OptimizerState("sgd", 0),
-    "adafactor": OptimizerState("adafactor", 0, factored=True),  # optax default: no momentum
-}
+# --- optimizer state: bytes per parameter -------------------------------------------------
+# Precision (`zerojax.precision`) and the optimizer registry (`zerojax.optim`) are the library's
+# own: the planner reads their bytes per parameter and state slots, it keeps no lists of its own.
 
 # Without leaf shapes, a factored second moment is approximated as 1% of a full fp32 one: an r x c
 # matrix keeps r + c statistics, 2/d of its r * c entries for a square d x d matrix, so 1% is the
@@ -62,14 +31,8 @@ _FACTORED_FRACTION = 0.01
 _FACTOR_MIN_DIM = 128  # optax.adafactor's min_dim_size_to_factor: smaller dims keep full stats
 
 
-def get_optimizer(name: str) -> OptimizerState:
-    if name not in OPTIMIZERS:
-        raise UserError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}.")
-    return OPTIMIZERS[name]
-
-
 def optimizer_state_bytes(
-    optimizer: OptimizerState, params: float, shapes: list[tuple[int, ...]] | None = None
+    optimizer: Optimizer, params: float, shapes: list[tuple[int, ...]] | None = None
 ) -> float:
     """Unsharded fp32 optimizer state; `shapes` (one per leaf) makes Adafactor exact."""
     if not optimizer.factored:
@@ -110,8 +73,8 @@ def model_state_bytes(
     params: float,
     devices: int,
     stage: int,
-    policy: PrecisionBytes,
-    optimizer: OptimizerState,
+    policy: Precision,
+    optimizer: Optimizer,
     include_grads: bool = True,
     shapes: list[tuple[int, ...]] | None = None,
 ) -> dict[str, float]:
@@ -137,8 +100,8 @@ def kept_state_bytes(
     params: float,
     devices: int,
     stage: int,
-    policy: PrecisionBytes,
-    optimizer: OptimizerState,
+    policy: Precision,
+    optimizer: Optimizer,
     shapes: list[tuple[int, ...]] | None = None,
 ) -> dict[str, float]:
     """The persistent bytes zerojax itself keeps per device, by group (and `total`).
@@ -169,101 +132,27 @@ def traffic_units(stage: Stage) -> tuple[int, int]:
     return gathers, reductions
 
 
-def traffic_bytes(params: float, devices: int, stage: int, compute_bytes: float) -> dict[str, float]:
-    """Bytes one device sends per optimizer step (ring collectives, no gradient accumulation)."""
+def traffic_bytes(
+    params: float, devices: int, stage: int, compute_bytes: float, reduce_bytes: float | None = None
+) -> dict[str, float]:
+    """Bytes one device sends per optimizer step (ring collectives, no gradient accumulation).
+
+    Parameters are gathered in the compute dtype (`compute_bytes`), gradients reduced in the reduce
+    dtype (`reduce_bytes`, default: the compute dtype).
+    """
     _check(params, devices)
-    unit = compute_bytes * params * (devices - 1) / devices
+    ring = params * (devices - 1) / devices
     gathers, reductions = traffic_units(get_stage(stage))
-    out = {"param_allgather": gathers * unit, "grad_reduce": reductions * unit}
+    reduce_bytes = compute_bytes if reduce_bytes is None else reduce_bytes
+    out = {"param_allgather": gathers * compute_bytes * ring, "grad_reduce": reductions * reduce_bytes * ring}
     out["total"] = out["param_allgather"] + out["grad_reduce"]
     return out
 
 
-# --- activations ---------------------------------------------------------------------------
+# --- temporaries and peak ---------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class GPTShape:
-    d_model: int
-    n_layers: int
-    n_heads: int
-    d_ff: int
-    vocab_size: int = 256
-
-    @classmethod
-    def of(cls, cfg) -> "GPTShape":
-        """From anything with these attributes, e.g. the shipped model's `GPTConfig`."""
-        return cls(cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_ff, cfg.vocab_size)
-
-
-@dataclass(frozen=True)
-class LayerTerms:
-    """Bytes of one layer as d * D + f * F elements per token (compute dtype) + score bytes."""
-
-    d: float
-    f: float
-    score_bytes: float  # per B * H * L * L attention element (scores and softmax are fp32)
-
-
-@dataclass(frozen=True)
-class ActivationModel:
-    """Coefficients of `activation_bytes_gpt`, for the SwiGLU / RoPE decoder in `models/gpt.py`.
-
-    Saved per layer across the whole backward, by remat policy:
-      full: the layer input only (B*L*D).
-      dots: weight-matmul outputs; q, k, v, o, gate, up, down would be 5D + 2F, XLA keeps ~3D + 2F.
-      none: every internal (norms, q/k/v, attention output, 3-4 SwiGLU tensors, fp32 softmax).
-    Working set: one layer recomputed plus its cotangents during its backward (~2x its internals).
-    Logits: B*L*V in fp32 kept for the softmax backward, their fp32 gradient largely written in
-    place (6 bytes per element fits better than 4 + 4).
-    Calibrated against XLA:CPU memory_analysis().temp_size_in_bytes of the jitted grad step (fp32,
-    12 random small shapes): full within 15%, none within 12%, dots only within ~40% (XLA's choice
-    of what to recompute varies with shape). All undercount when the batch is so small that
-    parameter-sized temporaries (embedding gradients), which this does not model, dominate.
-    """
-
-    saved: dict[str, LayerTerms]
-    working_set: LayerTerms
-    logits_bytes: float  # per B * L * V element
-
-
-ACTIVATION_MODEL = ActivationModel(
-    saved={
-        "full": LayerTerms(d=1, f=0, score_bytes=0),
-        "dots": LayerTerms(d=3, f=2, score_bytes=0),
-        "none": LayerTerms(d=12, f=5, score_bytes=7),
-    },
-    working_set=LayerTerms(d=14, f=8, score_bytes=8),
-    logits_bytes=6,
-)
-
-
-def activation_bytes_gpt(
-    d_model: int,
-    n_layers: int,
-    n_heads: int,
-    d_ff: int,
-    vocab: int,
-    seq_len: int,
-    micro_batch: int,
-    compute_bytes: float,
-    remat: str = "full",
-    model: ActivationModel = ACTIVATION_MODEL,
-) -> int:
-    """Peak activation and temporary bytes per device for one micro-batch of a scanned decoder."""
-    if remat not in model.saved:
-        raise UserError(f"remat must be one of {', '.join(model.saved)}, got {remat!r}.")
-    tokens = micro_batch * seq_len
-    scores = micro_batch * n_heads * seq_len * seq_len
-
-    def layer(t: LayerTerms) -> float:
-        return tokens * (t.d * d_model + t.f * d_ff) * compute_bytes + scores * t.score_bytes
-
-    peak = n_layers * layer(model.saved[remat]) + layer(model.working_set)
-    return int(round(peak + tokens * vocab * model.logits_bytes))
-
-
-def step_temp_bytes(params: float, devices: int, stage: int, policy: PrecisionBytes, activations: float) -> float:
+def step_temp_bytes(params: float, devices: int, stage: int, policy: Precision, activations: float) -> float:
     """Temporaries of one train step per device (beside the kept state): the activations, the
     gradients (whole at stages 0-1, only this device's shard at 2-3) and one fp32 update-sized buffer
     on the optimizer's layout (whole at stage 0, sharded from stage 1).
@@ -276,6 +165,12 @@ def step_temp_bytes(params: float, devices: int, stage: int, policy: PrecisionBy
     grads = policy.grad_bytes * params / (devices if st.gradients else 1)
     update = 4.0 * params / (devices if st.optimizer else 1)
     return activations + grads + update
+
+
+def peak_bytes(arguments: float, outputs: float, aliased: float, temporaries: float) -> float:
+    """Peak bytes of a compiled program from its `memory_analysis()` sizes: everything live at once in
+    the worst case (XLA's own peak figure is not reported consistently on CPU)."""
+    return arguments + outputs - aliased + temporaries
 
 
 # --- time ----------------------------------------------------------------------------------
@@ -367,8 +262,8 @@ class Plan:
     params: float
     devices: int
     hardware: Hardware
-    precision: PrecisionBytes
-    optimizer: OptimizerState
+    precision: Precision
+    optimizer: Optimizer
     seq_len: int
     micro_batch: int
     mfu: float
@@ -383,8 +278,8 @@ def plan(
     hardware: Hardware,
     seq_len: int,
     micro_batch: int,
-    precision: PrecisionBytes = PRECISIONS["bf16"],
-    optimizer: OptimizerState = OPTIMIZERS["adamw"],
+    precision: Precision = PRECISIONS["bf16"],
+    optimizer: Optimizer = OPTIMIZERS["adamw"],
     shape: GPTShape | None = None,
     remat: str = "full",
     mfu: float = 1.0,
@@ -428,8 +323,8 @@ def _recommend(
     rows: tuple[StagePlan, ...],
     params: float,
     hardware: Hardware,
-    precision: PrecisionBytes,
-    optimizer: OptimizerState,
+    precision: Precision,
+    optimizer: Optimizer,
     seq_len: int,
 ) -> Recommendation:
     fitting = [r for r in rows if r.fits]

@@ -17,12 +17,12 @@ import tempfile
 from dataclasses import dataclass, field
 
 import jax
-import jax.numpy as jnp
 
 from zerojax.accounting import analytic
 from zerojax.accounting.hlo import collective_bytes, compile_partitioned
+from zerojax.accounting.params import count_params
 from zerojax.mesh import data_parallel_size
-from zerojax.stages import LeafLayout, get_stage
+from zerojax.stages import LeafLayout
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class Measurement:
     def peak_bytes(self) -> int:
         """Everything live at once in the worst case: XLA's own `peak_memory_in_bytes` is not
         reported consistently on CPU, so the usual upper bound is used."""
-        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+        return analytic.peak_bytes(self.argument_bytes, self.output_bytes, self.alias_bytes, self.temp_bytes)
 
     @property
     def ideal_peak_bytes(self) -> float | None:
@@ -124,29 +124,22 @@ _is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
 
 def param_count(trainer) -> int:
     """Logical (unpadded) parameters of the trainer's model, from its layout."""
-    leaves = jax.tree.leaves(trainer.layout.leaves, is_leaf=_is_layout)
-    return int(sum(math.prod(l.shape) for l in leaves))
+    return count_params(trainer.layout.leaves)
 
 
 def ideal(trainer, optimizer: str = "adamw", shape: analytic.GPTShape | None = None, seq_len: int = 0,
           micro_batch: int = 0, remat: str = "full") -> Ideal:
     """The analytic figures for what `trainer` keeps and moves (over its fsdp axis; replicas on `data`
     are not modelled); activations need the model's shape."""
-    layout = trainer.layout
-    psi, p = param_count(trainer), layout.fsdp_size
-    policy = analytic.get_precision_bytes(trainer.precision.name)
-    kept = analytic.kept_state_bytes(psi, p, trainer.stage.index, policy, analytic.get_optimizer(optimizer))
-    gathers, reductions = analytic.traffic_units(get_stage(trainer.stage.index))
-    unit = psi * (p - 1) / p
-    # Parameters are gathered in the compute dtype; gradients are reduced in the reduce dtype.
-    compute_b = jnp.dtype(trainer.precision.compute_dtype).itemsize
-    reduce_b = jnp.dtype(trainer.precision.reduce_dtype).itemsize
+    psi, p, stage, prec = param_count(trainer), trainer.layout.fsdp_size, trainer.stage.index, trainer.precision
+    kept = analytic.kept_state_bytes(psi, p, stage, prec, analytic.get_optimizer(optimizer))
+    traffic = analytic.traffic_bytes(psi, p, stage, prec.param_bytes, prec.reduce_bytes)
     act = temp = None
     if shape is not None and seq_len and micro_batch:
         act = float(analytic.activation_bytes_gpt(shape.d_model, shape.n_layers, shape.n_heads, shape.d_ff,
-                                                  shape.vocab_size, seq_len, micro_batch, compute_b, remat))
-        temp = analytic.step_temp_bytes(psi, p, trainer.stage.index, policy, act)
-    return Ideal(psi, p, kept["total"], kept, gathers * compute_b * unit, reductions * reduce_b * unit, temp, act)
+                                                  shape.vocab_size, seq_len, micro_batch, prec.param_bytes, remat))
+        temp = analytic.step_temp_bytes(psi, p, stage, prec, act)
+    return Ideal(psi, p, kept["total"], kept, traffic["param_allgather"], traffic["grad_reduce"], temp, act)
 
 
 def _abstract(tree):

@@ -7,8 +7,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import statistics
-import time
 
 from zerojax.errors import UserError
 
@@ -48,12 +46,14 @@ def engine_available(engine: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    from zerojax.accounting.compare import add_loss_differences, run_row
     from zerojax.config import load_config
     from zerojax.engines import ENGINES
     from zerojax.mesh import simulate_cpu_devices
+    from zerojax.stages import STAGE_INDICES
 
     # Every bad argument fails here, before JAX starts.
-    stages = parse_list("--stages", args.stages, (0, 1, 2, 3))
+    stages = parse_list("--stages", args.stages, STAGE_INDICES)
     engines = parse_list("--engines", args.engines, ENGINES)
     missing = [e for e in engines if not engine_available(e)]
     if missing:
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         for stage in stages:
             row, params, devices = run_row(load_config(args.config, _overrides(args, stage, engine)), args.steps)
             rows.append(row)
-    _add_loss_differences(rows)
+    add_loss_differences(rows)
     result = {"config": args.config, "overrides": list(args.overrides), "steps": args.steps, "params": params,
               "devices": devices, "rows": rows}
     print_table(result)
@@ -83,43 +83,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _overrides(args, stage: int, engine: str) -> list[str]:
     return [*args.overrides, f"zero.stage={stage}", f"zero.engine={engine}", f"train.steps={args.steps}"]
-
-
-def run_row(c, steps: int, devices=None) -> tuple[dict, int, int]:
-    """One stage x engine: init, one compile (measured), `steps` steps on the config's data.
-    Returns (row, parameters, devices); `devices` (default all) are those the mesh is built over."""
-    import jax
-
-    from zerojax.accounting import measure
-    from zerojax.accounting.analytic import GPTShape
-    from zerojax.experiment import build_experiment
-
-    exp = build_experiment(c, devices=devices)
-    trainer, gpt = exp.trainer, exp.model
-    sharding = trainer.batch_sharding
-    first = exp.train_data.global_batch(0, sharding)
-    state = trainer.init(jax.random.key(c.train.seed), first)
-    m, compiled = measure.measure_step(trainer, state, first, optimizer=c.optimizer.name, shape=GPTShape.of(gpt),
-                                       seq_len=gpt.seq_len, remat=gpt.remat)
-    losses, times = [], []
-    for step in range(steps):
-        batch = trainer.shard_batch(first if step == 0 else exp.train_data.global_batch(step, sharding))
-        t = time.perf_counter()
-        state, metrics = compiled(state, batch)
-        losses.append(float(metrics["loss"]))  # blocks until the step is done
-        times.append(time.perf_counter() - t)
-    del state
-    row = {**m.row(), "step_time_s": statistics.median(times), "losses": losses}
-    return row, m.ideal.params, int(trainer.mesh.devices.size)
-
-
-def _add_loss_differences(rows: list[dict]) -> None:
-    """final loss minus that of stage 0 (same engine when compared, else the first stage-0 row)."""
-    zeros = [r for r in rows if r["stage"] == 0]
-    for r in rows:
-        ref = next((z for z in zeros if z["engine"] == r["engine"]), zeros[0] if zeros else None)
-        r["final_loss"] = r["losses"][-1]
-        r["final_loss_diff_vs_stage0"] = None if ref is None else r["final_loss"] - ref["losses"][-1]
 
 
 def _ratio(x: float | None) -> str:

@@ -8,7 +8,6 @@ import argparse
 import json
 import math
 
-from zerojax.errors import UserError
 
 GROUPS = ("compute", "master", "optimizer", "grads")
 
@@ -27,11 +26,11 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from zerojax.config import load_config
     from zerojax.mesh import simulate_cpu_devices
+    from zerojax.stages import get_stage
 
     overrides = list(args.overrides)
     if args.stage is not None:
-        if args.stage not in (0, 1, 2, 3):
-            raise UserError(f"--stage must be 0, 1, 2 or 3, got {args.stage}.")
+        get_stage(args.stage, "--stage")
         overrides.append(f"zero.stage={args.stage}")
     config = load_config(args.config, overrides)  # before JAX starts: bad input fails fast
     if args.devices is not None:
@@ -56,26 +55,44 @@ def layout_report(c) -> dict:
     """The layout `Trainer.init` would build for config `c`, as plain JSON-ready values."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding
 
+    from zerojax.accounting.params import count_params
     from zerojax.experiment import build_experiment
     from zerojax.stages import LeafLayout, path_str
 
     exp = build_experiment(c)
     trainer = exp.trainer
-    rows = c.train.batch_size
-    batch = {k: jax.ShapeDtypeStruct((rows, exp.model.seq_len), jnp.int32) for k in ("inputs", "targets")}
+    batch = {k: jax.ShapeDtypeStruct((c.train.batch_size, exp.model.seq_len), jnp.int32)
+             for k in ("inputs", "targets")}
     state = trainer.abstract_state(jax.random.key(c.train.seed), batch)
     layout = trainer.layout
-    prec = layout.precision
-    compute_dtype = jnp.dtype(prec.compute_dtype)
-
-    # Optimizer leaves belong to the parameter whose path ends theirs (Adam's mu/..., nu/...).
-    by_param: dict[str, list] = {}
-    other = []
     params = {path_str(p): l for p, l in jax.tree_util.tree_flatten_with_path(
         layout.leaves, is_leaf=lambda x: isinstance(x, LeafLayout))[0]}
-    for p, sds in jax.tree_util.tree_flatten_with_path(state["opt_state"])[0]:
+    by_param, other = _optimizer_leaves(state["opt_state"], params)
+    master = {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(state["params"])[0]}
+    leaves = [_leaf_row(layout, name, l, master[name], by_param.get(name, [])) for name, l in params.items()]
+    totals = {g: sum(leaf["bytes_per_device"][g] for leaf in leaves) for g in ("compute", "master", "optimizer")}
+    totals["other_state"] = sum(o["bytes_per_device"] for o in other) + _shard_bytes(state["step"])
+    totals["total"] = sum(totals.values())
+    return {
+        "config": c.to_dict()["model"], "stage": layout.stage.index, "precision": layout.precision.name,
+        "engine": trainer.engine, "mesh": {k: int(v) for k, v in layout.mesh.shape.items()},
+        "fsdp": layout.fsdp_size, "params": count_params(layout.leaves),
+        "groups_sharded": {"compute": layout.compute_sharded, "master": layout.master_sharded,
+                           "optimizer": layout.optimizer_sharded, "grads": layout.grads_sharded},
+        "leaves": leaves, "other_state": other, "persistent_bytes_per_device": totals,
+    }
+
+
+def _optimizer_leaves(opt_state, params: dict) -> tuple[dict[str, list], list[dict]]:
+    """Optimizer leaves by the parameter whose path ends theirs (Adam's mu/..., nu/...), and the rest."""
+    import jax
+
+    from zerojax.stages import path_str
+
+    by_param: dict[str, list] = {}
+    other = []
+    for p, sds in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
         name = path_str(p)
         owner = next((k for k in params if name == k or name.endswith("/" + k)), None)
         if owner is not None and sds.shape:
@@ -83,41 +100,29 @@ def layout_report(c) -> dict:
         else:
             other.append({"path": name, "shape": list(sds.shape), "dtype": str(sds.dtype),
                           "spec": _spec(sds.sharding), "bytes_per_device": _shard_bytes(sds)})
-    master = {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(state["params"])[0]}
+    return by_param, other
 
-    leaves = []
-    for name, l in params.items():
-        m = master[name]
-        opt = by_param.get(name, [])
-        if layout.keeps_compute_copy:
-            compute_spec, compute_bytes, compute_note = "()", math.prod(l.shape) * compute_dtype.itemsize, "kept"
-        elif layout.compute_sharded and prec.separate_compute_copy:
-            compute_spec, compute_bytes, compute_note = _spec(m.sharding), 0, "cast from the shard and gathered per use"
-        else:
-            compute_spec, compute_bytes, compute_note = _spec(m.sharding), 0, "the master itself (fp32)"
-        grads = NamedSharding(layout.mesh, l.spec(layout.grads_sharded))
-        status = "replicated" if l.axis is None else ("padded" if l.padded else "sharded")
-        leaves.append({
-            "path": name, "shape": list(l.shape), "stored_shape": list(m.shape), "status": status,
-            "reason": l.reason,
-            "spec": {"compute": compute_spec, "master": _spec(m.sharding),
-                     "optimizer": _spec(opt[0].sharding) if opt else "-", "grads": _spec(grads)},
-            "compute_note": compute_note,
-            "bytes_per_device": {"compute": compute_bytes, "master": _shard_bytes(m),
-                                 "optimizer": sum(_shard_bytes(s) for s in opt)},
-        })
-    for leaf in leaves:
-        leaf["bytes_per_device"]["total"] = sum(leaf["bytes_per_device"].values())
-    totals = {g: sum(leaf["bytes_per_device"][g] for leaf in leaves) for g in ("compute", "master", "optimizer")}
-    totals["other_state"] = sum(o["bytes_per_device"] for o in other) + _shard_bytes(state["step"])
-    totals["total"] = sum(totals.values())
+
+def _leaf_row(layout, name: str, l, m, opt: list) -> dict:
+    """One parameter's row: its specs in each group and the bytes one device keeps of it."""
+    from jax.sharding import NamedSharding
+
+    prec = layout.precision
+    if layout.keeps_compute_copy:
+        compute_spec, compute_bytes, compute_note = "()", math.prod(l.shape) * prec.param_bytes, "kept"
+    elif layout.compute_sharded and prec.separate_compute_copy:
+        compute_spec, compute_bytes, compute_note = _spec(m.sharding), 0, "cast from the shard and gathered per use"
+    else:
+        compute_spec, compute_bytes, compute_note = _spec(m.sharding), 0, "the master itself (fp32)"
+    grads = NamedSharding(layout.mesh, l.spec(layout.grads_sharded))
+    status = "replicated" if l.axis is None else ("padded" if l.padded else "sharded")
+    nbytes = {"compute": compute_bytes, "master": _shard_bytes(m), "optimizer": sum(_shard_bytes(s) for s in opt)}
+    nbytes["total"] = sum(nbytes.values())
     return {
-        "config": c.to_dict()["model"], "stage": layout.stage.index, "precision": prec.name,
-        "engine": trainer.engine, "mesh": {k: int(v) for k, v in layout.mesh.shape.items()},
-        "fsdp": layout.fsdp_size, "params": sum(math.prod(l.shape) for l in params.values()),
-        "groups_sharded": {"compute": layout.compute_sharded, "master": layout.master_sharded,
-                           "optimizer": layout.optimizer_sharded, "grads": layout.grads_sharded},
-        "leaves": leaves, "other_state": other, "persistent_bytes_per_device": totals,
+        "path": name, "shape": list(l.shape), "stored_shape": list(m.shape), "status": status, "reason": l.reason,
+        "spec": {"compute": compute_spec, "master": _spec(m.sharding),
+                 "optimizer": _spec(opt[0].sharding) if opt else "-", "grads": _spec(grads)},
+        "compute_note": compute_note, "bytes_per_device": nbytes,
     }
 
 

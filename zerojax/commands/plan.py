@@ -26,6 +26,10 @@ def parse_count(text: str) -> float:
 
 
 def add_parser(subparsers) -> None:
+    from zerojax.accounting.hardware import HARDWARE
+    from zerojax.optim import OPTIMIZERS
+    from zerojax.precision import DTYPES
+
     p = subparsers.add_parser(
         "plan", help="memory, traffic and time per device for ZeRO stages 0-3, and which to use"
     )
@@ -36,12 +40,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--devices", type=int,
                    help="devices in all; the state is sharded over those not on mesh.data (default: "
                         "CONFIG's mesh.data x mesh.fsdp)")
-    p.add_argument("--hardware", default="h100", help="a100, h100, h200, tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e")
+    p.add_argument("--hardware", default="h100", help=", ".join(HARDWARE))
     p.add_argument("--seq", type=int, help="sequence length (default: CONFIG's model.seq_len, else 2048)")
     p.add_argument("--micro-batch", type=int,
                    help="sequences per device per step (default: CONFIG's train.batch_size / devices, else 1)")
-    p.add_argument("--optimizer", help="adamw, adam, sgd_momentum, sgd, adafactor (default: CONFIG's, else adamw)")
-    p.add_argument("--precision", help="bf16 (fp32 master) or fp32 (default: CONFIG's, else bf16)")
+    p.add_argument("--optimizer", help=f"{', '.join(OPTIMIZERS)} (default: CONFIG's, else adamw)")
+    p.add_argument("--precision", help=f"{' or '.join(DTYPES)}, bf16 with an fp32 master (default: CONFIG's, else bf16)")
     p.add_argument("--mfu", type=float, default=1.0, help="assumed fraction of peak FLOP/s (default 1.0)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=_run)
@@ -50,6 +54,8 @@ def add_parser(subparsers) -> None:
 def _run(args: argparse.Namespace) -> int:
     from zerojax.accounting import analytic
     from zerojax.accounting.hardware import get_hardware
+    from zerojax.optim import get_optimizer
+    from zerojax.precision import get_precision
 
     if args.config is not None and args.params is not None:
         raise UserError("give either CONFIG or --params, not both.")
@@ -77,8 +83,8 @@ def _run(args: argparse.Namespace) -> int:
         hardware,
         seq_len=inputs["seq_len"],
         micro_batch=inputs["micro_batch"],
-        precision=analytic.get_precision_bytes(inputs["precision"]),
-        optimizer=analytic.get_optimizer(inputs["optimizer"]),
+        precision=get_precision(inputs["precision"]),
+        optimizer=get_optimizer(inputs["optimizer"], "--optimizer" if args.optimizer else "optimizer.name"),
         shape=inputs["shape"],
         remat=inputs["remat"],
         mfu=args.mfu,
@@ -103,15 +109,16 @@ def _from_config(args: argparse.Namespace) -> dict:
         raise UserError(f"config file {args.config!r} does not exist; give an existing YAML config, "
                         "or plan with --params N --devices P.")
     from zerojax.accounting.analytic import GPTShape
+    from zerojax.accounting.params import gpt_params
     from zerojax.config import load_config
     from zerojax.experiment import model_config
 
     c = load_config(args.config, args.overrides)
     gpt = model_config(c)
-    replicas = c.mesh.data * c.mesh.tensor
+    replicas = c.mesh.data
     if args.devices is not None:
         if args.devices % replicas:
-            raise UserError(f"--devices {args.devices} is not divisible by mesh.data x mesh.tensor = {replicas}.")
+            raise UserError(f"--devices {args.devices} is not divisible by mesh.data = {replicas}.")
         fsdp = args.devices // replicas
     elif c.mesh.fsdp is not None:
         fsdp = c.mesh.fsdp
@@ -120,7 +127,7 @@ def _from_config(args: argparse.Namespace) -> dict:
     dp = c.mesh.data * fsdp
     seq = args.seq or gpt.seq_len
     return {
-        "params": float(count_params(gpt)),
+        "params": float(gpt_params(gpt)),
         "devices": fsdp,
         "seq_len": seq,
         "micro_batch": args.micro_batch or max(1, c.train.batch_size // dp),
@@ -130,22 +137,6 @@ def _from_config(args: argparse.Namespace) -> dict:
         "remat": gpt.remat,
         "replicas": replicas,
     }
-
-
-def count_params(gpt) -> int:
-    """Parameters of the shipped GPT with this config, counted on `jax.eval_shape` of its init."""
-    import functools
-    import math
-
-    import jax
-    import jax.numpy as jnp
-
-    from zerojax.adapt import functional, param_shapes
-    from zerojax.models.gpt import GPT
-
-    inputs = jax.ShapeDtypeStruct((1, gpt.seq_len), jnp.int32)
-    shapes = param_shapes(functional(functools.partial(GPT, gpt)), jax.random.key(0), inputs)
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
 
 
 def _gb(x: float) -> str:

@@ -1,0 +1,81 @@
+"""The optimizers a config can name: one registry of the optax factory and the fp32 state it keeps.
+
+Config validation, `build_optimizer` and the planner's memory model all read `OPTIMIZERS`, so a new
+optimizer is one entry here. optax is imported only when an optimizer is built: the planner stays
+JAX-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from zerojax.errors import UserError
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    name: str
+    slots: int  # fp32 tensors of the parameters' size (Adam: first and second moment)
+    factored: bool = False  # Adafactor: second moment kept as row and column statistics
+    # (learning rate or schedule, the `optimizer` config section) -> optax.GradientTransformation
+    make: Callable[[Any, Any], Any] | None = field(default=None, compare=False, repr=False)
+
+
+def _adamw(lr, c):
+    import optax
+
+    return optax.adamw(lr, b1=c.b1, b2=c.b2, weight_decay=c.weight_decay)
+
+
+def _adam(lr, c):
+    import optax
+
+    return optax.adam(lr, b1=c.b1, b2=c.b2)
+
+
+def _sgd(lr, c):
+    import optax
+
+    return optax.sgd(lr)
+
+
+def _sgd_momentum(lr, c):
+    import optax
+
+    return optax.sgd(lr, momentum=c.b1)
+
+
+def _adafactor(lr, c):
+    import optax
+
+    return optax.adafactor(lr)
+
+
+OPTIMIZERS: dict[str, Optimizer] = {
+    "adamw": Optimizer("adamw", 2, make=_adamw),
+    "adam": Optimizer("adam", 2, make=_adam),
+    "sgd": Optimizer("sgd", 0, make=_sgd),
+    "sgd_momentum": Optimizer("sgd_momentum", 1, make=_sgd_momentum),
+    "adafactor": Optimizer("adafactor", 0, factored=True, make=_adafactor),  # optax default: no momentum
+}
+
+
+def get_optimizer(name: str, key: str = "optimizer.name") -> Optimizer:
+    """The registry entry for `name`; `key` names the setting in the error (e.g. `--optimizer`)."""
+    if name not in OPTIMIZERS:
+        raise UserError(f"{key} must be one of {', '.join(OPTIMIZERS)}, got {name!r}.")
+    return OPTIMIZERS[name]
+
+
+def build_optimizer(c, total_steps: int):
+    """The optax transformation an `optimizer` config section names: warm-up then cosine decay, and
+    global-norm clipping when `grad_clip` is set."""
+    import optax
+
+    if c.warmup_steps:
+        lr = optax.warmup_cosine_decay_schedule(0.0, c.lr, c.warmup_steps, max(total_steps, c.warmup_steps + 1))
+    else:
+        lr = c.lr
+    base = get_optimizer(c.name).make(lr, c)
+    return optax.chain(optax.clip_by_global_norm(c.grad_clip), base) if c.grad_clip else base
