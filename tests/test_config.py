@@ -34,6 +34,9 @@ def _error(*overrides: str) -> str:
     ("zero.prefetch=1", "zero.prefetch must be a valid boolean, got 1."),
     ("model=3", "model must be a mapping, got 3."),
     ('xla.flags=["xla_dump_to=/tmp"]', "xla.flags entries must look like --name=value, got 'xla_dump_to=/tmp'."),
+    ("train.seed=-1", "train.seed must be greater than or equal to 0, got -1."),
+    ("optimizer.b1=1.0", "optimizer.b1 must be less than 1, got 1.0."),
+    ("optimizer.b2=-0.5", "optimizer.b2 must be greater than or equal to 0, got -0.5."),
 ])
 def test_type_and_bound_errors_name_the_dotted_key(override, message):
     assert message in _error(override)
@@ -97,3 +100,10 @@ def test_traffic_reduces_in_the_reduce_dtype():
     wide = A.traffic_bytes(8e6, 8, 3, 2, 4)
     assert wide["param_allgather"] == same["param_allgather"] == 2 * 2 * 8e6 * 7 / 8
     assert wide["grad_reduce"] == 2 * same["grad_reduce"] == 4 * 8e6 * 7 / 8
+
+
+def test_a_config_that_is_not_utf8_is_one_sentence(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("train:\n  steps: 3  # caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(UserError, match=r"latin1.yaml' is not UTF-8 text \(byte 24 cannot be decoded\)"):
+        load_config(str(path))

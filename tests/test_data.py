@@ -109,3 +109,21 @@ def test_errors_name_data_path(tmp_path):
     with pytest.raises(UserError, match=r"data.path.*short.*needs at least 18"):
         BatchStream(np.zeros(17, np.uint8), seq_len=16, global_batch=2, seed=0, path="tiny.txt")
     BatchStream(np.zeros(18, np.uint8), seq_len=16, global_batch=2, seed=0)  # exactly enough
+
+
+def test_utf16_and_utf32_text_with_a_bom_is_read_as_utf8(tmp_path):
+    text = "def f():\n    return 'caf\u00e9'\n" * 4
+    for encoding in ("utf-16", "utf-16-be", "utf-32"):
+        path = tmp_path / f"{encoding}.txt"
+        data = text.encode(encoding)
+        if encoding == "utf-16-be":
+            data = b"\xfe\xff" + data  # the big-endian codec writes no byte-order mark itself
+        path.write_bytes(data)
+        assert bytes(load_corpus(str(path))) == text.encode("utf-8"), encoding
+
+
+def test_nul_bytes_without_a_bom_are_explained(tmp_path):
+    path = tmp_path / "nobom.txt"
+    path.write_bytes("plain text".encode("utf-16-le"))
+    with pytest.raises(UserError, match="NUL bytes: binary, or UTF-16/32 text without a byte-order mark"):
+        load_corpus(str(path))

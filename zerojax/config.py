@@ -65,8 +65,8 @@ class OptimizerConfig(_Section):
     name: str = "adamw"
     lr: Annotated[Float, Field(gt=0)] = 3e-3
     weight_decay: Annotated[Float, Field(ge=0)] = 0.0
-    b1: Float = 0.9
-    b2: Float = 0.95
+    b1: Annotated[Float, Field(ge=0, lt=1)] = 0.9  # 1 would never forget: updates become NaN
+    b2: Annotated[Float, Field(ge=0, lt=1)] = 0.95
     warmup_steps: NonNegativeInt = 0
     grad_clip: Optional[Annotated[Float, Field(gt=0)]] = 1.0
 
@@ -74,7 +74,7 @@ class OptimizerConfig(_Section):
 class TrainConfig(_Section):
     steps: PositiveInt = 30
     batch_size: PositiveInt = 16  # global, split over mesh data x fsdp
-    seed: Int = 0
+    seed: NonNegativeInt = 0  # an unsigned PRNG seed
     eval_every: NonNegativeInt = 0  # 0: evaluate only at the end
     eval_batches: PositiveInt = 2
     max_bad_steps: PositiveInt = 3
@@ -177,8 +177,13 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
         if not os.path.isfile(path):
             raise UserError(f"config file {path!r} does not exist.")
         try:
-            with open(path) as f:
+            with open(path, encoding="utf-8") as f:
                 raw = yaml.safe_load(f) or {}
+        except UnicodeDecodeError as e:
+            raise UserError(f"config file {path!r} is not UTF-8 text (byte {e.start} cannot be decoded); "
+                            "save it as UTF-8.") from None
+        except OSError as e:
+            raise UserError(f"config file {path!r} cannot be read: {e.strerror or e}.") from None
         except yaml.YAMLError as e:
             where = getattr(e, "problem_mark", None)
             line = f" at line {where.line + 1}" if where else ""

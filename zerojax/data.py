@@ -12,6 +12,9 @@ from zerojax.errors import UserError
 
 VOCAB_SIZE = 256
 _BINARY_PROBE = 8192  # a NUL byte in the first 8 KiB marks a file as binary
+# Text with a byte-order mark in these encodings is read as its UTF-8 bytes (it holds NUL bytes).
+_BOMS = ((b"\xff\xfe\x00\x00", "utf-32"), (b"\x00\x00\xfe\xff", "utf-32"),
+         (b"\xff\xfe", "utf-16"), (b"\xfe\xff", "utf-16"))
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
 
 
@@ -27,17 +30,26 @@ def _sorted_files(root: str, *, suffix: str = "", skip_dirs: frozenset[str] = fr
     return [os.path.join(root, rel) for rel in sorted(found)]
 
 
+def _text_bytes(path: str, budget: int) -> bytes | None:
+    """Up to `budget` bytes of a file's text as UTF-8; None for a binary file."""
+    with open(path, "rb") as f:
+        head = f.read(_BINARY_PROBE)
+        encoding = next((enc for bom, enc in _BOMS if head.startswith(bom)), None)
+        if encoding is not None:  # UTF-16/32 text: decode it whole, keep its UTF-8 bytes
+            text = (head + f.read()).decode(encoding, errors="replace")
+            return text.encode("utf-8")[:budget]
+        if b"\0" in head:
+            return None
+        return head[:budget] + f.read(max(0, budget - len(head)))
+
+
 def _read_until(files: list[str], max_bytes: int) -> bytes:
     out = bytearray()
     for path in files:
         if len(out) >= max_bytes:
             break
         try:
-            with open(path, "rb") as f:
-                head = f.read(_BINARY_PROBE)
-                if b"\0" in head:
-                    continue
-                out += head + f.read(max(0, max_bytes - len(out) - len(head)))
+            out += _text_bytes(path, max_bytes - len(out)) or b""
         except OSError:
             continue  # unreadable files (permissions, races) are simply not part of the corpus
     return bytes(out[:max_bytes])
@@ -56,7 +68,9 @@ def load_corpus(path: str | None, max_bytes: int = 16 * 2**20) -> np.ndarray:
         raise UserError(f"data.path={path!r} does not exist; give an existing text file or folder, or null for the built-in corpus.")
     data = _read_until(files, max_bytes)
     if not data:
-        raise UserError(f"data.path={path!r} holds no usable bytes (empty, or only binary files); give a non-empty text corpus.")
+        raise UserError(f"data.path={path!r} holds no usable bytes (empty, unreadable, or only files with NUL "
+                        "bytes: binary, or UTF-16/32 text without a byte-order mark, which must be converted "
+                        "to UTF-8); give a non-empty text corpus.")
     return np.frombuffer(data, dtype=np.uint8).copy()
 
 

@@ -24,10 +24,16 @@ def training_progress(total_steps: int):
         task = progress.add_task("train", total=total_steps, loss="-", tps="-")
 
         def on_step(record: dict) -> None:
-            progress.update(task, completed=record["step"], loss=f"{record['loss']:.4f}",
+            progress.update(task, completed=record["step"], loss=_loss(record["loss"], record.get("bad_step")),
                             tps=f"{record['tokens_per_s']:,.0f}")
 
         yield on_step
+
+
+def _loss(value: float | None, bad: int | None = 0) -> str:
+    """A loss for people: non-finite ones are stored as None (JSON has no NaN) and marked."""
+    text = "non-finite" if value is None else f"{value:.4f}"
+    return f"{text} (bad step, skipped)" if bad else text
 
 
 def _bytes(n: float) -> str:
@@ -45,8 +51,9 @@ def summary_table(summary: dict, out_dir: str) -> None:
         ("stage / engine / precision", f"{summary['stage']} / {summary['engine']} / {summary['precision']}"),
         ("devices (mesh)", f"{summary['devices']} {summary['mesh']}"),
         ("parameters", f"{summary['params']:,}"),
-        ("loss first -> final", f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"),
-        ("eval loss", "-" if summary["eval_loss"] is None else f"{summary['eval_loss']:.4f}"),
+        ("loss first -> final", f"{_loss(summary['first_loss'])} -> {_loss(summary['final_loss'])}"),
+        ("eval loss", "-" if summary["eval_loss"] is None else _loss(summary["eval_loss"])),
+        ("bad steps (skipped)", f"{summary.get('bad_steps', 0)}"),
         ("state per device", _bytes(summary["persistent_bytes_per_device"])),
         ("compile", f"{summary['compile_s']:.1f} s"),
         ("median step", f"{summary['median_step_time_s'] * 1e3:.1f} ms ({summary['tokens_per_s']:,.0f} tok/s)"),
