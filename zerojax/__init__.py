@@ -15,7 +15,7 @@ _EXPORTS = {
     "get_stage": "zerojax.stages",
     "make_layout": "zerojax.layout",
     "UserError": "zerojax.errors",
-    "load_params": "zerojax.checkpoint",
+    "load_params": "zerojax.export",
 }
 
 __all__ = sorted(_EXPORTS)
