@@ -66,7 +66,7 @@ def layout_report(c) -> dict:
     rows = c.train.batch_size
     batch = {k: jax.ShapeDtypeStruct((rows, exp.model.seq_len), jnp.int32) for k in ("inputs", "targets")}
     state = trainer.abstract_state(jax.random.key(c.train.seed), batch)
-    layout = trainer.layout
+    layout = trainer.prepare(jax.random.key(c.train.seed), batch).layout
     prec = layout.precision
     compute_dtype = jnp.dtype(prec.compute_dtype)
 
@@ -75,7 +75,7 @@ def layout_report(c) -> dict:
     other = []
     params = {path_str(p): l for p, l in jax.tree_util.tree_flatten_with_path(
         layout.leaves, is_leaf=lambda x: isinstance(x, LeafLayout))[0]}
-    for p, sds in jax.tree_util.tree_flatten_with_path(state["opt_state"])[0]:
+    for p, sds in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]:
         name = path_str(p)
         owner = next((k for k in params if name == k or name.endswith("/" + k)), None)
         if owner is not None and sds.shape:
@@ -83,7 +83,7 @@ def layout_report(c) -> dict:
         else:
             other.append({"path": name, "shape": list(sds.shape), "dtype": str(sds.dtype),
                           "spec": _spec(sds.sharding), "bytes_per_device": _shard_bytes(sds)})
-    master = {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(state["params"])[0]}
+    master = {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(state.params)[0]}
 
     leaves = []
     for name, l in params.items():
@@ -109,7 +109,7 @@ def layout_report(c) -> dict:
     for leaf in leaves:
         leaf["bytes_per_device"]["total"] = sum(leaf["bytes_per_device"].values())
     totals = {g: sum(leaf["bytes_per_device"][g] for leaf in leaves) for g in ("compute", "master", "optimizer")}
-    totals["other_state"] = sum(o["bytes_per_device"] for o in other) + _shard_bytes(state["step"])
+    totals["other_state"] = sum(o["bytes_per_device"] for o in other) + _shard_bytes(state.step)
     totals["total"] = sum(totals.values())
     return {
         "config": c.to_dict()["model"], "stage": layout.stage.index, "precision": prec.name,
