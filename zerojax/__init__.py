@@ -9,6 +9,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Trainer": "zerojax.trainer",
+    "TrainState": "zerojax.state",
+    "EngineOptions": "zerojax.engines",
     "make_mesh": "zerojax.mesh",
     "simulate_cpu_devices": "zerojax.mesh",
     "STAGES": "zerojax.stages",
