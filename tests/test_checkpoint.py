@@ -16,6 +16,7 @@ from flax import nnx
 from zerojax import Trainer, load_params, make_mesh
 from zerojax.checkpoint import CheckpointWriter, restore, run_metadata
 from zerojax.export import export_params
+from zerojax.state import TrainState
 from zerojax.data import BatchStream, load_corpus
 from zerojax.errors import UserError
 from zerojax.models.gpt import GPT, gpt_config
@@ -151,7 +152,7 @@ def test_export_streams_leaf_by_leaf(tmp_path):
               for i, (k, v) in enumerate(shapes.items())}
     meta = {"format": 1, "seed": 0, "params": {k: {"shape": list(v)} for k, v in shapes.items()}}
     writer = CheckpointWriter(str(tmp_path / "ckpt"), keep=1, run_meta=meta)
-    writer.save(1, {"step": jnp.int32(1), "params": params, "opt_state": ()})
+    writer.save(1, TrainState(step=jnp.int32(1), params=params, opt_state=()))
     writer.close()
     export_params(str(tmp_path / "ckpt"), str(tmp_path / "warm.npz"))  # imports and caches first
     tracemalloc.start()
