@@ -71,7 +71,7 @@ def measure(args, cfg, rows_per_batch: int) -> tuple[int, list[dict]]:
                              engine=engine, precision=args.precision, engine_options=options)
         state = trainer.init(jax.random.key(0), batch)
         sharded = trainer.shard_batch(batch)
-        lowered = trainer._step_fn.lower(state, sharded)
+        lowered = trainer.lower(state, sharded)
         t0 = time.perf_counter()
         hlo = partitioned_hlo_text(lowered, tempfile.mkdtemp(prefix="zerojax-hlo-"))
         compiled = lowered.compile()
@@ -94,7 +94,15 @@ def measure(args, cfg, rows_per_batch: int) -> tuple[int, list[dict]]:
         runs.append([compiled, state, sharded])
         del trainer
 
-    for _ in range(args.steps):  # round-robin: every configuration sees the same machine noise
+    _time_round_robin(args.steps, rows, runs)
+    return rows_per_batch, rows
+
+
+def _time_round_robin(steps: int, rows: list[dict], runs: list) -> None:
+    """Step every configuration in turn, `steps` rounds; then each row's median and paired ratio."""
+    import jax
+
+    for _ in range(steps):  # round-robin: every configuration sees the same machine noise
         for row, run in zip(rows, runs):
             compiled, state, sharded = run
             t0 = time.perf_counter()
@@ -110,7 +118,6 @@ def measure(args, cfg, rows_per_batch: int) -> tuple[int, list[dict]]:
         base = next(r for r in rows if r["stage"] == row["stage"] and r["engine"] == "gspmd")
         row["paired"] = float(np.median(np.array(row["times"]) / np.array(base["times"])))
         print(f"{row['engine']:>20} stage {row['stage']}: {row['median_s']:.3f}s", file=sys.stderr)
-    return rows_per_batch, rows
 
 
 def write_table(args, cfg, sections) -> None:

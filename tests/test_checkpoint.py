@@ -14,7 +14,9 @@ import pytest
 from flax import nnx
 
 from zerojax import Trainer, load_params, make_mesh
-from zerojax.checkpoint import CheckpointWriter, export_params, restore, run_metadata
+from zerojax.checkpoint import CheckpointWriter, restore, run_metadata
+from zerojax.export import export_params
+from zerojax.state import TrainState
 from zerojax.data import BatchStream, load_corpus
 from zerojax.errors import UserError
 from zerojax.models.gpt import GPT, gpt_config
@@ -47,7 +49,7 @@ def _steps(trainer, state, stream, steps):
 def _logical_params(trainer, state) -> dict:
     """Host copies of the master params in their logical shapes (a test-only gather)."""
     return jax.tree.map(lambda l, x: np.asarray(x)[tuple(slice(0, s) for s in l.shape)],
-                        trainer.layout.leaves, state["params"], is_leaf=lambda x: hasattr(x, "padded_shape"))
+                        trainer.layout.leaves, state.params, is_leaf=lambda x: hasattr(x, "padded_shape"))
 
 
 @dataclass
@@ -84,7 +86,7 @@ def sources(tmp_path_factory, stream) -> dict[int, Source]:
 def test_restore_is_bit_exact_at_every_stage(sources, stream):
     for stage, src in sources.items():
         state, meta = restore(src.trainer, src.step_dir, KEY, stream.host_batch(SAVE_AT))
-        assert int(state["step"]) == SAVE_AT and meta["data"] == {"position": SAVE_AT, "seed": 0}
+        assert int(state.step) == SAVE_AT and meta["data"] == {"position": SAVE_AT, "seed": 0}
         assert "compute" not in meta["leaves"] and meta["stage"] == stage
         for x, want in zip(jax.tree.leaves(state), jax.tree.leaves(src.trainer.state_shardings)):
             assert x.sharding == want, stage
@@ -150,7 +152,7 @@ def test_export_streams_leaf_by_leaf(tmp_path):
               for i, (k, v) in enumerate(shapes.items())}
     meta = {"format": 1, "seed": 0, "params": {k: {"shape": list(v)} for k, v in shapes.items()}}
     writer = CheckpointWriter(str(tmp_path / "ckpt"), keep=1, run_meta=meta)
-    writer.save(1, {"step": jnp.int32(1), "params": params, "opt_state": ()})
+    writer.save(1, TrainState(step=jnp.int32(1), params=params, opt_state=()))
     writer.close()
     export_params(str(tmp_path / "ckpt"), str(tmp_path / "warm.npz"))  # imports and caches first
     tracemalloc.start()

@@ -247,10 +247,10 @@ def test_fit_resume_at_stage_0_is_bit_exact_and_a_nan_batch_is_skipped(compile_c
     # The bad step kept params and optimizer state bit for bit and still advanced the step.
     state, _ = restore(exp.trainer, str(a / "checkpoints" / "2"), jax.random.key(0),
                        exp.train_data.global_batch(2, exp.trainer.batch_sharding))
-    kept = jax.tree.map(np.asarray, {k: state[k] for k in ("params", "opt_state")})
+    kept = jax.tree.map(np.asarray, {k: getattr(state, k) for k in ("params", "opt_state")})
     after, metrics = exp.trainer.step(state, exp.train_data.global_batch(2, exp.trainer.batch_sharding))
-    assert int(metrics["bad_step"]) == 1 and int(after["step"]) == 3
-    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, {k: after[k] for k in kept}), kept)
+    assert int(metrics["bad_step"]) == 1 and int(after.step) == 3
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, {k: getattr(after, k) for k in kept}), kept)
 
     # A crash after step 3: checkpoint 2 on disk, metrics up to step 3 and a torn line.
     b = tmp_path / "b"

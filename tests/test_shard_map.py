@@ -17,7 +17,6 @@ from flax import nnx
 import zerojax as zj
 from tests.models import LinenMLP, UnevenMLP, classification_batch, tiny_gpt, token_batch
 from zerojax.accounting.hlo import collective_bytes, compile_partitioned, partitioned_hlo_text
-from zerojax.engines.shard_map import gather_report
 from zerojax.models import GPT, gpt_config
 from zerojax.wrap import WrapRule, as_rule, choose_units
 
@@ -71,7 +70,7 @@ def _run(name, engine, stage, data=1, **options):
     for step in range(STEPS):
         state, metrics = trainer.step(state, batches(step))
         losses.append(float(metrics["loss"]))
-    report = gather_report(trainer)
+    report = trainer.gather_report()
     return np.array(losses), report
 
 
@@ -118,7 +117,7 @@ def _all_gathers(wrap) -> int:
     trainer = _trainer(UnevenMLP, 3, "shard_map", zj.make_mesh(fsdp=8), wrap=wrap)
     batch = classification_batch(0)
     state = trainer.init(jax.random.key(0), batch)
-    hlo = partitioned_hlo_text(trainer._step_fn.lower(state, trainer.shard_batch(batch)),
+    hlo = partitioned_hlo_text(trainer.lower(state, trainer.shard_batch(batch)),
                                tempfile.mkdtemp(prefix="zerojax-hlo-"))
     return collective_bytes(hlo)["counts"]["all-gather"]
 
@@ -164,7 +163,7 @@ BIG = gpt_config("20m", n_layers=8)  # 8 layers of the shipped 20m shape: ~27.5M
 
 def _hlo_and_memory(trainer, batch):
     state = trainer.init(jax.random.key(0), batch)
-    lowered = trainer._step_fn.lower(state, trainer.shard_batch(batch))
+    lowered = trainer.lower(state, trainer.shard_batch(batch))
     compiled, hlo = compile_partitioned(lowered, tempfile.mkdtemp(prefix="zerojax-hlo-"))
     m = compiled.memory_analysis()
     peak = m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
@@ -230,10 +229,10 @@ def test_reduce_dtype_fp32_doubles_only_the_gradient_bytes():
     trainer = zj.Trainer(model, optax.adamw(1e-3), mesh=mesh, stage=3, engine="shard_map", precision="bf16",
                          reduce_dtype="fp32")
     state = trainer.init(jax.random.key(0), batches(0))
-    hlo = partitioned_hlo_text(trainer._step_fn.lower(state, trainer.shard_batch(batches(0))),
+    hlo = partitioned_hlo_text(trainer.lower(state, trainer.shard_batch(batches(0))),
                                tempfile.mkdtemp(prefix="zerojax-hlo-"))
     traffic = collective_bytes(hlo)["bytes"]
-    params = sum(x.size for x in jax.tree.leaves(state["params"]))
+    params = sum(x.size for x in jax.tree.leaves(state.params))
     unit = params * 7 / 8
     assert traffic["reduce-scatter"] / (4 * unit) == pytest.approx(1.0, rel=0.01)  # fp32 gradients
     assert traffic["all-gather"] / (2 * unit) < 2.0  # bf16 weights (at most twice per leaf)

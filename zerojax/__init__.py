@@ -9,13 +9,15 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Trainer": "zerojax.trainer",
+    "TrainState": "zerojax.state",
+    "EngineOptions": "zerojax.engines",
     "make_mesh": "zerojax.mesh",
     "simulate_cpu_devices": "zerojax.mesh",
     "STAGES": "zerojax.stages",
     "get_stage": "zerojax.stages",
     "make_layout": "zerojax.layout",
     "UserError": "zerojax.errors",
-    "load_params": "zerojax.checkpoint",
+    "load_params": "zerojax.export",
 }
 
 __all__ = sorted(_EXPORTS)

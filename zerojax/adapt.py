@@ -1,5 +1,5 @@
 """Turn a user's model into two pure functions: `init(key, inputs) -> (params, static)` and
-`apply(params, static, inputs, layer_hook=None, around=None) -> outputs`.
+`apply(params, static, inputs, layer_hook=None, around=None, layer_loop=None) -> outputs`.
 
 Accepted: a callable `rngs -> nnx.Module` (e.g. the module class), an existing `nnx.Module`, or a
 `flax.linen.Module`. Params are a pure nested dict of arrays; `static` holds the model's
@@ -7,6 +7,8 @@ non-trainable state, which the train step carries unchanged.
 
 `around(module)`, when given, is called on the bound module right before it runs and returns the
 context manager the call runs in: the `shard_map` engine uses it to make submodules FSDP units.
+Only this module knows Linen from NNX: `modules` lists a model's submodules and `unit_around` makes
+the chosen ones FSDP units, the same way for both (see `zerojax.wrap`).
 """
 
 from __future__ import annotations
@@ -20,18 +22,25 @@ import jax
 from flax import linen as nn
 from flax import nnx
 
+from zerojax import wrap
+
 
 @dataclass(frozen=True)
 class FunctionalModel:
     init: Callable  # (key, inputs) -> (params, static)
-    apply: Callable  # (params, static, inputs, layer_hook, around) -> outputs
+    apply: Callable  # (params, static, inputs, layer_hook, around, layer_loop) -> outputs
     accepts_layer_hook: bool  # the model gathers per layer when given a hook (see models/gpt.py)
-    module_type: type | None = None  # the NNX class, for wrap rules that select submodules by class
+    module_type: type | None = None  # the model's class
+    accepts_layer_loop: bool = False  # the model hands its layer loop to a `layer_loop` (prefetch)
+    # (logical params, static, abstract inputs) -> [(path, class, parameter leaves)] of its submodules
+    modules: Callable[[Any, Any, Any], list] | None = None
+    # (unit paths, materialize, param paths, reshard_after_forward) -> around(module)
+    unit_around: Callable[..., Callable] | None = None
 
 
-def _takes_layer_hook(fn) -> bool:
+def _takes(fn, name: str) -> bool:
     try:
-        return "layer_hook" in inspect.signature(fn).parameters
+        return name in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
 
@@ -46,16 +55,26 @@ def _nnx_functions(make: Callable[[Any], nnx.Module], concrete: nnx.Module | Non
         _, params, static = nnx.split(module, nnx.Param, ...)
         return nnx.to_pure_dict(params), static
 
-    hooked = _takes_layer_hook(type(abstract).__call__)
+    hooked = _takes(type(abstract).__call__, "layer_hook")
+    looped = hooked and _takes(type(abstract).__call__, "layer_loop")
 
-    def apply(params, static, inputs, layer_hook=None, around=None):
+    def apply(params, static, inputs, layer_hook=None, around=None, layer_loop=None):
         module = nnx.merge(graphdef, nnx.State(params), static)
+        kwargs = {}
+        if layer_hook is not None and hooked:
+            kwargs["layer_hook"] = layer_hook
+        if layer_loop is not None and looped:
+            kwargs["layer_loop"] = layer_loop
         with around(module) if around else contextlib.nullcontext():
-            if layer_hook is not None and hooked:
-                return module(inputs, layer_hook=layer_hook)
-            return module(inputs)
+            return module(inputs, **kwargs)
 
-    return FunctionalModel(init, apply, hooked, type(abstract))
+    def unit_around(units, materialize, param_paths, reshard_after_forward=True):
+        del param_paths  # an NNX module finds its params itself
+        return wrap.nnx_around(units, materialize, reshard_after_forward)
+
+    return FunctionalModel(init, apply, hooked, type(abstract), looped,
+                           modules=lambda params, static, inputs: wrap.nnx_modules(abstract),
+                           unit_around=unit_around)
 
 
 def _linen_functions(module: nn.Module) -> FunctionalModel:
@@ -64,14 +83,20 @@ def _linen_functions(module: nn.Module) -> FunctionalModel:
         static = {k: v for k, v in variables.items() if k != "params"}
         return dict(variables["params"]), static
 
-    def apply(params, static, inputs, layer_hook=None, around=None):
+    def apply(params, static, inputs, layer_hook=None, around=None, layer_loop=None):
         if around is None:
             return module.apply({"params": params, **static}, inputs)
         # Units write their gathered params into the scope, so "params" must be mutable here.
         with around(module):
             return module.apply({"params": params, **static}, inputs, mutable=["params"])[0]
 
-    return FunctionalModel(init, apply, False, type(module))
+    def unit_around(units, materialize, param_paths, reshard_after_forward=True):
+        del reshard_after_forward  # a Linen unit's gathered params stay in its scope for the backward
+        return wrap.linen_around(units, materialize, param_paths)
+
+    return FunctionalModel(init, apply, False, type(module),
+                           modules=lambda params, static, inputs: wrap.linen_modules(module, params, static, inputs),
+                           unit_around=unit_around)
 
 
 def functional(model) -> FunctionalModel:

@@ -1,9 +1,10 @@
-"""Orbax checkpoints of the train state: asynchronous sharded saves, restore into any stage and
-mesh, consolidated fp32 export, and `load_params`.
+"""Orbax checkpoints of the train state: asynchronous sharded saves, and restore into any stage and
+mesh. (Consolidated fp32 export and `load_params` are in `zerojax.export`.)
 
 A checkpoint is one orbax step directory `DIR/<step>/` with two items:
-  state  {"step", "params", "opt_state"} exactly as the run stores them (padded where sharded);
-         every process writes only its own shards. The bf16 compute copy is derived: not saved.
+  state  the saved groups of `TrainState` ({"step", "params", "opt_state"} today) exactly as the run
+         stores them (padded where sharded); every process writes only its own shards. The bf16
+         compute copy is derived: not saved.
   meta   JSON: each leaf's saved shape, each parameter's logical shape, stage, mesh, the data
          position and seed, the run's config.
 Orbax writes `<step>.orbax-checkpoint-tmp` and renames it when complete, so a killed save leaves
@@ -17,17 +18,16 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
-import zipfile
 
 import jax
 import numpy as np
 
 from zerojax.errors import UserError
+from zerojax.log import warn
 from zerojax.stages import path_str
+from zerojax.state import TrainState
 
 FORMAT = 1
-SAVED_KEYS = ("step", "params", "opt_state")  # "compute" is rebuilt from "params"
 _TMP_MARK = ".orbax-checkpoint-tmp"
 
 
@@ -37,23 +37,9 @@ def _ocp():
     return ocp
 
 
-def warn(message: str) -> None:
-    """One `warning: ...` line on stderr, from process 0 only."""
-    if jax.process_index() == 0:
-        sys.stderr.write(f"warning: {message}\n")
-        sys.stderr.flush()
-
-
-def quiet_orbax() -> None:
-    """For the CLI: orbax's absl warnings (read-only options, missing step metadata) are noise there."""
-    import logging
-
-    logging.getLogger("absl").setLevel(logging.ERROR)
-
-
-def checkpoint_dir(config, out_dir: str) -> str:
-    """checkpoint.dir, or OUT/checkpoints; absolute, as orbax wants."""
-    return os.path.abspath(config.checkpoint.dir or os.path.join(out_dir, "checkpoints"))
+def checkpoint_dir(configured: str | None, out_dir: str) -> str:
+    """The configured checkpoint directory (checkpoint.dir), or OUT/checkpoints; absolute, as orbax wants."""
+    return os.path.abspath(configured or os.path.join(out_dir, "checkpoints"))
 
 
 # ---- finding checkpoints -------------------------------------------------------------------------
@@ -122,10 +108,6 @@ def _checksums(tree) -> list[int]:
     return [int(c) for c in jax.device_get(jax.tree.leaves(sums))]
 
 
-def _host_checksum(x: np.ndarray) -> int:
-    return int(np.ascontiguousarray(x).view(np.uint32).sum(dtype=np.uint64) % 2**32)
-
-
 def run_metadata(trainer, *, seed: int, config: dict | None = None, model: dict | None = None) -> dict:
     """The parts of a checkpoint's metadata fixed for a whole run."""
     layout = trainer.layout
@@ -147,13 +129,14 @@ def run_metadata(trainer, *, seed: int, config: dict | None = None, model: dict 
     }
 
 
-def _item(step_dir: str, name: str):
+def item_path(step_dir: str, name: str):
+    """The path of one item (`state` or `meta`) of a step directory."""
     from etils import epath
 
     return epath.Path(step_dir) / name
 
 
-def _state_handler():
+def state_handler():
     # Handlers, not Checkpointers: these read one item directory and need no step metadata.
     return _ocp().PyTreeCheckpointHandler()
 
@@ -161,7 +144,7 @@ def _state_handler():
 def read_meta(step_dir: str) -> dict:
     ocp = _ocp()
     try:
-        meta = ocp.JsonCheckpointHandler().restore(_item(step_dir, "meta"), args=ocp.args.JsonRestore())
+        meta = ocp.JsonCheckpointHandler().restore(item_path(step_dir, "meta"), args=ocp.args.JsonRestore())
     except Exception:  # noqa: BLE001 - any failure to read is a damaged checkpoint
         meta = None
     if not isinstance(meta, dict) or not {"format", "step", "params", "leaves"} <= set(meta):
@@ -188,10 +171,10 @@ class CheckpointWriter:
         self._run_meta = run_meta
         self._manager = ocp.CheckpointManager(directory, options=options)
 
-    def save(self, step: int, state: dict) -> None:
+    def save(self, step: int, state: TrainState) -> None:
         """Returns once the shards are copied off the devices; files are written in the background."""
         ocp = _ocp()
-        saved = {k: state[k] for k in SAVED_KEYS}
+        saved = state.saved()
         meta = {**self._run_meta, "step": step, "data": {"position": step, "seed": self._run_meta["seed"]},
                 "leaves": _leaf_table(saved, _checksums(saved))}
         self._manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(saved),
@@ -228,7 +211,7 @@ def _check_leaves(meta: dict, target: dict, step_dir: str) -> None:
                         "match); resume with the optimizer it was trained with.")
 
 
-def restore(trainer, step_dir: str, key, batch: dict) -> tuple[dict, dict]:
+def restore(trainer, step_dir: str, key, batch: dict) -> tuple[TrainState, dict]:
     """(state, meta): the checkpoint in `step_dir`, placed as `trainer` (any stage, any mesh) wants.
 
     Each device reads only its own slice; nothing is gathered. Raises `UserError` for a checkpoint of
@@ -236,8 +219,8 @@ def restore(trainer, step_dir: str, key, batch: dict) -> tuple[dict, dict]:
     """
     ocp = _ocp()
     meta = read_meta(step_dir)
-    target = trainer.abstract_state(key, batch)
-    _check_model(meta, trainer.layout, step_dir)
+    target = trainer.abstract_state(key, batch).saved()
+    _check_model(meta, trainer.prepare(key, batch).layout, step_dir)
     _check_leaves(meta, target, step_dir)
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
 
@@ -249,12 +232,12 @@ def restore(trainer, step_dir: str, key, batch: dict) -> tuple[dict, dict]:
 
     restore_args = jax.tree_util.tree_unflatten(treedef, [args_for(p, t) for p, t in flat])
     try:
-        saved = _state_handler().restore(
-            _item(step_dir, "state"), args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))
+        saved = state_handler().restore(
+            item_path(step_dir, "state"), args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))
     except Exception:  # noqa: BLE001 - tensorstore and orbax raise many types for damaged files
         raise UserError(f"checkpoint {step_dir!r} is corrupted or truncated: its arrays cannot be read.") from None
     _verify(meta, saved, step_dir)
-    return trainer.restore_state(saved), meta
+    return trainer.restore_state(saved, key, batch), meta
 
 
 def _verify(meta: dict, saved: dict, step_dir: str) -> None:
@@ -264,112 +247,3 @@ def _verify(meta: dict, saved: dict, step_dir: str) -> None:
         want = meta["leaves"][path_str(p)]
         if list(x.shape) == want["shape"] and want.get("checksum", c) != c:
             raise UserError(f"checkpoint {step_dir!r} is corrupted: {path_str(p)!r} does not match its checksum.")
-
-
-# ---- export and load -----------------------------------------------------------------------------
-
-
-def _nested(keys: tuple, leaf) -> dict:
-    tree = leaf
-    for k in reversed(keys):
-        tree = {k: tree}
-    return tree
-
-
-def _dig(tree, keys: tuple):
-    for k in keys:
-        tree = tree[k]
-    return tree
-
-
-def _param_keys(step_dir: str) -> list[tuple]:
-    """Each parameter's key path (the dict keys, as saved) under the checkpoint's "params"."""
-    tree = _state_handler().metadata(_item(step_dir, "state")).tree["params"]
-    paths = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return [tuple(getattr(k, "key", getattr(k, "idx", None)) for k in p) for p, _ in paths]
-
-
-def export_params(checkpoint: str, out_path: str) -> dict:
-    """Write the master params, fp32 and in logical shapes, to an .npz keyed by parameter path.
-
-    Streams one leaf at a time (read, crop, write), so host memory peaks near the largest leaf. The
-    file appears only when complete (written beside it, then renamed).
-    """
-    ocp = _ocp()
-    step_dir = find_step_dir(checkpoint)
-    meta = read_meta(step_dir)
-    out_path = out_path if out_path.endswith(".npz") else out_path + ".npz"
-    out_dir = os.path.dirname(os.path.abspath(out_path))
-    if not os.path.isdir(out_dir):
-        raise UserError(f"output folder {out_dir!r} does not exist.")
-    handler = _state_handler()
-    partial = f"{out_path}.partial"
-    try:
-        keys = _param_keys(step_dir)
-        with zipfile.ZipFile(partial, "w", allowZip64=True) as zf:
-            for k in keys:
-                name = "/".join(str(x) for x in k)
-                if name not in meta["params"]:
-                    raise KeyError(name)
-                item = _nested(("params", *k), 0)
-                args = _nested(("params", *k), ocp.RestoreArgs(restore_type=np.ndarray))
-                tree = handler.restore(_item(step_dir, "state"), args=ocp.args.PyTreeRestore(
-                    item=item, restore_args=args, partial_restore=True))
-                stored = np.asarray(_dig(tree, ("params", *k)), dtype=np.float32)
-                want = meta["leaves"][f"params/{name}"]
-                if "checksum" in want and want["checksum"] != _host_checksum(stored):
-                    raise UserError(f"checkpoint {step_dir!r} is corrupted: {'params/' + name!r} does not match its checksum.")
-                logical = tuple(meta["params"][name]["shape"])
-                leaf = stored[tuple(slice(0, s) for s in logical)]  # a view: write_array streams it
-                with zf.open(f"{name}.npy", "w", force_zip64=True) as f:
-                    np.lib.format.write_array(f, leaf, allow_pickle=False)
-                del tree, stored, leaf
-        os.replace(partial, out_path)
-    except Exception as e:  # noqa: BLE001
-        if os.path.exists(partial):
-            os.remove(partial)
-        if isinstance(e, UserError):
-            raise
-        raise UserError(f"checkpoint {step_dir!r} is corrupted or truncated: its parameters cannot be read.") from None
-    return {"step": meta["step"], "path": out_path, "params": len(keys), "from": step_dir}
-
-
-def _unflatten(flat: dict[str, np.ndarray]) -> dict:
-    tree: dict = {}
-    for name, value in flat.items():
-        *parents, last = [int(p) if p.isdigit() else p for p in name.split("/")]
-        node = tree
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = value
-    return tree
-
-
-def load_params(path: str, model=None):
-    """Parameters written by `zerojax export`.
-
-    Without `model`: a nested dict of fp32 arrays shaped like the model's params (pass it to
-    `Trainer.init(..., params=...)` to fine-tune). With an `nnx.Module`: that module, its
-    parameters replaced in place, after checking every name and shape.
-    """
-    if not os.path.isfile(path):
-        raise UserError(f"parameter file {path!r} does not exist.")
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            flat = {name: npz[name] for name in npz.files}
-    except Exception:  # noqa: BLE001
-        raise UserError(f"parameter file {path!r} is not a readable .npz written by `zerojax export`.") from None
-    if model is None:
-        return _unflatten(flat)
-    from flax import nnx
-
-    state = nnx.state(model, nnx.Param)
-    pure = nnx.to_pure_dict(state)
-    wanted = {path_str(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(pure)[0]}
-    for name in sorted(set(wanted) | set(flat)):
-        if name not in flat or name not in wanted or tuple(flat[name].shape) != wanted[name]:
-            raise UserError(f"parameter file {path!r} does not fit this model: parameter {name!r} differs.")
-    new = jax.tree_util.tree_map_with_path(lambda p, x: jax.numpy.asarray(flat[path_str(p)], x.dtype), pure)
-    nnx.replace_by_pure_dict(state, new)
-    nnx.update(model, state)
-    return model

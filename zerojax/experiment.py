@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from zerojax.config import Config
 from zerojax.data import BatchStream, load_corpus, split_corpus
+from zerojax.engines import EngineOptions
 from zerojax.mesh import check_batch, data_parallel_size, make_mesh
 from zerojax.models.gpt import GPT, GPTConfig, gpt_config
 from zerojax.optim import build_optimizer
@@ -44,6 +45,6 @@ def build_experiment(c: Config, devices=None) -> Experiment:
         engine=c.zero.engine,
         precision=c.precision,
         reduce_dtype=c.zero.reduce_dtype,
-        engine_options={"prefetch": c.zero.prefetch} if c.zero.engine == "shard_map" else None,
+        engine_options=EngineOptions(prefetch=c.zero.prefetch),
     )
     return Experiment(c, gpt, trainer, train_data, eval_data)

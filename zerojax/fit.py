@@ -16,6 +16,8 @@ import numpy as np
 from zerojax import checkpoint
 from zerojax.errors import UserError
 from zerojax.experiment import Experiment
+from zerojax.log import warn
+from zerojax.state import TrainState
 
 
 def _is_main_process() -> bool:
@@ -55,7 +57,11 @@ def _continue_metrics(path: str, step: int) -> list[dict]:
     return kept
 
 
-def _start(exp: Experiment, ckpt_dir: str, resume: bool, sharding) -> tuple[dict, int]:
+def _ckpt_dir(exp: Experiment, out_dir: str) -> str:
+    return checkpoint.checkpoint_dir(exp.config.checkpoint.dir, out_dir)
+
+
+def _start(exp: Experiment, ckpt_dir: str, resume: bool, sharding) -> tuple[TrainState, int]:
     """(state, step): the latest complete checkpoint when resuming, else a fresh init."""
     c, trainer = exp.config, exp.trainer
     key = jax.random.key(c.train.seed)
@@ -64,10 +70,10 @@ def _start(exp: Experiment, ckpt_dir: str, resume: bool, sharding) -> tuple[dict
         raise UserError(f"{ckpt_dir} already holds checkpoints (latest step {steps[-1]}); pass --resume to "
                         "continue from it, or choose another --out or checkpoint.dir.")
     if resume and not c.checkpoint.every:
-        checkpoint.warn("checkpoint.every=0: this run writes no checkpoints to resume from later.")
+        warn("checkpoint.every=0: this run writes no checkpoints to resume from later.")
     if not (resume and steps):
         if resume:
-            checkpoint.warn(f"no complete checkpoint in {ckpt_dir} yet; starting from scratch.")
+            warn(f"no complete checkpoint in {ckpt_dir} yet; starting from scratch.")
         return trainer.init(key, exp.train_data.global_batch(0, sharding)), 0
     step_dir = os.path.join(ckpt_dir, str(steps[-1]))
     meta = checkpoint.read_meta(step_dir)
@@ -83,7 +89,7 @@ def _start(exp: Experiment, ckpt_dir: str, resume: bool, sharding) -> tuple[dict
 class Start:
     """Where a run starts: the state (fresh or restored), its step, and the init + compile time."""
 
-    state: dict
+    state: TrainState
     step: int
     compile_s: float
 
@@ -92,11 +98,87 @@ def prepare(exp: Experiment, out_dir: str, *, resume: bool = False) -> Start:
     """Init or restore, then compile: every bad-checkpoint error surfaces here, before any output."""
     c, trainer = exp.config, exp.trainer
     t0 = time.perf_counter()
-    state, step = _start(exp, checkpoint.checkpoint_dir(c, out_dir), resume, trainer.batch_sharding)
+    state, step = _start(exp, _ckpt_dir(exp, out_dir), resume, trainer.batch_sharding)
     trainer.compile(state, exp.train_data.global_batch(step, trainer.batch_sharding))
     if step >= c.train.steps:
-        checkpoint.warn(f"the checkpoint is at step {step}, not before train.steps={c.train.steps}; nothing to train.")
+        warn(f"the checkpoint is at step {step}, not before train.steps={c.train.steps}; nothing to train.")
     return Start(state, step, time.perf_counter() - t0)
+
+
+class _Outputs:
+    """metrics.jsonl (process 0 only: continued on resume) and the checkpoint writer."""
+
+    def __init__(self, exp: Experiment, out_dir: str, start: int):
+        c = exp.config
+        self.history: list[dict] = []
+        self.metrics_file = None
+        if _is_main_process():
+            os.makedirs(out_dir, exist_ok=True)
+            path = os.path.join(out_dir, "metrics.jsonl")
+            self.history = _continue_metrics(path, start) if start else []
+            self.metrics_file = open(path, "a" if start else "w")
+        self.writer = None
+        if c.checkpoint.every:
+            meta = checkpoint.run_metadata(exp.trainer, seed=c.train.seed, config=c.to_dict(), model=_model_dict(exp))
+            self.writer = checkpoint.CheckpointWriter(_ckpt_dir(exp, out_dir), keep=c.checkpoint.keep, run_meta=meta)
+
+    def write(self, record: dict) -> None:
+        if self.metrics_file:
+            self.metrics_file.write(json.dumps(record) + "\n")
+            self.metrics_file.flush()
+
+    def close(self) -> None:
+        if self.metrics_file:
+            self.metrics_file.close()
+        if self.writer:
+            self.writer.close()  # waits for the save in flight: it is complete on disk before we return
+
+
+@dataclass
+class _Run:
+    """What the step loop accumulates."""
+
+    state: TrainState
+    start: int
+    records: list[dict]
+    times: list[float]
+    eval_loss: float | None = None
+    bad_run: int = 0  # consecutive non-finite steps
+    last_saved: int = 0
+
+
+def _train_step(exp: Experiment, run: _Run, step: int, batch) -> dict:
+    """One step: the state advances, and its metrics.jsonl record is returned."""
+    c = exp.config
+    t = time.perf_counter()
+    run.state, metrics = exp.trainer.step(run.state, batch)
+    loss = float(metrics["loss"])  # blocks until the step is done
+    dt = time.perf_counter() - t
+    run.times.append(dt)
+    bad = int(metrics.get("bad_step", 0))
+    run.bad_run = run.bad_run + 1 if bad else 0
+    tokens_per_step = c.train.batch_size * exp.model.seq_len
+    record = {"step": step + 1, "loss": _finite(loss), "grad_norm": _finite(float(metrics["grad_norm"])),
+              "bad_step": bad, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt}
+    if c.train.eval_every and (step + 1) % c.train.eval_every == 0:
+        run.eval_loss = record["eval_loss"] = evaluate(exp, run.state, c.train.eval_batches)
+    run.records.append(record)
+    return record
+
+
+def _after_step(exp: Experiment, run: _Run, out: _Outputs, step: int, ckpt_dir: str) -> None:
+    """Stop after too many non-finite steps in a row; else save a checkpoint when one is due."""
+    c = exp.config
+    if run.bad_run >= c.train.max_bad_steps:
+        kept = f"the last good checkpoint is step {run.last_saved} in {ckpt_dir}" if run.last_saved \
+            else "no checkpoint was written"
+        raise UserError(f"training stopped at step {step + 1}: {run.bad_run} consecutive steps had a non-finite "
+                        f"loss or gradient norm (train.max_bad_steps={c.train.max_bad_steps}); {kept}.")
+    # A bad step kept the old state, but its checkpoint would push a good one out: skip it.
+    bad = run.records[-1]["bad_step"]
+    if out.writer and not bad and ((step + 1) % c.checkpoint.every == 0 or step + 1 == c.train.steps):
+        out.writer.save(step + 1, run.state)
+        run.last_saved = step + 1
 
 
 def fit(exp: Experiment, out_dir: str, on_step: Callable[[dict], None] | None = None, *,
@@ -107,69 +189,38 @@ def fit(exp: Experiment, out_dir: str, on_step: Callable[[dict], None] | None = 
     and continue metrics.jsonl with it; without one, start from scratch with a warning. `start`: the
     result of `prepare`, when the caller ran it first.
     """
-    c, trainer = exp.config, exp.trainer
-    sharding = trainer.batch_sharding
-    tokens_per_step = c.train.batch_size * exp.model.seq_len
-    ckpt_dir = checkpoint.checkpoint_dir(c, out_dir)
+    c, sharding = exp.config, exp.trainer.batch_sharding
+    ckpt_dir = _ckpt_dir(exp, out_dir)
     begun = start or prepare(exp, out_dir, resume=resume)
-    state, start, compile_s = begun.state, begun.step, begun.compile_s
-    first = exp.train_data.global_batch(start, sharding)
-
-    main = _is_main_process()
-    metrics_path = os.path.join(out_dir, "metrics.jsonl")
-    history: list[dict] = []
-    if main:
-        os.makedirs(out_dir, exist_ok=True)
-        history = _continue_metrics(metrics_path, start) if start else []
-    metrics_file = open(metrics_path, "a" if start else "w") if main else None
-    writer = None
-    if c.checkpoint.every:
-        writer = checkpoint.CheckpointWriter(ckpt_dir, keep=c.checkpoint.keep, run_meta=checkpoint.run_metadata(
-            trainer, seed=c.train.seed, config=c.to_dict(), model=_model_dict(exp)))
-    records, times, eval_loss, bad_run, last_saved = [], [], None, 0, start
+    run = _Run(begun.state, begun.step, [], [], last_saved=begun.step)
+    first = exp.train_data.global_batch(run.start, sharding)
+    out = _Outputs(exp, out_dir, run.start)
     try:
-        for step in range(start, c.train.steps):
-            batch = first if step == start else exp.train_data.global_batch(step, sharding)
-            t = time.perf_counter()
-            state, metrics = trainer.step(state, batch)
-            loss = float(metrics["loss"])  # blocks until the step is done
-            dt = time.perf_counter() - t
-            times.append(dt)
-            bad = int(metrics.get("bad_step", 0))
-            bad_run = bad_run + 1 if bad else 0
-            record = {"step": step + 1, "loss": _finite(loss), "grad_norm": _finite(float(metrics["grad_norm"])),
-                      "bad_step": bad, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt}
-            if c.train.eval_every and (step + 1) % c.train.eval_every == 0:
-                eval_loss = record["eval_loss"] = evaluate(exp, state, c.train.eval_batches)
-            records.append(record)
-            if metrics_file:
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
+        for step in range(run.start, c.train.steps):
+            batch = first if step == run.start else exp.train_data.global_batch(step, sharding)
+            record = _train_step(exp, run, step, batch)
+            out.write(record)
             if on_step:
                 on_step(record)
-            if bad_run >= c.train.max_bad_steps:
-                kept = f"the last good checkpoint is step {last_saved} in {ckpt_dir}" if last_saved \
-                    else "no checkpoint was written"
-                raise UserError(f"training stopped at step {step + 1}: {bad_run} consecutive steps had a non-finite "
-                                f"loss or gradient norm (train.max_bad_steps={c.train.max_bad_steps}); {kept}.")
-            # A bad step kept the old state, but its checkpoint would push a good one out: skip it.
-            if writer and not bad and ((step + 1) % c.checkpoint.every == 0 or step + 1 == c.train.steps):
-                writer.save(step + 1, state)
-                last_saved = step + 1
+            _after_step(exp, run, out, step, ckpt_dir)
     finally:
-        if metrics_file:
-            metrics_file.close()
-        if writer:
-            writer.close()  # waits for the save in flight: it is complete on disk before we return
-    if not c.train.eval_every or c.train.steps % c.train.eval_every or not records:
-        eval_loss = evaluate(exp, state, c.train.eval_batches)
+        out.close()
+    if not c.train.eval_every or c.train.steps % c.train.eval_every or not run.records:
+        run.eval_loss = evaluate(exp, run.state, c.train.eval_batches)
+    summary = _summary(exp, run, out.history + run.records, begun.compile_s)
+    if _is_main_process():
+        with open(os.path.join(out_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+    return summary
 
-    all_records = history + records
+
+def _summary(exp: Experiment, run: _Run, all_records: list[dict], compile_s: float) -> dict:
+    c, trainer = exp.config, exp.trainer
     losses = [r["loss"] for r in all_records]
-    steady = times[1:] or times or [float("nan")]
-    summary = {
+    steady = run.times[1:] or run.times or [float("nan")]
+    return {
         "steps": c.train.steps,
-        "resumed_from": start,
+        "resumed_from": run.start,
         "stage": trainer.stage.index,
         "engine": trainer.engine,
         "precision": trainer.precision.name,
@@ -178,17 +229,13 @@ def fit(exp: Experiment, out_dir: str, on_step: Callable[[dict], None] | None = 
         "params": exp.model.num_params(),
         "first_loss": _num(losses[0] if losses else None),
         "final_loss": _num(losses[-1] if losses else None),
-        "eval_loss": eval_loss,
+        "eval_loss": run.eval_loss,
         "bad_steps": sum(int(r.get("bad_step", 0)) for r in all_records),
         "compile_s": compile_s,
         "median_step_time_s": float(np.median(steady)),
-        "tokens_per_s": tokens_per_step / float(np.median(steady)),
-        "persistent_bytes_per_device": trainer.persistent_bytes_per_device(state),
+        "tokens_per_s": c.train.batch_size * exp.model.seq_len / float(np.median(steady)),
+        "persistent_bytes_per_device": trainer.persistent_bytes_per_device(run.state),
     }
-    if main:
-        with open(os.path.join(out_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-    return summary
 
 
 def _num(x: float | None) -> float:

@@ -1,11 +1,7 @@
 """The state layout: the stage table x each leaf's rule -> a `NamedSharding` per leaf per state group.
 
-The train state is a dict:
-  "step"       int32 scalar, replicated
-  "params"     fp32 master parameters (with fp32 precision also the compute copy)
-  "compute"    low-precision compute copy, only where it is kept persistently (bf16, stages 0-2)
-  "opt_state"  the optax state; a moment leaf shards like its parameter, counters replicate
-A sharded group stores leaves in their padded shape; a replicated group in their logical shape.
+The state groups are those of `zerojax.state.TrainState`. A sharded group stores leaves in their
+padded shape; a replicated group in their logical shape.
 """
 
 from __future__ import annotations
@@ -20,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax.precision import Precision
 from zerojax.stages import FSDP_AXIS, LeafLayout, Stage, fit_to, leaf_layout, path_str
+from zerojax.state import TrainState
 
 _is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
 
@@ -97,15 +94,37 @@ class StateLayout:
         l = leaf_layout("", shape, np.dtype(leaf.dtype).itemsize, self.fsdp_size)
         return NamedSharding(self.mesh, l.spec(not l.padded))
 
-    def state_shardings(self, tx, opt_state_shapes) -> dict:
-        out = {
-            "step": self.replicated,
-            "params": self.shardings(self.master_sharded),
-            "opt_state": self.opt_state_shardings(tx, opt_state_shapes),
-        }
-        if self.keeps_compute_copy:
-            out["compute"] = self.shardings(False)
-        return out
+    def opt_state_shapes(self, tx: optax.GradientTransformation):
+        """The optimizer state's abstract leaves, from the optimizer group's storage shapes."""
+        params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, self.precision.master_dtype),
+                              self.shapes(self.optimizer_sharded), is_leaf=lambda x: isinstance(x, tuple))
+        return jax.eval_shape(tx.init, params)
+
+    def state_shardings(self, tx, opt_state_shapes) -> TrainState:
+        return TrainState(
+            step=self.replicated,
+            params=self.shardings(self.master_sharded),
+            opt_state=self.opt_state_shardings(tx, opt_state_shapes),
+            compute=self.shardings(False) if self.keeps_compute_copy else None,
+        )
+
+    def abstract_state(self, tx, opt_state_shapes) -> TrainState:
+        """The state as `jax.ShapeDtypeStruct`s carrying their shardings; traces nothing."""
+        shardings = self.state_shardings(tx, opt_state_shapes)
+
+        def group(sharded: bool, dtype, placed):
+            return jax.tree.map(lambda shape, sh: jax.ShapeDtypeStruct(shape, dtype, sharding=sh),
+                                self.shapes(sharded), placed, is_leaf=lambda x: isinstance(x, tuple))
+
+        opt_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                 opt_state_shapes, shardings.opt_state)
+        return TrainState(
+            step=jax.ShapeDtypeStruct((), np.int32, sharding=shardings.step),
+            params=group(self.master_sharded, self.precision.master_dtype, shardings.params),
+            opt_state=opt_state,
+            compute=(group(False, self.precision.compute_dtype, shardings.compute)
+                     if self.keeps_compute_copy else None),
+        )
 
 
 def make_layout(mesh, stage: Stage, precision: Precision, param_shapes, *, layer_stacks=("blocks",),

@@ -3,11 +3,15 @@
     trainer = zj.Trainer(model, optax.adamw(3e-4), mesh=mesh, stage=3, engine="gspmd", precision="bf16")
     state = trainer.init(jax.random.key(0), batch)
     state, metrics = trainer.step(state, batch)
+
+Everything built for one (input shape and dtype, key) is one frozen `Prepared`: the layout, the
+shardings, the model's static state and the jitted step and eval functions. `prepare` builds it once
+and reuses it; `init` and `restore_state` make it the one `step`, `evaluate` and `compile` use.
 """
 
 from __future__ import annotations
 
-import importlib
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
@@ -17,13 +21,31 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax.adapt import functional
-from zerojax.engines import ENGINES
-from zerojax.engines.common import cross_entropy
+from zerojax.engines import EngineOptions, GatherReport, get_engine
+from zerojax.engines.common import compute_params, cross_entropy
 from zerojax.errors import UserError
 from zerojax.layout import StateLayout, make_layout
 from zerojax.mesh import BATCH_AXES, data_parallel_size, make_mesh
-from zerojax.precision import cast_tree, get_precision
+from zerojax.precision import get_precision
 from zerojax.stages import get_stage
+from zerojax.state import TrainState, derive_compute, fresh_state
+
+_KEEP_PREPARED = 4  # preparations kept for reuse (one per input shape and key)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What a `Trainer` builds for one (input shape and dtype, key); never changed once built."""
+
+    inputs: jax.ShapeDtypeStruct  # the model inputs it was built for
+    layout: StateLayout
+    param_shapes: Any  # the model's logical params, abstract
+    state_shardings: TrainState  # a NamedSharding per leaf of each group
+    abstract: TrainState  # the state as ShapeDtypeStructs with their shardings
+    static: Any  # the model's non-trainable state, replicated
+    step_fn: Callable  # jitted (state, batch) -> (state, metrics)
+    eval_fn: Callable  # jitted (state, batch) -> loss
+    report: GatherReport  # how the step materialises the compute params
 
 
 class Trainer:
@@ -38,30 +60,25 @@ class Trainer:
         precision: str = "fp32",
         loss_fn: Callable | None = None,
         reduce_dtype: str | None = None,
-        layer_stacks: tuple[str, ...] = ("blocks",),
         replicate_below_bytes: int = 2048,
-        engine_options: dict | None = None,
+        engine_options: EngineOptions | dict | None = None,
     ):
-        if engine not in ENGINES:
-            raise UserError(f"zero.engine must be one of {', '.join(ENGINES)}, got {engine!r}.")
+        self._engine = get_engine(engine)
+        self.engine = engine
+        self.options = EngineOptions.of(engine_options)
+        self._engine.check(self.options)
         self.model = functional(model)
         self.tx = optimizer
         self.mesh = mesh if mesh is not None else make_mesh()
         self.stage = get_stage(stage)
-        self.engine = engine
         self.precision = get_precision(precision, reduce_dtype)
         self.loss_fn = loss_fn or cross_entropy
-        self.layer_stacks = tuple(layer_stacks)
         self.replicate_below_bytes = replicate_below_bytes
-        self.engine_options = dict(engine_options or {})
-        self.layout: StateLayout | None = None
-        self.static = None
-        self._step_fn = None
-        self._eval_fn = None
-        self._compiled = None  # the last compiled step, reused by `step` (same shapes)
-        self._prepared_for = None  # (input shape, dtype, key) the layout and functions were built for
+        self._preparations: dict[tuple, Prepared] = {}
+        self._active: Prepared | None = None  # the preparation `step` uses: set by init / restore_state
+        self._compiled = None  # (preparation, its compiled step), reused by `step`
 
-    # ---- layout and compiled functions -------------------------------------------------------
+    # ---- preparation -----------------------------------------------------------------------------
 
     @property
     def batch_sharding(self) -> NamedSharding:
@@ -75,39 +92,76 @@ class Trainer:
                 f"train.batch_size={rows} is not divisible by the data-parallel size {dp} (mesh data x fsdp)."
             )
 
-    def _build_layout(self, key, batch) -> None:
-        shapes = jax.eval_shape(self.model.init, key, batch["inputs"])[0]
-        self.layout = make_layout(self.mesh, self.stage, self.precision, shapes, layer_stacks=self.layer_stacks,
-                                  replicate_below_bytes=self.replicate_below_bytes)
-        opt_params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32),
-                                  self.layout.shapes(self.layout.optimizer_sharded),
-                                  is_leaf=lambda x: isinstance(x, tuple))
-        self._opt_state_shapes = jax.eval_shape(self.tx.init, opt_params)
-        self.state_shardings = self.layout.state_shardings(self.tx, self._opt_state_shapes)
+    def prepare(self, key, batch: dict) -> Prepared:
+        """The preparation for this batch's input shape and `key`: built on first use, then reused.
 
-    def _build_functions(self) -> None:
-        engine = importlib.import_module(f"zerojax.engines.{self.engine}")
-        options = dict(self.engine_options)
-        options.setdefault("layer_stacks", self.layer_stacks)  # the stacks gathered layer by layer
-        step = engine.build_step(self.layout, self.model, self.static, self.loss_fn, self.tx, **options)
-        metrics_sharding = self.layout.replicated
-        self._step_fn = jax.jit(
-            step,
-            in_shardings=(self.state_shardings, self.batch_sharding),
-            out_shardings=(self.state_shardings, metrics_sharding),
-            donate_argnums=0,
-        )
+        Builds no state and changes nothing `step` uses (that is `init`'s and `restore_state`'s job).
+        """
+        self._check_batch(batch)
+        inputs = jax.ShapeDtypeStruct(batch["inputs"].shape, batch["inputs"].dtype)
+        token = (tuple(inputs.shape), str(inputs.dtype), tuple(np.asarray(jax.random.key_data(key)).ravel().tolist()))
+        if token not in self._preparations:
+            if len(self._preparations) >= _KEEP_PREPARED:
+                self._preparations.pop(next(iter(self._preparations)))
+            self._preparations[token] = self._build(key, inputs)
+        return self._preparations[token]
+
+    def _build(self, key, inputs: jax.ShapeDtypeStruct) -> Prepared:
+        param_shapes, static_shapes = jax.eval_shape(self.model.init, key, inputs)  # the one abstract trace
+        layout = make_layout(self.mesh, self.stage, self.precision, param_shapes,
+                             layer_stacks=self.options.layer_stacks, replicate_below_bytes=self.replicate_below_bytes)
+        opt_state_shapes = layout.opt_state_shapes(self.tx)
+        shardings = layout.state_shardings(self.tx, opt_state_shapes)
+        static = self._static(key, inputs, static_shapes, layout)
+        built = self._engine.build(layout, self.model, static, self.loss_fn, self.tx, self.options, inputs)
+        step_fn = jax.jit(built.step, in_shardings=(shardings, self.batch_sharding),
+                          out_shardings=(shardings, layout.replicated), donate_argnums=0)
+        model, loss_fn = self.model, self.loss_fn
 
         def eval_loss(state, batch):
-            from zerojax.engines.common import compute_params
+            params = compute_params(layout, state)
+            return loss_fn(model.apply(params, static, batch["inputs"]), batch)
 
-            params = compute_params(self.layout, state)
-            return self.loss_fn(self.model.apply(params, self.static, batch["inputs"]), batch)
+        eval_fn = jax.jit(eval_loss, in_shardings=(shardings, self.batch_sharding), out_shardings=layout.replicated)
+        return Prepared(inputs, layout, param_shapes, shardings, layout.abstract_state(self.tx, opt_state_shapes),
+                        static, step_fn, eval_fn, built.report)
 
-        self._eval_fn = jax.jit(eval_loss, in_shardings=(self.state_shardings, self.batch_sharding),
-                                out_shardings=metrics_sharding)
+    def _static(self, key, inputs, static_shapes, layout: StateLayout):
+        """The model's non-trainable state, replicated (computed only where it has leaves)."""
+        if not jax.tree.leaves(static_shapes):
+            return static_shapes
+        shardings = jax.tree.map(lambda _: layout.replicated, static_shapes)
+        init_static = jax.jit(lambda k, x: self.model.init(k, x)[1], out_shardings=shardings)
+        return init_static(key, jnp.zeros(inputs.shape, inputs.dtype))
 
-    # ---- public API ------------------------------------------------------------------------------
+    @property
+    def prepared(self) -> Prepared:
+        """The preparation the last `init` or `restore_state` made current."""
+        if self._active is None:
+            raise RuntimeError("call trainer.init(key, batch) before compile, step or evaluate")
+        return self._active
+
+    @property
+    def layout(self) -> StateLayout:
+        return self.prepared.layout
+
+    @property
+    def static(self):
+        return self.prepared.static
+
+    @property
+    def state_shardings(self) -> TrainState:
+        return self.prepared.state_shardings
+
+    def gather_report(self) -> GatherReport:
+        """How the current step materialises the compute params."""
+        return self.prepared.report
+
+    def _activate(self, prep: Prepared) -> None:
+        if self._active is not prep:
+            self._active, self._compiled = prep, None
+
+    # ---- state -----------------------------------------------------------------------------------
 
     def shard_batch(self, batch: dict) -> dict:
         """A global batch as `jax.Array`s split over (data, fsdp); device arrays already so are kept."""
@@ -121,121 +175,81 @@ class Trainer:
                 out[name] = jax.make_array_from_callback(host.shape, self.batch_sharding, lambda idx, h=host: h[idx])
         return out
 
-    def _init_fn(self):
-        """(key, inputs, params=None) -> (state, static); given `params` replace the fresh ones."""
-        layout = self.layout
-
-        def init_state(key, inputs, params=None):
-            fresh, static = self.model.init(key, inputs)
-            params = fresh if params is None else params  # XLA drops the unused fresh init
-            params = jax.tree.map(lambda x: x.astype(layout.precision.master_dtype), params)
-            state = {
-                "step": jnp.zeros((), jnp.int32),
-                "params": layout.to_layout(params, layout.master_sharded),
-                "opt_state": self.tx.init(layout.to_layout(params, layout.optimizer_sharded)),
-            }
-            if layout.keeps_compute_copy:
-                state["compute"] = jax.tree.map(lambda x: x.astype(layout.precision.compute_dtype), params)
-            return state, static
-
-        return init_state
-
-    def _check_params(self, params, key, inputs) -> None:
-        expected = jax.eval_shape(self.model.init, key, inputs)[0]
-        got = jax.tree.map(lambda x: tuple(np.shape(x)), params)
-        want = jax.tree.map(lambda x: tuple(x.shape), expected)
-        if jax.tree.structure(got) != jax.tree.structure(want) or got != want:
-            raise UserError("the given params do not match the model's parameter names and shapes.")
-
-    def init(self, key, batch: dict, params=None) -> dict:
+    def init(self, key, batch: dict, params=None) -> TrainState:
         """The train state, created inside `jit` directly into its shards.
 
         `params` (e.g. from `zerojax.load_params`) start the run from those weights instead of `key`.
         """
-        self._check_batch(batch)
-        inputs = jax.ShapeDtypeStruct(batch["inputs"].shape, batch["inputs"].dtype)
+        prep = self.prepare(key, batch)
         if params is not None:
-            self._check_params(params, key, inputs)
-        self._build_layout(key, {"inputs": inputs})
-        layout = self.layout
-        init_state = self._init_fn()
-        inputs = jnp.zeros(inputs.shape, inputs.dtype)
-        static_shapes = jax.eval_shape(init_state, key, inputs)[1]
-        static_shardings = jax.tree.map(lambda _: layout.replicated, static_shapes)
-        state, self.static = jax.jit(init_state, out_shardings=(self.state_shardings, static_shardings))(
-            key, inputs, params)
-        self._compiled = None
-        self._build_functions()
-        self._prepared_for = self._preparation_key(key, inputs)
+            got = jax.tree.map(lambda x: tuple(np.shape(x)), params)
+            want = jax.tree.map(lambda x: tuple(x.shape), prep.param_shapes)
+            if jax.tree.structure(got) != jax.tree.structure(want) or got != want:
+                raise UserError("the given params do not match the model's parameter names and shapes.")
+        model, layout, tx = self.model, prep.layout, self.tx
+
+        def init_state(key, inputs, params=None):
+            fresh, _ = model.init(key, inputs)
+            return fresh_state(layout, tx, fresh if params is None else params)  # XLA drops an unused init
+
+        inputs = jnp.zeros(prep.inputs.shape, prep.inputs.dtype)
+        state = jax.jit(init_state, out_shardings=prep.state_shardings)(key, inputs, params)
+        self._activate(prep)
         return state
 
-    @staticmethod
-    def _preparation_key(key, inputs) -> tuple:
-        return tuple(inputs.shape), str(inputs.dtype), tuple(np.asarray(jax.random.key_data(key)).ravel().tolist())
+    def abstract_state(self, key, batch: dict) -> TrainState:
+        """The state `init` would build, as `jax.ShapeDtypeStruct`s with shardings; allocates no params
+        and changes nothing. The derived compute copy is left out: `restore_state` rebuilds it."""
+        return self.prepare(key, batch).abstract.replace(compute=None)
 
-    def abstract_state(self, key, batch: dict) -> dict:
-        """The state `init` would build, as `jax.ShapeDtypeStruct`s with shardings; allocates no params.
-
-        Prepares the trainer as `init` does (layout, static state, step function), so a state restored
-        into these shardings can `step`; a trainer already prepared for these inputs is kept as it is
-        (no recompilation). The derived compute copy is left out: `restore_state` rebuilds it.
-        """
-        self._check_batch(batch)
-        inputs = jax.ShapeDtypeStruct(batch["inputs"].shape, batch["inputs"].dtype)
-        prep = self._preparation_key(key, inputs)
-        if self._step_fn is None or self._prepared_for != prep:
-            self._build_layout(key, {"inputs": inputs})
-            init_state = self._init_fn()
-            zeros = jnp.zeros(inputs.shape, inputs.dtype)
-            static_shapes = jax.eval_shape(init_state, key, zeros)[1]
-            static_shardings = jax.tree.map(lambda _: self.layout.replicated, static_shapes)
-            self.static = jax.jit(lambda k, x: init_state(k, x)[1], out_shardings=static_shardings)(key, zeros)
-            self._compiled = None
-            self._build_functions()
-            self._prepared_for = prep
-        shapes = jax.eval_shape(self._init_fn(), key, inputs)[0]
-        shapes.pop("compute", None)
-        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            shapes, {k: self.state_shardings[k] for k in shapes})
-
-    def restore_state(self, saved: dict) -> dict:
-        """The full train state from restored `step`, `params` and `opt_state` (placed as
-        `abstract_state` says): the compute copy is derived again from the master params."""
-        self._require_init()
-        state = dict(saved)
-        layout = self.layout
+    def restore_state(self, saved: dict, key, batch: dict) -> TrainState:
+        """The full train state from restored groups (placed as `abstract_state(key, batch)` says),
+        made current for `step`: the compute copy is derived again from the master params."""
+        prep = self.prepare(key, batch)
+        state = TrainState.from_saved(saved)
+        layout = prep.layout
         if layout.keeps_compute_copy:
-            def derive(params):
-                return cast_tree(layout.to_layout(params, sharded=False), layout.precision.compute_dtype)
-
-            state["compute"] = jax.jit(derive, out_shardings=self.state_shardings["compute"])(state["params"])
+            derive = jax.jit(lambda params: derive_compute(layout, params), out_shardings=prep.state_shardings.compute)
+            state = state.replace(compute=derive(state.params))
+        self._activate(prep)
         return state
 
-    def _require_init(self) -> None:
-        if self._step_fn is None:
-            raise RuntimeError("call trainer.init(key, batch) before compile, step or evaluate")
+    # ---- running ---------------------------------------------------------------------------------
 
-    def compile(self, state: dict, batch: dict):
+    def lower(self, state: TrainState, batch: dict):
+        """The current step lowered for `state` and `batch` (arrays, or ShapeDtypeStructs)."""
+        if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch)):
+            batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding) for k, v in batch.items()}
+        else:
+            batch = self.shard_batch(batch)
+        return self.prepared.step_fn.lower(state, batch)
+
+    def compile(self, state: TrainState, batch: dict):
         """The `jax.stages.Compiled` train step for these shapes (for memory and HLO analysis)."""
-        self._require_init()
-        self._compiled = self._step_fn.lower(state, self.shard_batch(batch)).compile()
-        return self._compiled
+        prep = self.prepared
+        compiled = prep.step_fn.lower(state, self.shard_batch(batch)).compile()
+        self._compiled = (prep, compiled)
+        return compiled
 
-    def step(self, state: dict, batch: dict) -> tuple[dict, dict[str, Any]]:
-        self._require_init()
+    def _check_inputs(self, prep: Prepared, batch: dict) -> None:
+        x = batch["inputs"]
+        if tuple(x.shape) != tuple(prep.inputs.shape) or x.dtype != prep.inputs.dtype:
+            raise UserError(f"this batch's inputs are {x.dtype}{list(x.shape)}, but the trainer was prepared for "
+                            f"{prep.inputs.dtype}{list(prep.inputs.shape)}; call init (or restore) for new shapes.")
+
+    def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict[str, Any]]:
+        """One train step; a batch of other input shapes than prepared for raises (no silent retrace)."""
+        prep = self.prepared
         batch = self.shard_batch(batch)
-        if self._compiled is not None:
-            try:
-                return self._compiled(state, batch)
-            except TypeError:  # other shapes than those compiled for: let jit retrace
-                pass
-        return self._step_fn(state, batch)
+        self._check_inputs(prep, batch)
+        if self._compiled is not None and self._compiled[0] is prep:
+            return self._compiled[1](state, batch)
+        return prep.step_fn(state, batch)
 
-    def evaluate(self, state: dict, batch: dict) -> jax.Array:
-        self._require_init()
-        return self._eval_fn(state, self.shard_batch(batch))
+    def evaluate(self, state: TrainState, batch: dict) -> jax.Array:
+        return self.prepared.eval_fn(state, self.shard_batch(batch))
 
-    def persistent_bytes_per_device(self, state: dict) -> int:
+    def persistent_bytes_per_device(self, state: TrainState) -> int:
         """Bytes of the state's shards that live on the first local device."""
         device = self.mesh.devices.flat[0]
         total = 0

@@ -87,23 +87,26 @@ def _key(path) -> str:
 # ---- NNX: a unit is the same module object with a subclass whose __call__ gathers first ------------
 
 
-def nnx_around(rule: WrapRule, materialize: Materialize, record: Callable[[str], None]):
-    """`around(module)` for `FunctionalModel.apply`: makes the chosen submodules units."""
+def nnx_modules(module: nnx.Module) -> list[tuple[Path, type, int]]:
+    """`(path, class, parameter leaves in its subtree)` of every non-root submodule."""
+    nodes = [(tuple(str(k) for k in p), n) for p, n in nnx.iter_graph(module)]
+    params = [p for p, n in nodes if isinstance(n, nnx.Param)]
+    return [(p, type(n), sum(q[: len(p)] == p for q in params)) for p, n in nodes
+            if isinstance(n, nnx.Module) and p]
+
+
+def nnx_around(units: list[Path], materialize: Materialize, reshard_after_forward: bool = True):
+    """`around(module)` for `FunctionalModel.apply`: makes the submodules at `units` FSDP units."""
 
     def around(module: nnx.Module):
         nodes = [(tuple(str(k) for k in p), n) for p, n in nnx.iter_graph(module)]
-        params = [p for p, n in nodes if isinstance(n, nnx.Param)]
-        modules = [(p, type(n), sum(q[: len(p)] == p for q in params)) for p, n in nodes
-                   if isinstance(n, nnx.Module) and p]
-        units = choose_units(modules, rule)
-        record(describe(units, {p: c for p, c, _ in modules}, rule))
         by_path = dict(nodes)
-        for p in params:  # the root's own params: gathered once, now
-            if owner(p, units) is None:
-                by_path[p].set_value(materialize(_key(p), by_path[p].get_value()))
+        for p, n in nodes:  # the root's own params: gathered once, now
+            if isinstance(n, nnx.Param) and owner(p, units) is None:
+                n.set_value(materialize(_key(p), n.get_value()))
         for u in units:
             sub = by_path[u]
-            sub.__class__ = _unit_class(type(sub), materialize, rule.reshard_after_forward)
+            sub.__class__ = _unit_class(type(sub), materialize, reshard_after_forward)
             sub._fsdp_path = u
         return contextlib.nullcontext()
 

@@ -148,12 +148,8 @@ def _abstract(tree):
 
 def lower_step(trainer, state, batch):
     """The trainer's jitted step lowered for `state` (arrays, or ShapeDtypeStructs with shardings)."""
-    if _abstract(batch):
-        batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding) for k, v in batch.items()}
-    else:
-        batch = trainer.shard_batch(batch)
     # Trainer.compile lowers the same function; the Lowered object is needed here for the dump.
-    return trainer._step_fn.lower(state, batch)
+    return trainer.lower(state, batch)
 
 
 def persistent_bytes(trainer, state) -> int:
@@ -199,18 +195,20 @@ def measure_step(trainer, state, batch, *, optimizer: str = "adamw", shape: anal
     return m, compiled
 
 
-def activation_temp_bytes(trainer, batch) -> int:
+def activation_temp_bytes(trainer, batch, key=None) -> int:
     """Temporaries of the forward + backward alone at stage 0 (replicated compute params): its
     gradients are outputs, not temporaries, so this is the activation memory the planner models,
-    free of the optimizer update's parameter-sized buffers."""
-    layout = trainer.layout
+    free of the optimizer update's parameter-sized buffers. `batch` may be abstract; `key` (default
+    0) only picks the preparation: activation memory does not depend on the values."""
+    prepared = trainer.prepare(jax.random.key(0) if key is None else key, batch)
+    layout, static = prepared.layout, prepared.static
     dtype = trainer.precision.compute_dtype
     shapes = jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape, dtype, sharding=layout.replicated), layout.leaves,
                           is_leaf=_is_layout)
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding) for k, v in batch.items()}
 
     def loss(params, batch):
-        return trainer.loss_fn(trainer.model.apply(params, trainer.static, batch["inputs"]), batch)
+        return trainer.loss_fn(trainer.model.apply(params, static, batch["inputs"]), batch)
 
     compiled = jax.jit(jax.value_and_grad(loss)).lower(shapes, batch).compile()
     return int(compiled.memory_analysis().temp_size_in_bytes)

@@ -18,7 +18,8 @@ def run(args: argparse.Namespace) -> int:
 
     # One host device is enough: leaves are read one at a time into host memory.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from zerojax.checkpoint import export_params, quiet_orbax
+    from zerojax.export import export_params
+    from zerojax.log import quiet_orbax
 
     quiet_orbax()
     info = export_params(args.checkpoint, args.out)

@@ -65,14 +65,14 @@ def layout_report(c) -> dict:
     batch = {k: jax.ShapeDtypeStruct((c.train.batch_size, exp.model.seq_len), jnp.int32)
              for k in ("inputs", "targets")}
     state = trainer.abstract_state(jax.random.key(c.train.seed), batch)
-    layout = trainer.layout
+    layout = trainer.prepare(jax.random.key(c.train.seed), batch).layout
     params = {path_str(p): l for p, l in jax.tree_util.tree_flatten_with_path(
         layout.leaves, is_leaf=lambda x: isinstance(x, LeafLayout))[0]}
-    by_param, other = _optimizer_leaves(state["opt_state"], params)
-    master = {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(state["params"])[0]}
+    by_param, other = _optimizer_leaves(state.opt_state, params)
+    master = {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(state.params)[0]}
     leaves = [_leaf_row(layout, name, l, master[name], by_param.get(name, [])) for name, l in params.items()]
     totals = {g: sum(leaf["bytes_per_device"][g] for leaf in leaves) for g in ("compute", "master", "optimizer")}
-    totals["other_state"] = sum(o["bytes_per_device"] for o in other) + _shard_bytes(state["step"])
+    totals["other_state"] = sum(o["bytes_per_device"] for o in other) + _shard_bytes(state.step)
     totals["total"] = sum(totals.values())
     return {
         "config": c.to_dict()["model"], "stage": layout.stage.index, "precision": layout.precision.name,

@@ -1,3 +1,99 @@
-"""Train-step builders. Each returns a pure `step(state, batch) -> (state, metrics)`; the trainer jits it."""
+"""Train-step engines behind one interface.
 
-ENGINES = ("gspmd", "shard_map")
+An engine is a builder registered under a name:
+
+    build(layout, model, static, loss_fn, tx, options, inputs) -> BuiltStep(step, report)
+
+`step(state, batch) -> (state, metrics)` is pure (the trainer jits it); `report` says how the
+compute params are materialised, decided when the step is built. `options` is one `EngineOptions`;
+an engine names the options it supports (`Engine.supports`), and any other option set away from its
+default is a `UserError` naming the engine. A new engine is a module with a `build` function and
+its entry in `_BUILTIN` (or a `register` call).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+from zerojax.errors import UserError
+
+_BUILTIN = {"gspmd": "zerojax.engines.gspmd", "shard_map": "zerojax.engines.shard_map"}
+ENGINES = tuple(_BUILTIN)  # the names a config may choose
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Every engine option; each engine supports some of them (see `Engine.supports`)."""
+
+    layer_stacks: tuple[str, ...] = ("blocks",)  # top-level param names stacking layers on axis 0
+    prefetch: bool = False  # stage 3, layer-hook model: gather layer i+1 while layer i computes
+    wrap: Any = "auto"  # FSDP units for models without a layer hook: "auto", "none", classes, a WrapRule
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_stacks", tuple(self.layer_stacks))
+
+    @classmethod
+    def of(cls, options: "EngineOptions | dict | None") -> "EngineOptions":
+        if isinstance(options, cls):
+            return options
+        options = dict(options or {})
+        unknown = sorted(set(options) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            valid = ", ".join(f.name for f in dataclasses.fields(cls))
+            raise UserError(f"unknown engine option {unknown[0]!r}; valid options are {valid}.")
+        return cls(**options)
+
+
+@dataclass(frozen=True)
+class GatherReport:
+    """How compute params are materialised: `route` is "replicated", "layers", "units" or "whole"."""
+
+    route: str
+    description: str
+
+
+class BuiltStep(NamedTuple):
+    step: Callable  # (state, batch) -> (state, metrics)
+    report: GatherReport
+
+
+@dataclass(frozen=True)
+class Engine:
+    name: str
+    build: Callable[..., BuiltStep]
+    supports: frozenset[str]  # the EngineOptions fields this engine honours
+
+    def check(self, options: EngineOptions) -> None:
+        default = EngineOptions()
+        for f in dataclasses.fields(EngineOptions):
+            value = getattr(options, f.name)
+            if f.name not in self.supports and value != getattr(default, f.name):
+                raise UserError(f"the {self.name} engine does not support the option {f.name}={value!r}; "
+                                f"engines that do: {', '.join(_supporting(f.name)) or 'none'}.")
+
+
+_REGISTRY: dict[str, Engine] = {}
+
+
+def register(name: str, build: Callable[..., BuiltStep], supports) -> None:
+    _REGISTRY[name] = Engine(name, build, frozenset(supports))
+
+
+def get_engine(name: str) -> Engine:
+    if name not in _REGISTRY and name in _BUILTIN:
+        module = importlib.import_module(_BUILTIN[name])
+        register(name, module.build, module.SUPPORTS)
+    if name not in _REGISTRY:
+        raise UserError(f"zero.engine must be one of {', '.join(names())}, got {name!r}.")
+    return _REGISTRY[name]
+
+
+def names() -> tuple[str, ...]:
+    return tuple(dict.fromkeys((*ENGINES, *_REGISTRY)))
+
+
+def _supporting(option: str) -> list[str]:
+    return [n for n in names() if option in get_engine(n).supports]

@@ -8,6 +8,7 @@ import optax
 
 from zerojax.layout import StateLayout
 from zerojax.precision import cast_tree
+from zerojax.state import TrainState
 
 
 def cross_entropy(logits, batch) -> jax.Array:
@@ -19,19 +20,20 @@ def constrain(tree, shardings):
     return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
 
 
-def compute_params(layout: StateLayout, state: dict):
+def compute_params(layout: StateLayout, state: TrainState):
     """The params the forward pass uses, in the compute dtype and logical shapes.
 
     Stage 3 keeps no compute copy: it casts its fp32 shard first, so the gather moves bf16.
     """
     if layout.keeps_compute_copy:
-        return state["compute"]
-    params = cast_tree(state["params"], layout.precision.compute_dtype)
+        return state.compute
+    params = cast_tree(state.params, layout.precision.compute_dtype)
     params = constrain(params, layout.shardings(layout.master_sharded))
     return layout.to_layout(params, sharded=False)
 
 
-def apply_update(layout: StateLayout, tx: optax.GradientTransformation, state: dict, grads, loss) -> tuple[dict, dict]:
+def apply_update(layout: StateLayout, tx: optax.GradientTransformation, state: TrainState, grads,
+                 loss) -> tuple[TrainState, dict]:
     """Optimizer update on the optimizer's layout (shards from stage 1 on), then back to the state's.
 
     `grads` arrive reduced: replicated (stages 0-1) or already sharded (stages 2-3). A step whose
@@ -41,8 +43,8 @@ def apply_update(layout: StateLayout, tx: optax.GradientTransformation, state: d
     opt_sharded = layout.optimizer_sharded
     opt_shardings = layout.shardings(opt_sharded)
     grads = constrain(layout.to_layout(cast_tree(grads, jnp.float32), opt_sharded), opt_shardings)
-    master = constrain(layout.to_layout(state["params"], opt_sharded), opt_shardings)
-    updates, opt_state = tx.update(grads, state["opt_state"], master)
+    master = constrain(layout.to_layout(state.params, opt_sharded), opt_shardings)
+    updates, opt_state = tx.update(grads, state.opt_state, master)
     master = optax.apply_updates(master, updates)
     params = constrain(layout.to_layout(master, layout.master_sharded), layout.shardings(layout.master_sharded))
     new_state = {"params": params, "opt_state": opt_state}
@@ -52,7 +54,6 @@ def apply_update(layout: StateLayout, tx: optax.GradientTransformation, state: d
         new_state["compute"] = constrain(layout.to_layout(compute, sharded=False), layout.shardings(False))
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    kept = {k: state[k] for k in new_state}
+    kept = {k: getattr(state, k) for k in new_state}
     new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, kept)
-    new_state["step"] = state["step"] + 1
-    return new_state, {"grad_norm": grad_norm, "bad_step": (~finite).astype(jnp.int32)}
+    return state.replace(**new_state, step=state.step + 1), {"grad_norm": grad_norm, "bad_step": (~finite).astype(jnp.int32)}

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import jax
 
+from zerojax.engines import BuiltStep, EngineOptions, GatherReport
 from zerojax.engines.common import apply_update, compute_params, constrain
+
+SUPPORTS = ("layer_stacks",)
 
 
 def _replicated(layout, tree):
@@ -29,7 +32,18 @@ def _gather_where_used(layout, model, params, layer_stacks):
     return outside, lambda layer: _replicated(layout, layer)
 
 
-def build_step(layout, model, static, loss_fn, tx, *, layer_stacks: tuple[str, ...] = ("blocks",)):
+def _report(layout, model) -> GatherReport:
+    if not layout.compute_sharded:
+        return GatherReport("replicated", f"stage {layout.stage.index}: compute params are replicated")
+    if model.accepts_layer_hook:
+        return GatherReport("layers", "per layer, where used: stacked layers inside the scan, the rest at once")
+    return GatherReport("whole", "whole model gathered at once (no layer hook)")
+
+
+def build(layout, model, static, loss_fn, tx, options: EngineOptions, inputs=None) -> BuiltStep:
+    del inputs  # the partitioner needs no abstract trace of the model
+    layer_stacks = options.layer_stacks
+
     def step(state, batch):
         def loss_of(params):
             params, hook = _gather_where_used(layout, model, params, layer_stacks)
@@ -43,4 +57,4 @@ def build_step(layout, model, static, loss_fn, tx, *, layer_stacks: tuple[str, .
         state, metrics = apply_update(layout, tx, state, grads, loss)
         return state, {"loss": loss, **metrics}
 
-    return step
+    return BuiltStep(step, _report(layout, model))

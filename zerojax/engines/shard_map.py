@@ -19,19 +19,21 @@ How parameters are gathered at stages 2-3 (`GatherReport.route`):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import linen as nn
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from zerojax import wrap as wrap_lib
+from zerojax.engines import BuiltStep, EngineOptions, GatherReport
 from zerojax.engines.common import apply_update, compute_params
 from zerojax.layout import StateLayout
 from zerojax.mesh import BATCH_AXES, data_parallel_size
 from zerojax.stages import FSDP_AXIS, LeafLayout, fit_to
+
+SUPPORTS = ("layer_stacks", "prefetch", "wrap")
 
 _is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
 
@@ -42,19 +44,6 @@ class Resident(NamedTuple):
 
     full: jax.Array
     shard: jax.Array
-
-
-@dataclass
-class GatherReport:
-    """How compute params were materialised; filled in when the step is first traced."""
-
-    route: str = "not traced yet"
-    description: str = ""
-
-
-def gather_report(trainer) -> GatherReport | None:
-    """How a `Trainer`'s shard_map step gathers its params (None for gspmd or before `init`)."""
-    return getattr(getattr(trainer._step_fn, "__wrapped__", None), "gather_report", None)
 
 
 @dataclass(frozen=True)
@@ -121,25 +110,30 @@ def _local_shape(leaf: LeafLayout, fsdp: int) -> tuple[int, ...]:
 class _LayerHook:
     """Called by the model on each layer's stored params inside its scanned, rematerialised body."""
 
-    def __init__(self, layouts, materialize, prefetch: bool):
+    def __init__(self, layouts, materialize):
         self.layouts = layouts  # per-layer LeafLayouts, same dict structure as one layer's params
         self.materialize = materialize
-        if prefetch:
-            self.scan = self._prefetch_scan  # the model lets the hook run its layer loop
 
     def __call__(self, layer_state: nnx.State) -> nnx.State:
         values = nnx.to_pure_dict(layer_state)
         return nnx.State(jax.tree.map(self.materialize, self.layouts, values, is_leaf=_is_layout))
 
-    def _prefetch_scan(self, layer, x, stacked):
-        """Carry layer i+1's gathered weights through the scan: iteration i issues that gather
-        beside layer i's compute, with no dependence between them, so they can overlap.
 
-        The carried weights are not differentiated: `run` recomputes the layer in backward from the
-        layer's shards (gathering again), so the carry is never saved and the gradient reaches the
-        shards through the re-gather's reduce-scatter, as without prefetch.
-        """
-        fetch = lambda shards: self(jax.lax.stop_gradient(shards))  # noqa: E731
+class _PrefetchLoop:
+    """The model's layer loop, carrying layer i+1's gathered weights through the scan: iteration i
+    issues that gather beside layer i's compute, with no dependence between them, so they can overlap.
+
+    The carried weights are not differentiated: `run` recomputes the layer in backward from the
+    layer's shards (gathering again), so the carry is never saved and the gradient reaches the
+    shards through the re-gather's reduce-scatter, as without prefetch.
+    """
+
+    def __init__(self, hook: _LayerHook):
+        self.hook = hook
+
+    def __call__(self, layer, x, stacked):
+        hook = self.hook
+        fetch = lambda shards: hook(jax.lax.stop_gradient(shards))  # noqa: E731
         n = jax.tree.leaves(stacked)[0].shape[0]
         take = lambda i: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), stacked)  # noqa: E731
         gathered = fetch(take(0))
@@ -155,7 +149,7 @@ class _LayerHook:
 
         def run_bwd(res, ct):
             x, shards, consts = res
-            _, vjp = jax.vjp(lambda x, s: layer(x, self(s), *consts), x, shards)
+            _, vjp = jax.vjp(lambda x, s: layer(x, hook(s), *consts), x, shards)
             dx, dshards = vjp(ct)
             return dx, None, dshards, jax.tree.map(jnp.zeros_like, consts)
 
@@ -171,75 +165,80 @@ class _LayerHook:
         return x
 
 
-def build_step(layout: StateLayout, model, static, loss_fn, tx, *, prefetch: bool = False, wrap="auto",
-               layer_stacks: tuple[str, ...] = ("blocks",)):
-    """`step(state, batch) -> (state, metrics)`; `step.gather_report` says how params were gathered.
+# ---- routes: how the model runs from stored values, each leaf materialised where the route says ----
 
-    prefetch     stage 3 with a layer-hook model: gather layer i+1 while layer i computes.
-    wrap         FSDP units for models without a layer hook: "auto", "none", classes or a WrapRule.
-    layer_stacks top-level param names whose leaves stack layers on axis 0 and go through the hook.
-    """
-    stage = layout.stage.index
-    mesh = layout.mesh
-    prec = layout.precision
-    rule = wrap_lib.as_rule(wrap)
-    replicas = tuple(a for a in BATCH_AXES if a != FSDP_AXIS and mesh.shape[a] > 1)
-    reduce = _Reduce(replicas, prec.compute_dtype, prec.reduce_dtype, prec.master_dtype)
-    materialize = reduce.materializer(stage)
+RunModel = Callable[[Any, jax.Array], Any]  # (stored values, inputs) -> model outputs
+
+
+def _gather_all(materialize, layouts, raw):
+    return jax.tree.map(materialize, layouts, raw, is_leaf=_is_layout)
+
+
+def _route(layout: StateLayout, model, static, options: EngineOptions, materialize,
+           inputs) -> tuple[GatherReport, RunModel]:
+    """The report and the model runner of the route this stage, model and options take."""
+    stage, leaves = layout.stage.index, layout.leaves
+    stacks = [k for k in options.layer_stacks if isinstance(leaves, dict) and k in leaves]
+    rule = wrap_lib.as_rule(options.wrap)  # checked even where unused
+    if stage < 2:
+        report = GatherReport("replicated", f"stage {stage}: compute params are replicated")
+        return report, lambda raw, x: model.apply(raw, static, x)
+    if model.accepts_layer_hook and len(stacks) == 1:
+        return _layer_route(layout, model, static, stacks[0], materialize, options.prefetch and stage == 3)
+    if rule is None:
+        report = GatherReport("whole", wrap_lib.describe([], {}, None))
+        return report, lambda raw, x: model.apply(_gather_all(materialize, leaves, raw), static, x)
+    return _unit_route(layout, model, static, rule, materialize, inputs)
+
+
+def _layer_route(layout, model, static, stack: str, materialize, prefetch: bool):
+    """One layer of `stack` materialised per scan iteration (the model's layer hook); the rest at once."""
     leaves = layout.leaves
+    prefetch = prefetch and model.accepts_layer_loop
+    report = GatherReport("layers", f"per layer: '{stack}' gathered one layer per scan iteration"
+                          + (", next layer prefetched" if prefetch else ""))
+    hook = _LayerHook(jax.tree.map(_layer_layout, leaves[stack], is_leaf=_is_layout), materialize)
+    loop = _PrefetchLoop(hook) if prefetch else None
+
+    def run(raw, inputs):
+        params = {k: v if k == stack else _gather_all(materialize, leaves[k], v) for k, v in raw.items()}
+        return model.apply(params, static, inputs, layer_hook=hook, layer_loop=loop)
+
+    return report, run
+
+
+def _unit_route(layout, model, static, rule, materialize, inputs):
+    """Submodules chosen by the wrap rule gather their own params (see `zerojax.wrap`)."""
+    leaves, dtype = layout.leaves, layout.precision.compute_dtype
     by_path = {l.path: l for l in jax.tree.leaves(leaves, is_leaf=_is_layout)}
-    dp = data_parallel_size(mesh)
-    fsdp = mesh.shape[FSDP_AXIS]
-    stacks = [k for k in layer_stacks if isinstance(leaves, dict) and k in leaves]
-    hooked = model.accepts_layer_hook and len(stacks) == 1
-    linen = isinstance(model.module_type, type) and issubclass(model.module_type, nn.Module)
-    report = GatherReport()
+    logical = jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape, dtype), leaves, is_leaf=_is_layout)
+    modules = model.modules(logical, static, inputs)
+    units = wrap_lib.choose_units(modules, rule)
+    text = wrap_lib.describe(units, {p: c for p, c, _ in modules}, rule)
+    report = GatherReport("whole" if text.startswith("whole") else "units", text)
+    paths = [tuple(p.split("/")) for p in by_path]
+    around = model.unit_around(units, lambda path, x: materialize(by_path[path], x), paths,
+                               rule.reshard_after_forward)
+    return report, lambda raw, x: model.apply(raw, static, x, around=around)
 
-    def gather_all(layouts, raw):
-        return jax.tree.map(materialize, layouts, raw, is_leaf=_is_layout)
 
-    def run_model(raw, inputs):
-        """Model outputs from stored values, each leaf materialised where the route says."""
-        if stage < 2:
-            report.route, report.description = "replicated", f"stage {stage}: compute params are replicated"
-            return model.apply(raw, static, inputs)
-        if hooked:
-            (stack,) = stacks
-            report.route = "layers"
-            report.description = (f"per layer: '{stack}' gathered one layer per scan iteration"
-                                  + (", next layer prefetched" if prefetch and stage == 3 else ""))
-            params = {k: v if k == stack else gather_all(leaves[k], v) for k, v in raw.items()}
-            hook = _LayerHook(jax.tree.map(_layer_layout, leaves[stack], is_leaf=_is_layout), materialize,
-                              prefetch and stage == 3)
-            return model.apply(params, static, inputs, layer_hook=hook)
-        if rule is None:
-            report.route, report.description = "whole", wrap_lib.describe([], {}, None)
-            return model.apply(gather_all(leaves, raw), static, inputs)
+# ---- the step ------------------------------------------------------------------------------------
 
-        def record(text):
-            report.route = "whole" if text.startswith("whole") else "units"
-            report.description = text
 
-        at_path = lambda path, x: materialize(by_path[path], x)  # noqa: E731
-        if linen:
-            def around(module):
-                logical = jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape, prec.compute_dtype), leaves,
-                                       is_leaf=_is_layout)
-                abstract = jax.ShapeDtypeStruct(inputs.shape, inputs.dtype)
-                modules = wrap_lib.linen_modules(module, logical, static, abstract)
-                units = wrap_lib.choose_units(modules, rule)
-                record(wrap_lib.describe(units, {p: c for p, c, _ in modules}, rule))
-                paths = [tuple(p.split("/")) for p in by_path]
-                return wrap_lib.linen_around(units, at_path, paths)(module)
-        else:
-            around = wrap_lib.nnx_around(rule, at_path, record)
-        return model.apply(raw, static, inputs, around=around)
+def _specs(layout: StateLayout, sharded: bool):
+    return jax.tree.map(lambda l: l.spec(sharded), layout.leaves, is_leaf=_is_layout)
+
+
+def _grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: "_Reduce"):
+    """shard_map'd `(params, batch) -> (loss, grads)`, gradients reduced as the stage asks."""
+    stage, leaves, mesh = layout.stage.index, layout.leaves, layout.mesh
+    dp, fsdp = data_parallel_size(mesh), mesh.shape[FSDP_AXIS]
 
     def local(params, batch):
         """Per device: loss and gradient of the local batch, reduced as the stage asks."""
         fixed = params if stage == 2 else None
         if stage == 2:  # differentiate w.r.t. shard-shaped zeros: see `Resident`
-            params = jax.tree.map(lambda l: jnp.zeros(_local_shape(l, fsdp), prec.reduce_dtype), leaves,
+            params = jax.tree.map(lambda l: jnp.zeros(_local_shape(l, fsdp), reduce.reduce_dtype), leaves,
                                   is_leaf=_is_layout)
 
         def loss_of(diff):
@@ -255,24 +254,37 @@ def build_step(layout: StateLayout, model, static, loss_fn, tx, *, prefetch: boo
             grads = jax.tree.map(lambda l, g: reduce.to_shard(g, l), leaves, grads, is_leaf=_is_layout)
         return jax.lax.psum(loss, BATCH_AXES), grads
 
-    specs = lambda sharded: jax.tree.map(lambda l: l.spec(sharded), leaves, is_leaf=_is_layout)  # noqa: E731
-    grads_fn = jax.shard_map(local, mesh=mesh, in_specs=(specs(stage == 3), P(BATCH_AXES)),
-                             out_specs=(P(), specs(stage > 0)), check_vma=False)
+    return jax.shard_map(local, mesh=mesh, in_specs=(_specs(layout, stage == 3), P(BATCH_AXES)),
+                         out_specs=(P(), _specs(layout, stage > 0)), check_vma=False)
+
+
+def build(layout: StateLayout, model, static, loss_fn, tx, options: EngineOptions, inputs) -> BuiltStep:
+    """`step(state, batch) -> (state, metrics)` and how it gathers params (`inputs`: the abstract
+    model inputs, for finding a model's submodules before it is traced).
+
+    options.prefetch      stage 3 with a layer-hook model: gather layer i+1 while layer i computes.
+    options.wrap          FSDP units for models without a layer hook: "auto", "none", classes or a WrapRule.
+    options.layer_stacks  top-level param names whose leaves stack layers on axis 0 and go through the hook.
+    """
+    stage, mesh, prec = layout.stage.index, layout.mesh, layout.precision
+    replicas = tuple(a for a in BATCH_AXES if a != FSDP_AXIS and mesh.shape[a] > 1)
+    reduce = _Reduce(replicas, prec.compute_dtype, prec.reduce_dtype, prec.master_dtype)
+    report, run_model = _route(layout, model, static, options, reduce.materializer(stage), inputs)
+    grads_fn = _grads_fn(layout, run_model, loss_fn, reduce)
 
     # Stages 1-2 in bf16: the new compute copy is the cast master shards, all-gathered here. The
     # gather apply_update leaves to XLA moves the same bytes, but the step then holds 32-41 MB more
     # at its peak (20m GPT, 8 devices).
     gather_compute = jax.shard_map(
-        lambda params: jax.tree.map(lambda l, x: reduce.cast_gather(x, l), leaves, params, is_leaf=_is_layout),
-        mesh=mesh, in_specs=(specs(True),), out_specs=specs(False), check_vma=False)
+        lambda params: jax.tree.map(lambda l, x: reduce.cast_gather(x, l), layout.leaves, params, is_leaf=_is_layout),
+        mesh=mesh, in_specs=(_specs(layout, True),), out_specs=_specs(layout, False), check_vma=False)
 
     def step(state, batch):
-        params = state["params"] if stage == 3 else compute_params(layout, state)
+        params = state.params if stage == 3 else compute_params(layout, state)
         loss, grads = grads_fn(params, batch)
         new_state, metrics = apply_update(layout, tx, state, grads, loss)
         if layout.keeps_compute_copy and layout.master_sharded:
-            new_state["compute"] = gather_compute(new_state["params"])  # params already kept if bad
+            new_state = new_state.replace(compute=gather_compute(new_state.params))  # params already kept if bad
         return new_state, {"loss": loss, **metrics}
 
-    step.gather_report = report
-    return step
+    return BuiltStep(step, report)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -15,9 +15,20 @@ from zerojax.errors import UserError
 REMAT_POLICIES = ("full", "dots", "none")
 _NORM_EPS = 1e-6
 
-# Called on each layer's params inside the scanned body. A hook with a `scan(layer, x, stacked) -> x`
-# method runs the layer loop itself instead (the shard_map engine's prefetch).
-LayerHook = Callable[[nnx.State], nnx.State]
+
+class LayerHook(Protocol):
+    """Called on each layer's stored params inside the scanned, rematerialised body; returns the
+    params the layer computes with (FSDP: the gathered weights)."""
+
+    def __call__(self, layer_state: nnx.State, /) -> nnx.State: ...
+
+
+class LayerLoop(Protocol):
+    """Runs the layer loop in the model's place: `layer(x, layer_params) -> x` over the stacked
+    params (the shard_map engine's prefetch carries layer i+1's gathered weights through it)."""
+
+    def __call__(self, layer: Callable[[jax.Array, nnx.State], jax.Array], x: jax.Array,
+                 stacked: nnx.State, /) -> jax.Array: ...
 
 
 @dataclass(frozen=True)
@@ -158,7 +169,8 @@ class GPT(nnx.Module):
         self.final_norm = nnx.Param(jnp.ones((cfg.d_model,), jnp.float32))
         self.head = _normal(rngs, (cfg.d_model, cfg.vocab_size), 0.02)
 
-    def __call__(self, tokens_BxL: jax.Array, *, layer_hook: LayerHook | None = None) -> jax.Array:
+    def __call__(self, tokens_BxL: jax.Array, *, layer_hook: LayerHook | None = None,
+                 layer_loop: LayerLoop | None = None) -> jax.Array:
         cfg = self.cfg
         L = tokens_BxL.shape[1]
         if L > cfg.seq_len:
@@ -174,10 +186,7 @@ class GPT(nnx.Module):
                 layer_state = layer_hook(layer_state)
             return nnx.merge(graphdef, layer_state)(x_BxLxD, cos, sin), None
 
-        layer_loop = getattr(layer_hook, "scan", None)
-        if layer_loop is not None:
-            # The hook runs the loop itself: the shard_map engine's prefetch carries layer i+1's
-            # gathered weights through the scan so that gather overlaps layer i's compute.
+        if layer_loop is not None:  # it materialises each layer's params itself
             x_BxLxD = layer_loop(lambda x, layer_state: nnx.merge(graphdef, layer_state)(x, cos, sin),
                                  x_BxLxD, stacked)
         else:

@@ -1,0 +1,75 @@
+"""The Trainer's structure: one typed state, one preparation per (input shape, key), no hidden
+retrace, engine options checked against the engine."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import zerojax as zj
+from tests.models import UnevenMLP, classification_batch, tiny_gpt, token_batch
+from zerojax.engines import EngineOptions, get_engine
+from zerojax.state import TrainState
+
+
+def _trainer(model=UnevenMLP, **kwargs):
+    kwargs.setdefault("mesh", zj.make_mesh(fsdp=8))
+    return zj.Trainer(model, optax.adamw(1e-3), **kwargs)
+
+
+def test_state_is_a_typed_pytree_with_saved_groups():
+    trainer = _trainer(stage=1, precision="bf16")
+    state = trainer.init(jax.random.key(0), classification_batch(0))
+    assert isinstance(state, TrainState) and state.compute is not None  # bf16 below stage 3 keeps a copy
+    assert state.rng is None and state.model_state is None  # room for later groups, empty today
+    assert list(state.saved()) == ["step", "params", "opt_state"]  # compute is derived, not saved
+    assert jax.tree.structure(state) == jax.tree.structure(trainer.state_shardings)
+    stage3 = _trainer(stage=3, precision="bf16").init(jax.random.key(0), classification_batch(0))
+    assert stage3.compute is None  # stage 3 casts its shard before gathering: no persistent copy
+
+
+def test_model_init_is_traced_once_per_preparation():
+    trainer = _trainer()
+    traced = []
+    init = trainer.model.init
+    object.__setattr__(trainer.model, "init", lambda k, x: traced.append(x.shape) or init(k, x))
+    batch = classification_batch(0)
+    abstract = trainer.abstract_state(jax.random.key(0), batch)
+    assert len(traced) == 1  # one abstract trace: layout, shardings and state shapes from it
+    assert trainer.abstract_state(jax.random.key(0), batch) is not None and len(traced) == 1
+    with pytest.raises(RuntimeError, match="init"):  # abstract_state made nothing current
+        trainer.step(abstract, batch)
+    state = trainer.init(jax.random.key(0), batch)
+    assert len(traced) == 2  # the real init, inside jit; the preparation is reused
+    assert jax.tree.map(lambda a: (a.shape, a.dtype, a.sharding), abstract) == \
+        jax.tree.map(lambda a: (a.shape, a.dtype, a.sharding), state.replace(compute=None))
+
+
+def test_step_refuses_other_shapes_instead_of_retracing():
+    trainer = _trainer()
+    state = trainer.init(jax.random.key(0), classification_batch(0))
+    state, _ = trainer.step(state, classification_batch(1))
+    with pytest.raises(zj.UserError, match="prepared for"):
+        trainer.step(state, classification_batch(1, rows=32))
+
+
+def test_options_an_engine_does_not_support_are_refused():
+    with pytest.raises(zj.UserError, match="gspmd engine does not support the option prefetch=True.*shard_map"):
+        _trainer(engine="gspmd", engine_options={"prefetch": True})
+    with pytest.raises(zj.UserError, match="unknown engine option 'prefech'"):
+        _trainer(engine="shard_map", engine_options={"prefech": True})
+    with pytest.raises(zj.UserError, match="zero.engine must be one of gspmd, shard_map"):
+        get_engine("pipeline")
+    assert EngineOptions.of({"layer_stacks": ["blocks"]}).layer_stacks == ("blocks",)
+
+
+@pytest.mark.parametrize("engine", ["gspmd", "shard_map"])
+def test_report_and_lowering_are_public(engine):
+    model, _ = tiny_gpt()
+    trainer = _trainer(model, stage=3, engine=engine)
+    batch = token_batch(0)
+    state = trainer.init(jax.random.key(0), batch)
+    assert trainer.gather_report().route == "layers"
+    assert "func.func public @main" in trainer.lower(state, batch).as_text()
+    abstract = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in batch.items()}
+    assert trainer.lower(trainer.abstract_state(jax.random.key(0), batch), abstract).as_text()

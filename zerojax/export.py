@@ -1,0 +1,125 @@
+"""Consolidated parameters: `export_params` writes a checkpoint's master params, fp32 and in logical
+shapes, to an .npz; `load_params` reads one back (as a dict, or into an NNX module)."""
+
+from __future__ import annotations
+
+import os
+import zipfile
+
+import jax
+import numpy as np
+
+from zerojax.checkpoint import find_step_dir, item_path, read_meta, state_handler
+from zerojax.errors import UserError
+from zerojax.stages import path_str
+
+
+def _host_checksum(x: np.ndarray) -> int:
+    return int(np.ascontiguousarray(x).view(np.uint32).sum(dtype=np.uint64) % 2**32)
+
+
+def _nested(keys: tuple, leaf) -> dict:
+    tree = leaf
+    for k in reversed(keys):
+        tree = {k: tree}
+    return tree
+
+
+def _dig(tree, keys: tuple):
+    for k in keys:
+        tree = tree[k]
+    return tree
+
+
+def _param_keys(step_dir: str) -> list[tuple]:
+    """Each parameter's key path (the dict keys, as saved) under the checkpoint's "params"."""
+    tree = state_handler().metadata(item_path(step_dir, "state")).tree["params"]
+    paths = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [tuple(getattr(k, "key", getattr(k, "idx", None)) for k in p) for p, _ in paths]
+
+
+def export_params(checkpoint: str, out_path: str) -> dict:
+    """Write the master params, fp32 and in logical shapes, to an .npz keyed by parameter path.
+
+    Streams one leaf at a time (read, crop, write), so host memory peaks near the largest leaf. The
+    file appears only when complete (written beside it, then renamed).
+    """
+    import orbax.checkpoint as ocp
+
+    step_dir = find_step_dir(checkpoint)
+    meta = read_meta(step_dir)
+    out_path = out_path if out_path.endswith(".npz") else out_path + ".npz"
+    out_dir = os.path.dirname(os.path.abspath(out_path))
+    if not os.path.isdir(out_dir):
+        raise UserError(f"output folder {out_dir!r} does not exist.")
+    handler = state_handler()
+    partial = f"{out_path}.partial"
+    try:
+        keys = _param_keys(step_dir)
+        with zipfile.ZipFile(partial, "w", allowZip64=True) as zf:
+            for k in keys:
+                name = "/".join(str(x) for x in k)
+                if name not in meta["params"]:
+                    raise KeyError(name)
+                item = _nested(("params", *k), 0)
+                args = _nested(("params", *k), ocp.RestoreArgs(restore_type=np.ndarray))
+                tree = handler.restore(item_path(step_dir, "state"), args=ocp.args.PyTreeRestore(
+                    item=item, restore_args=args, partial_restore=True))
+                stored = np.asarray(_dig(tree, ("params", *k)), dtype=np.float32)
+                want = meta["leaves"][f"params/{name}"]
+                if "checksum" in want and want["checksum"] != _host_checksum(stored):
+                    raise UserError(f"checkpoint {step_dir!r} is corrupted: {'params/' + name!r} does not match its checksum.")
+                logical = tuple(meta["params"][name]["shape"])
+                leaf = stored[tuple(slice(0, s) for s in logical)]  # a view: write_array streams it
+                with zf.open(f"{name}.npy", "w", force_zip64=True) as f:
+                    np.lib.format.write_array(f, leaf, allow_pickle=False)
+                del tree, stored, leaf
+        os.replace(partial, out_path)
+    except Exception as e:  # noqa: BLE001
+        if os.path.exists(partial):
+            os.remove(partial)
+        if isinstance(e, UserError):
+            raise
+        raise UserError(f"checkpoint {step_dir!r} is corrupted or truncated: its parameters cannot be read.") from None
+    return {"step": meta["step"], "path": out_path, "params": len(keys), "from": step_dir}
+
+
+def _unflatten(flat: dict[str, np.ndarray]) -> dict:
+    tree: dict = {}
+    for name, value in flat.items():
+        *parents, last = [int(p) if p.isdigit() else p for p in name.split("/")]
+        node = tree
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return tree
+
+
+def load_params(path: str, model=None):
+    """Parameters written by `zerojax export`.
+
+    Without `model`: a nested dict of fp32 arrays shaped like the model's params (pass it to
+    `Trainer.init(..., params=...)` to fine-tune). With an `nnx.Module`: that module, its
+    parameters replaced in place, after checking every name and shape.
+    """
+    if not os.path.isfile(path):
+        raise UserError(f"parameter file {path!r} does not exist.")
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            flat = {name: npz[name] for name in npz.files}
+    except Exception:  # noqa: BLE001
+        raise UserError(f"parameter file {path!r} is not a readable .npz written by `zerojax export`.") from None
+    if model is None:
+        return _unflatten(flat)
+    from flax import nnx
+
+    state = nnx.state(model, nnx.Param)
+    pure = nnx.to_pure_dict(state)
+    wanted = {path_str(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(pure)[0]}
+    for name in sorted(set(wanted) | set(flat)):
+        if name not in flat or name not in wanted or tuple(flat[name].shape) != wanted[name]:
+            raise UserError(f"parameter file {path!r} does not fit this model: parameter {name!r} differs.")
+    new = jax.tree_util.tree_map_with_path(lambda p, x: jax.numpy.asarray(flat[path_str(p)], x.dtype), pure)
+    nnx.replace_by_pure_dict(state, new)
+    nnx.update(model, state)
+    return model
