@@ -16,8 +16,10 @@ is exact because padding is always zeros at the end of one axis.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -141,11 +143,38 @@ def state_handler():
     return _ocp().PyTreeCheckpointHandler()
 
 
+def failure(e: BaseException) -> str | None:
+    """What went wrong, when it is not damaged data: a permission, memory or other OS error (orbax
+    and tensorstore wrap these in their own types, so the message is read too); else None."""
+    text = f"{type(e).__name__}: {e}"
+    if isinstance(e, PermissionError) or "Permission denied" in text or "PERMISSION_DENIED" in text:
+        return "permission denied"
+    if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
+        return "out of memory"
+    for errno_name, words in (("ENOSPC", "No space left on device"), ("EFBIG", "File too large"),
+                              ("EROFS", "Read-only file system"), ("EDQUOT", "Disk quota exceeded"),
+                              ("EIO", "Input/output error")):
+        if words in text:
+            return f"{words.lower()} ({errno_name})"
+    if isinstance(e, OSError) and not isinstance(e, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
+        return e.strerror or str(e)
+    return None
+
+
+def unreadable(step_dir: str, what: str, e: BaseException) -> UserError:
+    why = failure(e)
+    if why is None:
+        return UserError(f"checkpoint {step_dir!r} is corrupted or truncated: its {what} cannot be read.")
+    return UserError(f"checkpoint {step_dir!r} cannot be read ({why}) while reading its {what}.")
+
+
 def read_meta(step_dir: str) -> dict:
     ocp = _ocp()
     try:
         meta = ocp.JsonCheckpointHandler().restore(item_path(step_dir, "meta"), args=ocp.args.JsonRestore())
-    except Exception:  # noqa: BLE001 - any failure to read is a damaged checkpoint
+    except Exception as e:  # noqa: BLE001 - tensorstore and orbax raise many types
+        if failure(e):
+            raise unreadable(step_dir, "metadata", e) from None
         meta = None
     if not isinstance(meta, dict) or not {"format", "step", "params", "leaves"} <= set(meta):
         raise UserError(f"checkpoint {step_dir!r} is corrupted or truncated: its metadata cannot be read.")
@@ -169,22 +198,52 @@ class CheckpointWriter:
         )
         self.directory = directory
         self._run_meta = run_meta
+        self._step: int | None = None
+        self._closed = False
         self._manager = ocp.CheckpointManager(directory, options=options)
 
     def save(self, step: int, state: TrainState) -> None:
-        """Returns once the shards are copied off the devices; files are written in the background."""
+        """Returns once the shards are copied off the devices; files are written in the background.
+        A failed write (this save's or the previous one's) is a `UserError` naming the step and why."""
         ocp = _ocp()
         saved = state.saved()
         meta = {**self._run_meta, "step": step, "data": {"position": step, "seed": self._run_meta["seed"]},
                 "leaves": _leaf_table(saved, _checksums(saved))}
-        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(saved),
-                                                         meta=ocp.args.JsonSave(meta)), force=True)
+        with self._writing(step):
+            self._manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(saved),
+                                                             meta=ocp.args.JsonSave(meta)), force=True)
+        self._step = step
+
+    @contextlib.contextmanager
+    def _writing(self, step: int):
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - orbax re-raises the background thread's error
+            why = failure(e) or f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            self._closed = True  # the manager is unusable now; don't wait for it again
+            self._remove_partial()
+            raise UserError(f"writing the checkpoint of step {self._step or step} to {self.directory!r} failed "
+                            f"({why}); the earlier checkpoints there are intact.") from None
+
+    def _remove_partial(self) -> None:
+        """An interrupted save leaves a tmp folder; a failed one is removed at once (process 0)."""
+        if jax.process_index() != 0 or not os.path.isdir(self.directory):
+            return
+        for name in os.listdir(self.directory):
+            if _TMP_MARK in name:
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        with self._writing(self._step):
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
-        self._manager.close()  # waits for the save in flight
+        """Waits for the save in flight; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._writing(self._step):
+            self._manager.close()
 
 
 # ---- restoring -----------------------------------------------------------------------------------
@@ -234,8 +293,8 @@ def restore(trainer, step_dir: str, key, batch: dict) -> tuple[TrainState, dict]
     try:
         saved = state_handler().restore(
             item_path(step_dir, "state"), args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))
-    except Exception:  # noqa: BLE001 - tensorstore and orbax raise many types for damaged files
-        raise UserError(f"checkpoint {step_dir!r} is corrupted or truncated: its arrays cannot be read.") from None
+    except Exception as e:  # noqa: BLE001 - tensorstore and orbax raise many types for damaged files
+        raise unreadable(step_dir, "arrays", e) from None
     _verify(meta, saved, step_dir)
     return trainer.restore_state(saved, key, batch), meta
 

@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from zerojax.errors import UserError
+from zerojax.errors import Preempted, UserError
 
 COMMANDS = ("train", "plan", "compare", "inspect", "export", "launch")
 
@@ -48,7 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.run(args) or 0)
     except UserError as e:
         sys.stderr.write(f"error: {e}\n")
-        return 2
+        return e.exit_code
+    except Preempted as e:
+        sys.stderr.write(f"stopped: {e}\n")
+        return e.exit_code
     except KeyboardInterrupt:
         sys.stderr.write("error: interrupted\n")
         return 130

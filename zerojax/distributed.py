@@ -20,7 +20,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Mapping
 
-from zerojax.errors import UserError
+from zerojax.errors import Preempted, UserError
 
 ENV_COORDINATOR = "ZEROJAX_COORDINATOR"
 ENV_NUM_PROCESSES = "ZEROJAX_NUM_PROCESSES"
@@ -210,7 +210,10 @@ def fail_fast(spec: DistributedSpec):
         raise
     except UserError as e:
         sys.stderr.write(f"error: {e}\n")
-        _exit_now(2)
+        _exit_now(e.exit_code)
+    except Preempted as e:  # the checkpoint is complete on disk: leave without the shutdown barrier
+        sys.stderr.write(f"stopped: {e}\n")
+        _exit_now(e.exit_code)
     except jax.errors.JaxRuntimeError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         sys.stderr.write(f"error: {who}: a collective with the other processes failed; another process most "

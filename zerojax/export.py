@@ -9,7 +9,7 @@ import zipfile
 import jax
 import numpy as np
 
-from zerojax.checkpoint import find_step_dir, item_path, read_meta, state_handler
+from zerojax.checkpoint import unreadable, failure, find_step_dir, item_path, read_meta, state_handler
 from zerojax.errors import UserError
 from zerojax.stages import path_str
 
@@ -52,11 +52,24 @@ def export_params(checkpoint: str, out_path: str) -> dict:
     out_dir = os.path.dirname(os.path.abspath(out_path))
     if not os.path.isdir(out_dir):
         raise UserError(f"output folder {out_dir!r} does not exist.")
-    handler = state_handler()
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise UserError(f"output folder {out_dir!r} is not writable; give an .npz path in a folder you can write to.")
     partial = f"{out_path}.partial"
+    for path in (out_path, partial):
+        if os.path.isdir(path):
+            raise UserError(f"{path!r} is a folder; export writes a file there, so give another .npz path "
+                            "or move the folder away.")
+    handler = state_handler()
     try:
         keys = _param_keys(step_dir)
-        with zipfile.ZipFile(partial, "w", allowZip64=True) as zf:
+    except Exception as e:  # noqa: BLE001
+        raise unreadable(step_dir, "parameters", e) from None
+    try:
+        zf = zipfile.ZipFile(partial, "w", allowZip64=True)
+    except OSError as e:
+        raise UserError(f"cannot write {partial!r}: {e.strerror or e}.") from None
+    try:
+        with zf:
             for k in keys:
                 name = "/".join(str(x) for x in k)
                 if name not in meta["params"]:
@@ -76,11 +89,13 @@ def export_params(checkpoint: str, out_path: str) -> dict:
                 del tree, stored, leaf
         os.replace(partial, out_path)
     except Exception as e:  # noqa: BLE001
-        if os.path.exists(partial):
+        if os.path.isfile(partial):
             os.remove(partial)
         if isinstance(e, UserError):
             raise
-        raise UserError(f"checkpoint {step_dir!r} is corrupted or truncated: its parameters cannot be read.") from None
+        if isinstance(e, OSError) and e.filename is None and failure(e):  # zipfile's own write to `partial`
+            raise UserError(f"writing {out_path!r} failed ({failure(e)}); nothing was written.") from None
+        raise unreadable(step_dir, "parameters", e) from None
     return {"step": meta["step"], "path": out_path, "params": len(keys), "from": step_dir}
 
 

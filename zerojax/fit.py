@@ -14,9 +14,10 @@ import jax
 import numpy as np
 
 from zerojax import checkpoint
-from zerojax.errors import UserError
+from zerojax.errors import Diverged, Preempted, UserError
 from zerojax.experiment import Experiment
 from zerojax.log import warn
+from zerojax.preempt import Preemption
 from zerojax.state import TrainState
 
 
@@ -77,12 +78,52 @@ def _start(exp: Experiment, ckpt_dir: str, resume: bool, sharding) -> tuple[Trai
         return trainer.init(key, exp.train_data.global_batch(0, sharding)), 0
     step_dir = os.path.join(ckpt_dir, str(steps[-1]))
     meta = checkpoint.read_meta(step_dir)
-    if meta.get("seed") != c.train.seed:
+    if isinstance(meta.get("config"), dict):
+        check_resume_config(meta["config"], c.to_dict(), step_dir)
+    elif meta.get("seed") != c.train.seed:
         raise UserError(f"train.seed={c.train.seed} differs from the seed {meta.get('seed')} the checkpoint in "
                         f"{ckpt_dir} was trained with; resume with --set train.seed={meta.get('seed')}.")
     # The data stream is a pure function of (seed, step): the data position is the step.
     state, meta = checkpoint.restore(trainer, step_dir, key, exp.train_data.global_batch(steps[-1], sharding))
     return state, int(meta["step"])
+
+
+# Keys that may change between a run and its resume: where and how the same computation runs, when
+# it is saved, and how long it goes on. Every other key changes the trajectory (model, optimizer,
+# learning rate and schedule, batch size, data, seed, precision) and stops the resume.
+SAFE_ON_RESUME = ("zero.", "mesh.", "checkpoint.", "xla.", "train.steps", "train.eval_every",
+                  "train.eval_batches", "train.max_bad_steps")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _safe(key: str) -> bool:
+    return any(key == s or (s.endswith(".") and key.startswith(s)) for s in SAFE_ON_RESUME)
+
+
+def check_resume_config(saved: dict, current: dict, step_dir: str) -> None:
+    """Stop a resume that changes the trajectory (naming each key and both values); warn about the
+    safe changes it makes. A longer or shorter `train.steps` rebuilds the learning-rate schedule over
+    the new total, so with warm-up and cosine decay the rate from the resumed step on follows it."""
+    old, new = _flat(saved), _flat(current)
+    changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    fatal = [k for k in changed if not _safe(k)]
+    if fatal:
+        what = "; ".join(f"{k} is {new.get(k)!r} here but {old.get(k)!r} in the checkpoint" for k in fatal)
+        raise UserError(f"cannot resume from {step_dir!r} with a config that changes the training trajectory: "
+                        f"{what}. Resume with the checkpoint's values, or start a new run in another --out.")
+    if changed:
+        note = "; the learning-rate schedule now spans the new train.steps" if "train.steps" in changed else ""
+        warn("resuming with changed settings: " + ", ".join(f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in changed)
+             + note + ".")
 
 
 @dataclass
@@ -118,9 +159,18 @@ class _Outputs:
             self.history = _continue_metrics(path, start) if start else []
             self.metrics_file = open(path, "a" if start else "w")
         self.writer = None
+        self._exp, self._out_dir = exp, out_dir
         if c.checkpoint.every:
+            self.open_writer()
+
+    def open_writer(self) -> checkpoint.CheckpointWriter:
+        """The checkpoint writer (also opened on a termination request when checkpoint.every=0)."""
+        if self.writer is None:
+            exp, c = self._exp, self._exp.config
             meta = checkpoint.run_metadata(exp.trainer, seed=c.train.seed, config=c.to_dict(), model=_model_dict(exp))
-            self.writer = checkpoint.CheckpointWriter(_ckpt_dir(exp, out_dir), keep=c.checkpoint.keep, run_meta=meta)
+            self.writer = checkpoint.CheckpointWriter(_ckpt_dir(exp, self._out_dir), keep=c.checkpoint.keep,
+                                                      run_meta=meta)
+        return self.writer
 
     def write(self, record: dict) -> None:
         if self.metrics_file:
@@ -166,14 +216,22 @@ def _train_step(exp: Experiment, run: _Run, step: int, batch) -> dict:
     return record
 
 
-def _after_step(exp: Experiment, run: _Run, out: _Outputs, step: int, ckpt_dir: str) -> None:
-    """Stop after too many non-finite steps in a row; else save a checkpoint when one is due."""
+def _after_step(exp: Experiment, run: _Run, out: _Outputs, step: int, ckpt_dir: str,
+                preemption: Preemption) -> None:
+    """Stop after too many non-finite steps in a row; save a checkpoint when one is due; on a
+    termination request, save this step, wait until the checkpoint is complete, and stop."""
     c = exp.config
     if run.bad_run >= c.train.max_bad_steps:
         kept = f"the last good checkpoint is step {run.last_saved} in {ckpt_dir}" if run.last_saved \
             else "no checkpoint was written"
-        raise UserError(f"training stopped at step {step + 1}: {run.bad_run} consecutive steps had a non-finite "
-                        f"loss or gradient norm (train.max_bad_steps={c.train.max_bad_steps}); {kept}.")
+        raise Diverged(f"training stopped at step {step + 1}: {run.bad_run} consecutive steps had a non-finite "
+                       f"loss, gradient norm or update (train.max_bad_steps={c.train.max_bad_steps}); {kept}.")
+    if preemption.reached(step + 1):
+        if run.last_saved != step + 1:
+            out.open_writer().save(step + 1, run.state)  # a bad step's state is the last good one, step advanced
+        out.writer.close()  # waits until the checkpoint is complete on disk
+        raise Preempted(f"a termination request arrived; step {step + 1} is saved in {ckpt_dir}; "
+                        "run the same command with --resume to continue.")
     # A bad step kept the old state, but its checkpoint would push a good one out: skip it.
     bad = run.records[-1]["bad_step"]
     if out.writer and not bad and ((step + 1) % c.checkpoint.every == 0 or step + 1 == c.train.steps):
@@ -196,13 +254,14 @@ def fit(exp: Experiment, out_dir: str, on_step: Callable[[dict], None] | None = 
     first = exp.train_data.global_batch(run.start, sharding)
     out = _Outputs(exp, out_dir, run.start)
     try:
-        for step in range(run.start, c.train.steps):
-            batch = first if step == run.start else exp.train_data.global_batch(step, sharding)
-            record = _train_step(exp, run, step, batch)
-            out.write(record)
-            if on_step:
-                on_step(record)
-            _after_step(exp, run, out, step, ckpt_dir)
+        with Preemption() as preemption:
+            for step in range(run.start, c.train.steps):
+                batch = first if step == run.start else exp.train_data.global_batch(step, sharding)
+                record = _train_step(exp, run, step, batch)
+                out.write(record)
+                if on_step:
+                    on_step(record)
+                _after_step(exp, run, out, step, ckpt_dir, preemption)
     finally:
         out.close()
     if not c.train.eval_every or c.train.steps % c.train.eval_every or not run.records:

@@ -3,6 +3,8 @@
 Starts N copies of `zerojax COMMAND ...` (or of a Python script, `-- script.py ARGS`) joined into
 one JAX distributed run through a coordinator on 127.0.0.1, streams their output with a `[i]`
 prefix, and fails fast: the first process to exit non-zero is named and the others are stopped.
+A SIGTERM to the launcher is forwarded to every process, which then saves a checkpoint and exits
+75; the launcher waits for all of them (up to `_PREEMPT_GRACE_S`) and exits 75 too.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from zerojax.errors import UserError
 
 _STOP_GRACE_S = 10.0  # after SIGTERM, how long a process may take before SIGKILL
 _POLL_S = 0.1
+_PREEMPT_GRACE_S = 300.0  # after a forwarded SIGTERM: time to finish the step and write a checkpoint
+PREEMPTED = 75  # the status `zerojax train` exits with after a termination request (errors.Preempted)
 
 
 def add_parser(sub) -> None:
@@ -158,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
                 t = threading.Thread(target=_pump, args=(stream, out, f"[{i}] ", lock), daemon=True)
                 t.start()
                 pumps.append(t)
-        status = _watch(procs)
+        forwarded = _forward_sigterm(procs)
+        status = _watch(procs, forwarded)
     except KeyboardInterrupt:
         _say("interrupted; stopping all processes")
         _stop(procs, _STOP_GRACE_S)
@@ -168,15 +173,36 @@ def run(args: argparse.Namespace) -> int:
     return status
 
 
-def _watch(procs: list[subprocess.Popen]) -> int:
-    """Wait for all; on the first non-zero exit, name it, stop the rest and return its status."""
+def _forward_sigterm(procs: list[subprocess.Popen]) -> threading.Event:
+    """On SIGTERM, pass it on to every process once; the returned event says it happened."""
+    forwarded = threading.Event()
+
+    def on_sigterm(signum, frame):
+        if not forwarded.is_set():
+            forwarded.set()
+            _say("SIGTERM: forwarded to every process; waiting for their checkpoint")
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_sigterm)
+    return forwarded
+
+
+def _watch(procs: list[subprocess.Popen], forwarded: threading.Event | None = None) -> int:
+    """Wait for all; on the first non-zero exit, name it, stop the rest and return its status.
+    After a forwarded SIGTERM every process is given time to save, and the worst status is returned."""
+    forwarded = forwarded or threading.Event()
     while True:
+        if forwarded.is_set():
+            return _wait_preempted(procs)
         running = False
         for i, p in enumerate(procs):
             code = p.poll()
             if code is None:
                 running = True
-            elif code != 0:
+            elif code != 0 and not forwarded.is_set():
                 others = [q for q in procs if q.poll() is None]
                 _say(f"error: process {i} (pid {p.pid}) {describe_exit(code)}"
                      + (f"; stopping the other {len(others)}" if others else ""))
@@ -186,3 +212,19 @@ def _watch(procs: list[subprocess.Popen]) -> int:
             _say(f"all {len(procs)} processes finished")
             return 0
         time.sleep(_POLL_S)
+
+
+def _wait_preempted(procs: list[subprocess.Popen]) -> int:
+    deadline = time.monotonic() + _PREEMPT_GRACE_S
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+    _stop(procs, 0.0)  # any still running past the grace period
+    codes = [p.returncode for p in procs]
+    if all(c in (0, PREEMPTED) for c in codes):
+        _say(f"all {len(procs)} processes stopped after the termination request")
+        return PREEMPTED if PREEMPTED in codes else 0
+    for i, (p, c) in enumerate(zip(procs, codes)):
+        if c not in (0, PREEMPTED):
+            _say(f"error: process {i} (pid {p.pid}) {describe_exit(c)} after the termination request")
+            return c if c > 0 else 128 - c
+    return 1

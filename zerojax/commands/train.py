@@ -26,7 +26,12 @@ def run(args: argparse.Namespace) -> int:
     from zerojax.config import load_config
     from zerojax.mesh import simulate_cpu_devices
 
+    from zerojax.paths import check_writable_dir
+
     config = load_config(args.config, args.overrides)  # before JAX starts: bad input fails fast
+    check_writable_dir(args.out, "--out")
+    if config.checkpoint.dir:
+        check_writable_dir(config.checkpoint.dir, "checkpoint.dir")
     spec = distributed.spec_from_args(args)
     distributed.apply_compiler_flags(config.xla.flags, config.xla.libtpu_flags)
     if args.devices is not None:

@@ -32,12 +32,19 @@ def compute_params(layout: StateLayout, state: TrainState):
     return layout.to_layout(params, sharded=False)
 
 
+def all_finite(tree) -> jax.Array:
+    """True when every floating-point value in `tree` is finite (integer leaves, e.g. counts, pass)."""
+    checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(checks)) if checks else jnp.bool_(True)
+
+
 def apply_update(layout: StateLayout, tx: optax.GradientTransformation, state: TrainState, grads,
                  loss) -> tuple[TrainState, dict]:
     """Optimizer update on the optimizer's layout (shards from stage 1 on), then back to the state's.
 
     `grads` arrive reduced: replicated (stages 0-1) or already sharded (stages 2-3). A step whose
-    loss or gradient norm is not finite keeps the old params and optimizer state (`bad_step` = 1);
+    loss, gradient norm or new state (params, compute copy, optimizer state) holds a non-finite
+    value keeps the old state (`bad_step` = 1), so nothing non-finite is ever committed or saved;
     the step counter still advances, so the data position moves past the bad batch.
     """
     opt_sharded = layout.optimizer_sharded
@@ -53,7 +60,7 @@ def apply_update(layout: StateLayout, tx: optax.GradientTransformation, state: T
         compute = constrain(cast_tree(params, layout.precision.compute_dtype), layout.shardings(layout.master_sharded))
         new_state["compute"] = constrain(layout.to_layout(compute, sharded=False), layout.shardings(False))
     grad_norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite(new_state)
     kept = {k: getattr(state, k) for k in new_state}
     new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, kept)
     return state.replace(**new_state, step=state.step + 1), {"grad_norm": grad_norm, "bad_step": (~finite).astype(jnp.int32)}
