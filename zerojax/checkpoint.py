@@ -24,7 +24,7 @@ import shutil
 import jax
 import numpy as np
 
-from zerojax.errors import UserError
+from zerojax.errors import UserError, WriteFailed
 from zerojax.log import warn
 from zerojax.stages import path_str
 from zerojax.state import TrainState
@@ -222,7 +222,7 @@ class CheckpointWriter:
             why = failure(e) or f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             self._closed = True  # the manager is unusable now; don't wait for it again
             self._remove_partial()
-            raise UserError(f"writing the checkpoint of step {self._step or step} to {self.directory!r} failed "
+            raise WriteFailed(f"writing the checkpoint of step {self._step or step} to {self.directory!r} failed "
                             f"({why}); the earlier checkpoints there are intact.") from None
 
     def _remove_partial(self) -> None:

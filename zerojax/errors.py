@@ -12,6 +12,10 @@ class UserError(ValueError):
     exit_code = 2
 
 
+class WriteFailed(UserError):
+    """A checkpoint could not be written (disk full, quota, permission); the earlier ones are intact."""
+
+
 class Diverged(UserError):
     """Training stopped after `train.max_bad_steps` consecutive non-finite steps."""
 

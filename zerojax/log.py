@@ -15,6 +15,22 @@ def warn(message: str) -> None:
         sys.stderr.flush()
 
 
-def quiet_orbax() -> None:
-    """For the CLI: orbax's absl warnings (read-only options, missing step metadata) are noise there."""
-    logging.getLogger("absl").setLevel(logging.ERROR)
+def quiet_orbax(level: int = logging.ERROR) -> None:
+    """For the CLI: orbax's absl warnings (read-only options, missing step metadata) are noise there.
+
+    `zerojax train` passes CRITICAL: a failed checkpoint write is reported once, as its own `error:`
+    line, so orbax's logged copy and the "Event loop is closed" tracebacks that tensorstore's
+    callbacks report (through `sys.unraisablehook`) for the writes still in flight are dropped too.
+    """
+    logging.getLogger("absl").setLevel(level)
+    if level >= logging.CRITICAL and not getattr(sys.unraisablehook, "_zerojax", False):
+        default = sys.unraisablehook
+
+        def hook(unraisable):
+            value = unraisable.exc_value
+            if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+                return
+            default(unraisable)
+
+        hook._zerojax = True
+        sys.unraisablehook = hook

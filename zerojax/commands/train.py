@@ -40,14 +40,33 @@ def run(args: argparse.Namespace) -> int:
     if spec.enabled:
         print(f"zerojax: {distributed.describe()}", file=sys.stderr, flush=True)
 
+    import logging
+
+    from zerojax.errors import WriteFailed
     from zerojax.experiment import build_experiment
+    from zerojax.log import quiet_orbax
     from zerojax.fit import fit, prepare
     from zerojax.report import training_progress, summary_table
 
+    quiet_orbax(logging.CRITICAL)  # a failed write is reported once, as an `error:` line
     with distributed.fail_fast(spec):  # a dead peer ends this process too, never a hang
         exp = build_experiment(config)
         start = prepare(exp, args.out, resume=args.resume)  # a bad checkpoint fails before the progress bar
-        with training_progress(config.train.steps) as on_step:
-            summary = fit(exp, args.out, on_step=on_step, start=start)
+        try:
+            with training_progress(config.train.steps) as on_step:
+                summary = fit(exp, args.out, on_step=on_step, start=start)
+        except WriteFailed as e:
+            _leave_now(e)
         summary_table(summary, args.out)
     return 0
+
+
+def _leave_now(e) -> None:
+    """After a failed checkpoint write: the one line, then exit at once. Orbax's writes still in
+    flight would otherwise print tracebacks from tensorstore's threads while Python shuts down."""
+    import os
+
+    sys.stderr.write(f"error: {e}\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(e.exit_code)
