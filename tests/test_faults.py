@@ -147,6 +147,7 @@ def _launch(out, steps: int, *extra) -> list[str]:
             "train", CONFIG, "--out", str(out), "--set", f"train.steps={steps}", *LAUNCH_SETS, *extra]
 
 
+@pytest.mark.slow  # 2.5 minutes: two processes, a reference run, the interrupted run and its resume
 def test_sigterm_to_a_two_process_launch_checkpoints_and_resumes_bit_exact(env, tmp_path):
     steps = 40
     ref = tmp_path / "ref"
