@@ -145,7 +145,20 @@ def state_handler():
 
 def failure(e: BaseException) -> str | None:
     """What went wrong, when it is not damaged data: a permission, memory or other OS error (orbax
-    and tensorstore wrap these in their own types, so the message is read too); else None."""
+    and tensorstore wrap these in their own types and re-raise them from other threads, so the
+    messages of the whole exception chain are read too); else None."""
+    seen: list[BaseException] = []
+    while e is not None and e not in seen and len(seen) < 16:
+        seen.append(e)
+        e = e.__cause__ or e.__context__
+    for cause in seen:
+        why = _os_failure(cause)
+        if why is not None:
+            return why
+    return None
+
+
+def _os_failure(e: BaseException) -> str | None:
     text = f"{type(e).__name__}: {e}"
     if isinstance(e, PermissionError) or "Permission denied" in text or "PERMISSION_DENIED" in text:
         return "permission denied"
