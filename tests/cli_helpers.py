@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,3 +40,15 @@ def dir_digest(path) -> dict:
             with open(full, "rb") as f:
                 out[os.path.relpath(full, path)] = hashlib.sha256(f.read()).hexdigest()
     return out
+
+
+def wait_for(predicate, proc, what: str, timeout: float = 300, poll: float = 0.0005) -> None:
+    """Poll `predicate` until it holds; fail (killing `proc` on a timeout) if `proc` ends first."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            pytest.fail(f"the training process ended (rc {proc.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(poll)

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.cli_helpers import assert_one_line_error, dir_digest
+from tests.cli_helpers import assert_one_line_error, dir_digest, wait_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "tiny.yaml")
@@ -71,14 +71,7 @@ def _assert_matches(out, reference: list[dict]) -> None:
 
 
 def _wait_records(out, n: int, proc, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while len(_records(out)) < n:
-        if proc.poll() is not None:
-            pytest.fail(f"the run ended (rc {proc.returncode}) before step {n}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"timed out waiting for step {n}")
-        time.sleep(0.001)
+    wait_for(lambda: len(_records(out)) >= n, proc, f"step {n}", timeout, poll=0.001)
 
 
 def _complete(out) -> list[int]:

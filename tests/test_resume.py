@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +22,7 @@ from zerojax.engines.common import cross_entropy
 from zerojax.errors import UserError
 from zerojax.experiment import build_experiment
 from zerojax.fit import fit
-from tests.cli_helpers import dir_digest
+from tests.cli_helpers import dir_digest, wait_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "tiny.yaml")
@@ -68,17 +67,6 @@ def reference(tmp_path_factory, env) -> str:
     return str(out)
 
 
-def _wait_for(predicate, proc, what: str, timeout: float = 300):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if proc.poll() is not None:
-            pytest.fail(f"the training process ended (rc {proc.returncode}) before {what}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.0005)
-
-
 def _tmp_dirs(ckpt_dir) -> set[str]:
     return {n for n in os.listdir(ckpt_dir) if TMP_MARK in n}
 
@@ -87,9 +75,9 @@ def _kill_during_save(proc, ckpt_dir, stale: set[str]) -> str:
     """SIGSTOP as soon as a save's tmp folder appears; SIGKILL if it is still there (the save is
     truly in flight), else let the process go on to its next save. Tmp folders left by an earlier
     kill (`stale`) must first be cleaned up by the new process, so they are not mistaken for its own."""
-    _wait_for(lambda: not (stale & _tmp_dirs(ckpt_dir)), proc, "stale tmp folders cleaned up")
+    wait_for(lambda: not (stale & _tmp_dirs(ckpt_dir)), proc, "stale tmp folders cleaned up")
     while True:
-        _wait_for(lambda: any(TMP_MARK in n for n in os.listdir(ckpt_dir)), proc, "an asynchronous save started")
+        wait_for(lambda: any(TMP_MARK in n for n in os.listdir(ckpt_dir)), proc, "an asynchronous save started")
         proc.send_signal(signal.SIGSTOP)
         tmp = [n for n in os.listdir(ckpt_dir) if TMP_MARK in n]
         if tmp:
@@ -108,7 +96,7 @@ def test_sigkill_mid_run_and_mid_save_then_resume_is_bit_exact(reference, env, t
 
     # 1. Killed between steps, with checkpoints written and possibly one in flight.
     proc = subprocess.Popen(_train_cmd(out), env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _wait_for(lambda: len(_records(out)) >= 5, proc, "step 5")
+    wait_for(lambda: len(_records(out)) >= 5, proc, "step 5")
     proc.kill()
     proc.wait()
     first_kill = complete_steps(str(ckpt_dir), report=False)
