@@ -18,6 +18,10 @@ _EXPORTS = {
     "make_layout": "zerojax.layout",
     "UserError": "zerojax.errors",
     "load_params": "zerojax.export",
+    "fit": "zerojax.fit",
+    "FitOptions": "zerojax.fit",
+    "ArraySource": "zerojax.sources",
+    "IterableSource": "zerojax.sources",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -40,7 +40,9 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    preset: str = "tiny"
+    target: Optional[str] = None  # "package.module:name": the user's model instead of the shipped GPT
+    kwargs: dict = Field(default_factory=dict)  # passed to model.target
+    preset: str = "tiny"  # this and the keys below: the shipped GPT only
     d_model: Optional[Int] = None
     n_layers: Optional[Int] = None
     n_heads: Optional[Int] = None
@@ -81,9 +83,16 @@ class TrainConfig(_Section):
 
 
 class DataConfig(_Section):
+    target: Optional[str] = None  # "package.module:name", called as name(seed=, batch_size=, **kwargs)
+    kwargs: dict = Field(default_factory=dict)
+    eval_kwargs: Optional[dict] = None  # with data.target: an eval source from seed + 1 and kwargs | eval_kwargs
     path: Optional[str] = None  # None: the Python standard library's own sources
     max_bytes: Annotated[Int, Field(gt=0)] = 16 * 2**20
     eval_fraction: Annotated[Float, Field(ge=0, lt=1)] = 0.05
+
+
+class LossConfig(_Section):
+    target: Optional[str] = None  # "package.module:name": (outputs, batch) -> loss; default cross entropy
 
 
 class CheckpointConfig(_Section):
@@ -110,6 +119,7 @@ class Config(_Section):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     xla: XlaConfig = Field(default_factory=XlaConfig)
 
@@ -218,5 +228,16 @@ def validate(c: Config) -> None:
         raise UserError(f"zero.engine must be one of {', '.join(ENGINES)}, got {c.zero.engine!r}.")
     get_optimizer(c.optimizer.name)
     check_sizes(c.mesh.data, c.mesh.fsdp)
+    if c.model.kwargs and not c.model.target:
+        raise UserError("model.kwargs needs a model.target to pass them to; the shipped GPT takes model.preset, "
+                        "model.d_model, ... instead.")
+    if (c.data.kwargs or c.data.eval_kwargs is not None) and not c.data.target:
+        raise UserError("data.kwargs and data.eval_kwargs need a data.target to pass them to.")
+    from zerojax.targets import import_target
+
+    for key, text in (("model.target", c.model.target), ("data.target", c.data.target),
+                      ("loss.target", c.loss.target)):
+        if text is not None:
+            import_target(text, key)  # importable and callable: fails here, before JAX starts
     if c.mesh.fsdp is not None:
         check_batch(c.train.batch_size, c.mesh.data * c.mesh.fsdp)

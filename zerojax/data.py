@@ -84,7 +84,8 @@ def split_corpus(tokens: np.ndarray, eval_fraction: float = 0.05) -> tuple[np.nd
 
 
 class BatchStream:
-    """Batches are a pure function of (seed, step): a resumed run sees exactly the data it would have."""
+    """Batches are a pure function of (seed, step): a resumed run sees exactly the data it would have.
+    A batch source in the sense of `zerojax.sources` (batch, rows, batch_size, global_batch)."""
 
     def __init__(self, tokens: np.ndarray, *, seq_len: int, global_batch: int, seed: int, path: str | None = None):
         if seq_len < 1 or global_batch < 1:
@@ -117,6 +118,8 @@ class BatchStream:
     def host_batch(self, step: int) -> dict[str, np.ndarray]:
         """The whole [global_batch, seq_len] batch on this host (single-process use and tests)."""
         return self.rows(step, 0, self.batch_size)
+
+    batch = host_batch  # the batch-source protocol (zerojax.sources)
 
     def global_batch(self, step: int, sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:
         """Global sharded arrays; each process materialises only the rows its addressable devices own."""

@@ -1,21 +1,29 @@
-"""The step loop of a config-driven run: init or resume, compile, step, evaluate, write metrics,
-save checkpoints, stop after too many non-finite steps."""
+"""The run loop for any `Trainer` and batch source: init or resume, compile, step, evaluate, write
+metrics.jsonl and summary.json, save async sharded checkpoints, stop cleanly on SIGTERM and after
+too many non-finite steps in a row. `zerojax train` is this loop with a config's pieces.
+
+    summary = zj.fit(trainer, source, "runs/mine", steps=1000, checkpoint_every=100, resume=True)
+
+`source` is a batch source (`zerojax.sources`): batch(step) is a pure function of (seed, step), so
+the data position of a resumed run is its step and `resume` is exact.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import sys
 import time
-from dataclasses import dataclass
-from typing import Callable
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import jax
 import numpy as np
 
-from zerojax import checkpoint
+from zerojax import checkpoint, sources
 from zerojax.errors import Diverged, Preempted, UserError
-from zerojax.experiment import Experiment
 from zerojax.log import warn
 from zerojax.preempt import Preemption
 from zerojax.state import TrainState
@@ -25,11 +33,35 @@ def _is_main_process() -> bool:
     return jax.process_index() == 0
 
 
-def evaluate(exp: Experiment, state, batches: int) -> float | None:
-    if exp.eval_data is None:
+@dataclass(frozen=True)
+class FitOptions:
+    """How a run goes on, saves and stops (a config's train.* and checkpoint.* keys)."""
+
+    steps: int
+    seed: int = 0  # the init key; the source owns its own data seed
+    eval_every: int = 0  # 0: evaluate only at the end
+    eval_batches: int = 2
+    max_bad_steps: int = 3  # consecutive non-finite steps before stopping (Diverged)
+    checkpoint_every: int = 0  # 0: no periodic checkpoints (SIGTERM still saves one)
+    checkpoint_keep: int = 2
+    checkpoint_dir: str | None = None  # default OUT/checkpoints
+    config: dict | None = None  # recorded in checkpoints; a resume that changes the trajectory is refused
+    model: dict | None = field(default=None, compare=False)  # the model's description, for checkpoints
+
+    @classmethod
+    def from_config(cls, c, model: dict | None = None) -> "FitOptions":
+        t, k = c.train, c.checkpoint
+        return cls(steps=t.steps, seed=t.seed, eval_every=t.eval_every, eval_batches=t.eval_batches,
+                   max_bad_steps=t.max_bad_steps, checkpoint_every=k.every, checkpoint_keep=k.keep,
+                   checkpoint_dir=k.dir, config=c.to_dict(), model=model)
+
+
+def evaluate(trainer, source, state, batches: int) -> float | None:
+    """Mean loss over `batches` batches of `source` (None without one)."""
+    if source is None:
         return None
-    sharding = exp.trainer.batch_sharding
-    losses = [float(exp.trainer.evaluate(state, exp.eval_data.global_batch(i, sharding))) for i in range(batches)]
+    sharding = trainer.batch_sharding
+    losses = [float(trainer.evaluate(state, sources.global_batch(source, i, sharding))) for i in range(batches)]
     return float(np.mean(losses))
 
 
@@ -58,33 +90,33 @@ def _continue_metrics(path: str, step: int) -> list[dict]:
     return kept
 
 
-def _ckpt_dir(exp: Experiment, out_dir: str) -> str:
-    return checkpoint.checkpoint_dir(exp.config.checkpoint.dir, out_dir)
+def _ckpt_dir(o: FitOptions, out_dir: str) -> str:
+    return checkpoint.checkpoint_dir(o.checkpoint_dir, out_dir)
 
 
-def _start(exp: Experiment, ckpt_dir: str, resume: bool, sharding) -> tuple[TrainState, int]:
+def _start(trainer, source, o: FitOptions, ckpt_dir: str, resume: bool) -> tuple[TrainState, int]:
     """(state, step): the latest complete checkpoint when resuming, else a fresh init."""
-    c, trainer = exp.config, exp.trainer
-    key = jax.random.key(c.train.seed)
+    sharding = trainer.batch_sharding
+    key = jax.random.key(o.seed)
     steps = checkpoint.complete_steps(ckpt_dir)
-    if steps and not resume and c.checkpoint.every:
+    if steps and not resume and o.checkpoint_every:
         raise UserError(f"{ckpt_dir} already holds checkpoints (latest step {steps[-1]}); pass --resume to "
                         "continue from it, or choose another --out or checkpoint.dir.")
-    if resume and not c.checkpoint.every:
+    if resume and not o.checkpoint_every:
         warn("checkpoint.every=0: this run writes no checkpoints to resume from later.")
     if not (resume and steps):
         if resume:
             warn(f"no complete checkpoint in {ckpt_dir} yet; starting from scratch.")
-        return trainer.init(key, exp.train_data.global_batch(0, sharding)), 0
+        return trainer.init(key, sources.global_batch(source, 0, sharding)), 0
     step_dir = os.path.join(ckpt_dir, str(steps[-1]))
     meta = checkpoint.read_meta(step_dir)
-    if isinstance(meta.get("config"), dict):
-        check_resume_config(meta["config"], c.to_dict(), step_dir)
-    elif meta.get("seed") != c.train.seed:
-        raise UserError(f"train.seed={c.train.seed} differs from the seed {meta.get('seed')} the checkpoint in "
+    if isinstance(meta.get("config"), dict) and o.config is not None:
+        check_resume_config(meta["config"], o.config, step_dir)
+    elif meta.get("seed") != o.seed:
+        raise UserError(f"train.seed={o.seed} differs from the seed {meta.get('seed')} the checkpoint in "
                         f"{ckpt_dir} was trained with; resume with --set train.seed={meta.get('seed')}.")
-    # The data stream is a pure function of (seed, step): the data position is the step.
-    state, meta = checkpoint.restore(trainer, step_dir, key, exp.train_data.global_batch(steps[-1], sharding))
+    # The data source is a pure function of (seed, step): the data position is the step.
+    state, meta = checkpoint.restore(trainer, step_dir, key, sources.global_batch(source, steps[-1], sharding))
     return state, int(meta["step"])
 
 
@@ -135,22 +167,20 @@ class Start:
     compile_s: float
 
 
-def prepare(exp: Experiment, out_dir: str, *, resume: bool = False) -> Start:
+def prepare(trainer, source, out_dir: str, options: FitOptions, *, resume: bool = False) -> Start:
     """Init or restore, then compile: every bad-checkpoint error surfaces here, before any output."""
-    c, trainer = exp.config, exp.trainer
     t0 = time.perf_counter()
-    state, step = _start(exp, _ckpt_dir(exp, out_dir), resume, trainer.batch_sharding)
-    trainer.compile(state, exp.train_data.global_batch(step, trainer.batch_sharding))
-    if step >= c.train.steps:
-        warn(f"the checkpoint is at step {step}, not before train.steps={c.train.steps}; nothing to train.")
+    state, step = _start(trainer, source, options, _ckpt_dir(options, out_dir), resume)
+    trainer.compile(state, sources.global_batch(source, step, trainer.batch_sharding))
+    if step >= options.steps:
+        warn(f"the checkpoint is at step {step}, not before train.steps={options.steps}; nothing to train.")
     return Start(state, step, time.perf_counter() - t0)
 
 
 class _Outputs:
     """metrics.jsonl (process 0 only: continued on resume) and the checkpoint writer."""
 
-    def __init__(self, exp: Experiment, out_dir: str, start: int):
-        c = exp.config
+    def __init__(self, trainer, o: FitOptions, out_dir: str, start: int):
         self.history: list[dict] = []
         self.metrics_file = None
         if _is_main_process():
@@ -159,16 +189,16 @@ class _Outputs:
             self.history = _continue_metrics(path, start) if start else []
             self.metrics_file = open(path, "a" if start else "w")
         self.writer = None
-        self._exp, self._out_dir = exp, out_dir
-        if c.checkpoint.every:
+        self._trainer, self._o, self._out_dir = trainer, o, out_dir
+        if o.checkpoint_every:
             self.open_writer()
 
     def open_writer(self) -> checkpoint.CheckpointWriter:
         """The checkpoint writer (also opened on a termination request when checkpoint.every=0)."""
         if self.writer is None:
-            exp, c = self._exp, self._exp.config
-            meta = checkpoint.run_metadata(exp.trainer, seed=c.train.seed, config=c.to_dict(), model=_model_dict(exp))
-            self.writer = checkpoint.CheckpointWriter(_ckpt_dir(exp, self._out_dir), keep=c.checkpoint.keep,
+            o = self._o
+            meta = checkpoint.run_metadata(self._trainer, seed=o.seed, config=o.config, model=o.model)
+            self.writer = checkpoint.CheckpointWriter(_ckpt_dir(o, self._out_dir), keep=o.checkpoint_keep,
                                                       run_meta=meta)
         return self.writer
 
@@ -192,40 +222,37 @@ class _Run:
     start: int
     records: list[dict]
     times: list[float]
+    items_per_step: int = 0  # tokens (token-id inputs) or examples per step
     eval_loss: float | None = None
     bad_run: int = 0  # consecutive non-finite steps
     last_saved: int = 0
 
 
-def _train_step(exp: Experiment, run: _Run, step: int, batch) -> dict:
+def _train_step(trainer, eval_source, o: FitOptions, run: _Run, step: int, batch) -> dict:
     """One step: the state advances, and its metrics.jsonl record is returned."""
-    c = exp.config
     t = time.perf_counter()
-    run.state, metrics = exp.trainer.step(run.state, batch)
+    run.state, metrics = trainer.step(run.state, batch)
     loss = float(metrics["loss"])  # blocks until the step is done
     dt = time.perf_counter() - t
     run.times.append(dt)
     bad = int(metrics.get("bad_step", 0))
     run.bad_run = run.bad_run + 1 if bad else 0
-    tokens_per_step = c.train.batch_size * exp.model.seq_len
     record = {"step": step + 1, "loss": _finite(loss), "grad_norm": _finite(float(metrics["grad_norm"])),
-              "bad_step": bad, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt}
-    if c.train.eval_every and (step + 1) % c.train.eval_every == 0:
-        run.eval_loss = record["eval_loss"] = evaluate(exp, run.state, c.train.eval_batches)
+              "bad_step": bad, "step_time_s": dt, "tokens_per_s": run.items_per_step / dt}
+    if o.eval_every and (step + 1) % o.eval_every == 0:
+        run.eval_loss = record["eval_loss"] = evaluate(trainer, eval_source, run.state, o.eval_batches)
     run.records.append(record)
     return record
 
 
-def _after_step(exp: Experiment, run: _Run, out: _Outputs, step: int, ckpt_dir: str,
-                preemption: Preemption) -> None:
+def _after_step(o: FitOptions, run: _Run, out: _Outputs, step: int, ckpt_dir: str, preemption: Preemption) -> None:
     """Stop after too many non-finite steps in a row; save a checkpoint when one is due; on a
     termination request, save this step, wait until the checkpoint is complete, and stop."""
-    c = exp.config
-    if run.bad_run >= c.train.max_bad_steps:
+    if run.bad_run >= o.max_bad_steps:
         kept = f"the last good checkpoint is step {run.last_saved} in {ckpt_dir}" if run.last_saved \
             else "no checkpoint was written"
         raise Diverged(f"training stopped at step {step + 1}: {run.bad_run} consecutive steps had a non-finite "
-                       f"loss, gradient norm or update (train.max_bad_steps={c.train.max_bad_steps}); {kept}.")
+                       f"loss, gradient norm or update (train.max_bad_steps={o.max_bad_steps}); {kept}.")
     if preemption.reached(step + 1):
         if run.last_saved != step + 1:
             out.open_writer().save(step + 1, run.state)  # a bad step's state is the last good one, step advanced
@@ -234,65 +261,87 @@ def _after_step(exp: Experiment, run: _Run, out: _Outputs, step: int, ckpt_dir: 
                         "run the same command with --resume to continue.")
     # A bad step kept the old state, but its checkpoint would push a good one out: skip it.
     bad = run.records[-1]["bad_step"]
-    if out.writer and not bad and ((step + 1) % c.checkpoint.every == 0 or step + 1 == c.train.steps):
+    if out.writer and not bad and ((step + 1) % o.checkpoint_every == 0 or step + 1 == o.steps):
         out.writer.save(step + 1, run.state)
         run.last_saved = step + 1
 
 
-def fit(exp: Experiment, out_dir: str, on_step: Callable[[dict], None] | None = None, *,
-        resume: bool = False, start: Start | None = None) -> dict:
-    """Train up to `exp.config.train.steps` steps; returns the summary also written to `summary.json`.
+def fit(trainer, source=None, out_dir: str | None = None, *, steps: int | None = None,
+        eval_source=None, options: FitOptions | None = None, resume: bool = False,
+        on_step: Callable[[dict], None] | None = None, start: Start | None = None, **kwargs) -> dict:
+    """Train `trainer` on batch source `source` up to `steps`; returns the summary also written to
+    OUT/summary.json, beside OUT/metrics.jsonl (one record per step) and OUT/checkpoints.
 
-    `resume`: continue from the latest complete checkpoint (checkpoint.dir, default OUT/checkpoints)
-    and continue metrics.jsonl with it; without one, start from scratch with a warning. `start`: the
-    result of `prepare`, when the caller ran it first.
+    The other keywords are `FitOptions` fields (eval_every, eval_batches, max_bad_steps,
+    checkpoint_every, checkpoint_keep, checkpoint_dir, seed, config, model), or pass `options`.
+    `resume`: continue from the latest complete checkpoint and continue metrics.jsonl with it; without
+    one, start from scratch with a warning. `start`: the result of `prepare`, when the caller ran it.
+    `fit(experiment, out_dir, ...)` runs a config's `Experiment`.
     """
-    c, sharding = exp.config, exp.trainer.batch_sharding
-    ckpt_dir = _ckpt_dir(exp, out_dir)
-    begun = start or prepare(exp, out_dir, resume=resume)
-    run = _Run(begun.state, begun.step, [], [], last_saved=begun.step)
-    first = exp.train_data.global_batch(run.start, sharding)
-    out = _Outputs(exp, out_dir, run.start)
+    from zerojax.experiment import Experiment
+
+    if isinstance(trainer, Experiment):  # fit(exp, out_dir, on_step=None, *, resume, start)
+        exp = trainer
+        if out_dir is not None and on_step is None:
+            on_step = out_dir
+        options = FitOptions.from_config(exp.config, exp.model_meta)
+        return fit(exp.trainer, exp.train_data, source, eval_source=exp.eval_data, options=options,
+                   resume=resume, on_step=on_step, start=start)
+    if options is None:
+        if steps is None:
+            raise TypeError("fit needs steps=N (or options=FitOptions(...))")
+        options = FitOptions(steps=steps, **kwargs)
+    elif steps is not None or kwargs:
+        raise TypeError("give either options or steps and FitOptions keywords, not both")
+    if out_dir is None:
+        raise TypeError("fit needs an output folder")
+    o, sharding = options, trainer.batch_sharding
+    ckpt_dir = _ckpt_dir(o, out_dir)
+    begun = start or prepare(trainer, source, out_dir, o, resume=resume)
+    first = sources.global_batch(source, begun.step, sharding)
+    run = _Run(begun.state, begun.step, [], [], sources.items_per_step(first["inputs"]), last_saved=begun.step)
+    out = _Outputs(trainer, o, out_dir, run.start)
     try:
         with Preemption() as preemption:
-            for step in range(run.start, c.train.steps):
-                batch = first if step == run.start else exp.train_data.global_batch(step, sharding)
-                record = _train_step(exp, run, step, batch)
+            for step in range(run.start, o.steps):
+                batch = first if step == run.start else sources.global_batch(source, step, sharding)
+                record = _train_step(trainer, eval_source, o, run, step, batch)
                 out.write(record)
                 if on_step:
                     on_step(record)
-                _after_step(exp, run, out, step, ckpt_dir, preemption)
+                _after_step(o, run, out, step, ckpt_dir, preemption)
     finally:
         out.close()
-    if not c.train.eval_every or c.train.steps % c.train.eval_every or not run.records:
-        run.eval_loss = evaluate(exp, run.state, c.train.eval_batches)
-    summary = _summary(exp, run, out.history + run.records, begun.compile_s)
+    if not o.eval_every or o.steps % o.eval_every or not run.records:
+        run.eval_loss = evaluate(trainer, eval_source, run.state, o.eval_batches)
+    summary = _summary(trainer, o, run, out.history + run.records, begun.compile_s)
     if _is_main_process():
         with open(os.path.join(out_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
     return summary
 
 
-def _summary(exp: Experiment, run: _Run, all_records: list[dict], compile_s: float) -> dict:
-    c, trainer = exp.config, exp.trainer
+def _summary(trainer, o: FitOptions, run: _Run, all_records: list[dict], compile_s: float) -> dict:
+    from zerojax.accounting.params import count_params
+
     losses = [r["loss"] for r in all_records]
     steady = run.times[1:] or run.times or [float("nan")]
     return {
-        "steps": c.train.steps,
+        "steps": o.steps,
         "resumed_from": run.start,
         "stage": trainer.stage.index,
         "engine": trainer.engine,
         "precision": trainer.precision.name,
         "devices": int(trainer.mesh.devices.size),
         "mesh": dict(trainer.mesh.shape),
-        "params": exp.model.num_params(),
+        "params": count_params(trainer.layout.leaves),
         "first_loss": _num(losses[0] if losses else None),
         "final_loss": _num(losses[-1] if losses else None),
         "eval_loss": run.eval_loss,
         "bad_steps": sum(int(r.get("bad_step", 0)) for r in all_records),
         "compile_s": compile_s,
         "median_step_time_s": float(np.median(steady)),
-        "tokens_per_s": c.train.batch_size * exp.model.seq_len / float(np.median(steady)),
+        "tokens_per_s": run.items_per_step / float(np.median(steady)),
         "persistent_bytes_per_device": trainer.persistent_bytes_per_device(run.state),
     }
 
@@ -301,7 +350,12 @@ def _num(x: float | None) -> float:
     return float("nan") if x is None else float(x)
 
 
-def _model_dict(exp: Experiment) -> dict:
-    import dataclasses
+class _CallableModule(types.ModuleType):
+    """`zj.fit(...)` is this module's `fit`: once `zerojax.fit` is imported, the package attribute
+    `zerojax.fit` is the module itself, so the module calls through."""
 
-    return dataclasses.asdict(exp.model)
+    def __call__(self, *args, **kwargs):
+        return fit(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -16,16 +16,18 @@ def run_row(c, steps: int, devices=None) -> tuple[dict, int, int]:
     from zerojax.accounting.analytic import GPTShape
     from zerojax.experiment import build_experiment
 
+    from zerojax.sources import global_batch
+
     exp = build_experiment(c, devices=devices)
-    trainer, gpt = exp.trainer, exp.model
+    trainer, gpt = exp.trainer, exp.model  # gpt: None for a model.target (no analytic activations)
     sharding = trainer.batch_sharding
-    first = exp.train_data.global_batch(0, sharding)
+    first = global_batch(exp.train_data, 0, sharding)
     state = trainer.init(jax.random.key(c.train.seed), first)
-    m, compiled = measure.measure_step(trainer, state, first, optimizer=c.optimizer.name, shape=GPTShape.of(gpt),
-                                       seq_len=gpt.seq_len, remat=gpt.remat)
+    shape = {"shape": GPTShape.of(gpt), "seq_len": gpt.seq_len, "remat": gpt.remat} if gpt is not None else {}
+    m, compiled = measure.measure_step(trainer, state, first, optimizer=c.optimizer.name, **shape)
     losses, times = [], []
     for step in range(steps):
-        batch = trainer.shard_batch(first if step == 0 else exp.train_data.global_batch(step, sharding))
+        batch = trainer.shard_batch(first if step == 0 else global_batch(exp.train_data, step, sharding))
         t = time.perf_counter()
         state, metrics = compiled(state, batch)
         losses.append(float(metrics["loss"]))  # blocks until the step is done

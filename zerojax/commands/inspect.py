@@ -62,8 +62,13 @@ def layout_report(c) -> dict:
 
     exp = build_experiment(c)
     trainer = exp.trainer
-    batch = {k: jax.ShapeDtypeStruct((c.train.batch_size, exp.model.seq_len), jnp.int32)
-             for k in ("inputs", "targets")}
+    if exp.model is not None and not c.data.target:  # the shipped GPT on the byte corpus
+        batch = {k: jax.ShapeDtypeStruct((c.train.batch_size, exp.model.seq_len), jnp.int32)
+                 for k in ("inputs", "targets")}
+    else:
+        from zerojax.sources import example_batch
+
+        batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in example_batch(exp.train_data).items()}
     state = trainer.abstract_state(jax.random.key(c.train.seed), batch)
     layout = trainer.prepare(jax.random.key(c.train.seed), batch).layout
     params = {path_str(p): l for p, l in jax.tree_util.tree_flatten_with_path(

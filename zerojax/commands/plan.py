@@ -94,7 +94,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.config is not None:
             out["config"] = {"path": args.config, "overrides": list(args.overrides), "remat": inputs["remat"],
                              "replicas": inputs["replicas"],
-                             "model": vars(inputs["shape"]), "params_counted_with": "jax.eval_shape"}
+                             "model": vars(inputs["shape"]) if inputs["shape"] else None, "params_counted_with": "jax.eval_shape"}
         print(json.dumps(out, indent=2))
     else:
         _print_table(result, args.config, inputs["remat"], inputs["replicas"])
@@ -114,7 +114,12 @@ def _from_config(args: argparse.Namespace) -> dict:
     from zerojax.experiment import model_config
 
     c = load_config(args.config, args.overrides)
-    gpt = model_config(c)
+    if c.model.target:
+        counted = _target_inputs(c, args)
+    else:
+        gpt = model_config(c)
+        counted = {"params": float(gpt_params(gpt)), "seq_len": args.seq or gpt.seq_len, "shape": GPTShape.of(gpt),
+                   "remat": gpt.remat}
     replicas = c.mesh.data
     if args.devices is not None:
         if args.devices % replicas:
@@ -125,18 +130,38 @@ def _from_config(args: argparse.Namespace) -> dict:
     else:
         raise UserError(f"--devices is required: {args.config} leaves mesh.fsdp to the device count.")
     dp = c.mesh.data * fsdp
-    seq = args.seq or gpt.seq_len
     return {
-        "params": float(gpt_params(gpt)),
+        "params": counted["params"],
         "devices": fsdp,
-        "seq_len": seq,
+        "seq_len": counted["seq_len"],
         "micro_batch": args.micro_batch or max(1, c.train.batch_size // dp),
         "precision": args.precision or c.precision,
         "optimizer": args.optimizer or c.optimizer.name,
-        "shape": GPTShape.of(gpt),
-        "remat": gpt.remat,
+        "shape": counted["shape"],
+        "remat": counted["remat"],
         "replicas": replicas,
     }
+
+
+def _target_inputs(c, args) -> dict:
+    """A model.target's parameters, counted with `jax.eval_shape` on one row of its data's step-0
+    batch; the sequence length is that batch's second axis for token-id inputs (else 1)."""
+    import jax
+    import numpy as np
+
+    from zerojax.accounting.params import count_params
+    from zerojax.adapt import functional, param_shapes
+    from zerojax.experiment import build_data, build_model
+    from zerojax.sources import example_batch
+
+    model, _, _ = build_model(c)
+    train, _ = build_data(c, None)
+    x = example_batch(train)["inputs"]
+    inputs = jax.ShapeDtypeStruct((1, *x.shape[1:]), x.dtype)
+    params = count_params(param_shapes(functional(model), jax.random.key(0), inputs))
+    tokens = x.ndim >= 2 and np.issubdtype(x.dtype, np.integer)
+    return {"params": float(params), "seq_len": args.seq or (int(x.shape[1]) if tokens else 1), "shape": None,
+            "remat": "none"}
 
 
 def _gb(x: float) -> str:

@@ -9,7 +9,7 @@ from zerojax import distributed
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="train the shipped GPT from a YAML config")
+    p = sub.add_parser("train", help="train the shipped GPT, or the model.target / data.target a YAML config names")
     p.add_argument("config", help="YAML experiment config, e.g. configs/tiny.yaml")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set zero.stage=2 (repeatable)")
@@ -45,16 +45,19 @@ def run(args: argparse.Namespace) -> int:
     from zerojax.errors import WriteFailed
     from zerojax.experiment import build_experiment
     from zerojax.log import quiet_orbax
-    from zerojax.fit import fit, prepare
+    from zerojax.fit import FitOptions, fit, prepare
     from zerojax.report import training_progress, summary_table
 
     quiet_orbax(logging.CRITICAL)  # a failed write is reported once, as an `error:` line
     with distributed.fail_fast(spec):  # a dead peer ends this process too, never a hang
         exp = build_experiment(config)
-        start = prepare(exp, args.out, resume=args.resume)  # a bad checkpoint fails before the progress bar
+        options = FitOptions.from_config(config, exp.model_meta)
+        # A bad checkpoint fails here, before the progress bar.
+        start = prepare(exp.trainer, exp.train_data, args.out, options, resume=args.resume)
         try:
             with training_progress(config.train.steps) as on_step:
-                summary = fit(exp, args.out, on_step=on_step, start=start)
+                summary = fit(exp.trainer, exp.train_data, args.out, eval_source=exp.eval_data, options=options,
+                              on_step=on_step, start=start)
         except WriteFailed as e:
             _leave_now(e)
         summary_table(summary, args.out)

@@ -1,0 +1,52 @@
+"""A user's own model and data, outside the zerojax package: what configs name with model.target /
+data.target and what `zj.fit` trains in tests/test_user_fit.py."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import linen as nn
+from flax import nnx
+
+from zerojax.sources import ArraySource
+
+
+class MLP(nnx.Module):
+    def __init__(self, features: int = 12, hidden: int = 24, classes: int = 4, *, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(features, hidden, rngs=rngs)
+        self.out = nnx.Linear(hidden, classes, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jax.nn.gelu(self.hidden(x)))
+
+
+class LinenMLP(nn.Module):
+    classes: int = 4
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(self.classes)(nn.gelu(nn.Dense(24)(x)))
+
+
+def linen_mlp(classes: int = 4) -> nn.Module:
+    return LinenMLP(classes=classes)
+
+
+def blobs(seed: int, batch_size: int, rows: int = 256, features: int = 12, classes: int = 4) -> ArraySource:
+    """Gaussian blobs, one per class; the data set is fixed, `seed` only shuffles it."""
+    rng = np.random.default_rng(1234)
+    labels = rng.integers(0, classes, size=rows).astype(np.int32)
+    centres = rng.normal(size=(classes, features)).astype(np.float32) * 2
+    x = centres[labels] + rng.normal(size=(rows, features)).astype(np.float32)
+    return ArraySource({"inputs": x, "targets": labels}, batch_size=batch_size, seed=seed)
+
+
+def not_a_model(**kwargs):
+    return 3
+
+
+def not_a_source(seed, batch_size):
+    return [seed, batch_size]
+
+
+NOT_CALLABLE = 5
