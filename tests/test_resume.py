@@ -21,7 +21,7 @@ from zerojax.config import load_config
 from zerojax.engines.common import cross_entropy
 from zerojax.errors import UserError
 from zerojax.experiment import build_experiment
-from zerojax.fit import fit
+from zerojax.run import fit
 from tests.cli_helpers import dir_digest, wait_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

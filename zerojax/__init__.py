@@ -18,8 +18,8 @@ _EXPORTS = {
     "make_layout": "zerojax.layout",
     "UserError": "zerojax.errors",
     "load_params": "zerojax.export",
-    "fit": "zerojax.fit",
-    "FitOptions": "zerojax.fit",
+    "fit": "zerojax.run",
+    "FitOptions": "zerojax.run",
     "ArraySource": "zerojax.sources",
     "IterableSource": "zerojax.sources",
 }

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from zerojax.errors import WriteFailed
     from zerojax.experiment import build_experiment
     from zerojax.log import quiet_orbax
-    from zerojax.fit import FitOptions, fit, prepare
+    from zerojax.run import FitOptions, fit, prepare
     from zerojax.report import training_progress, summary_table
 
     quiet_orbax(logging.CRITICAL)  # a failed write is reported once, as an `error:` line

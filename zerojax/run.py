@@ -13,9 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
-import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -348,14 +346,3 @@ def _summary(trainer, o: FitOptions, run: _Run, all_records: list[dict], compile
 
 def _num(x: float | None) -> float:
     return float("nan") if x is None else float(x)
-
-
-class _CallableModule(types.ModuleType):
-    """`zj.fit(...)` is this module's `fit`: once `zerojax.fit` is imported, the package attribute
-    `zerojax.fit` is the module itself, so the module calls through."""
-
-    def __call__(self, *args, **kwargs):
-        return fit(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
