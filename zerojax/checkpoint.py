@@ -20,6 +20,7 @@ import contextlib
 import functools
 import os
 import shutil
+import time
 
 import jax
 import numpy as np
@@ -238,13 +239,20 @@ class CheckpointWriter:
             raise WriteFailed(f"writing the checkpoint of step {self._step or step} to {self.directory!r} failed "
                             f"({why}); the earlier checkpoints there are intact.") from None
 
-    def _remove_partial(self) -> None:
-        """An interrupted save leaves a tmp folder; a failed one is removed at once (process 0)."""
-        if jax.process_index() != 0 or not os.path.isdir(self.directory):
+    def _remove_partial(self, settle_s: float = 0.25, limit_s: float = 10.0) -> None:
+        """A failed save leaves a tmp folder, removed at once (process 0). Writer threads still in
+        flight may recreate parts of it, so remove until it stays gone for `settle_s`."""
+        if jax.process_index() != 0:
             return
-        for name in os.listdir(self.directory):
-            if _TMP_MARK in name:
-                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        deadline = time.monotonic() + limit_s
+        while True:
+            partial = [os.path.join(self.directory, n) for n in
+                       (os.listdir(self.directory) if os.path.isdir(self.directory) else ()) if _TMP_MARK in n]
+            for path in partial:
+                shutil.rmtree(path, ignore_errors=True)
+            if not partial or time.monotonic() > deadline:
+                return
+            time.sleep(settle_s)
 
     def wait(self) -> None:
         with self._writing(self._step):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 
 import jax
 
@@ -34,3 +35,17 @@ def quiet_orbax(level: int = logging.ERROR) -> None:
 
         hook._zerojax = True
         sys.unraisablehook = hook
+        threading.excepthook = _held_thread_errors.append  # orbax's writer threads: see below
+
+
+# Uncaught exceptions of background threads while `zerojax train` runs. A failed checkpoint write
+# surfaces in the main thread as one `error:` line, and its writer thread's own traceback, printed
+# or not depending on timing, would only repeat it; any other is printed when the run ends.
+_held_thread_errors: list = []
+
+
+def release_thread_errors() -> None:
+    """Print the background-thread exceptions held since `quiet_orbax(CRITICAL)`."""
+    threading.excepthook = threading.__excepthook__
+    while _held_thread_errors:
+        threading.__excepthook__(_held_thread_errors.pop(0))

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
 
     from zerojax.errors import WriteFailed
     from zerojax.experiment import build_experiment
-    from zerojax.log import quiet_orbax
+    from zerojax.log import quiet_orbax, release_thread_errors
     from zerojax.run import FitOptions, fit, prepare
     from zerojax.report import training_progress, summary_table
 
@@ -60,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
                               on_step=on_step, start=start)
         except WriteFailed as e:
             _leave_now(e)
+        release_thread_errors()
         summary_table(summary, args.out)
     return 0
 
