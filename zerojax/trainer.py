@@ -54,7 +54,7 @@ class Prepared:
     abstract: TrainState  # the state as ShapeDtypeStructs with their shardings
     static: Any  # the model's RNG streams (NNX), replicated; rewritten from the step's key each step
     step_fn: Callable  # jitted (state, batch) -> (state, metrics)
-    eval_fn: Callable  # jitted (state, batch) -> loss
+    eval_fn: Callable  # jitted (state, batch, loss_fn) -> loss, in eval mode
     report: GatherReport  # how the step materialises the compute params
 
 
@@ -138,14 +138,15 @@ class Trainer:
                                    model_state=model_state_shapes)
         step_fn = jax.jit(built.step, in_shardings=(shardings, self.batch_sharding),
                           out_shardings=(shardings, layout.replicated), donate_argnums=0)
-        model, loss_fn = self.model, self.loss_fn
+        model = self.model
 
-        def eval_loss(state, batch):  # eval mode: no dropout, BatchNorm uses its running statistics
+        def eval_loss(state, batch, loss_fn):  # eval mode: no dropout, BatchNorm uses its running statistics
             params = compute_params(layout, state)
             out, _ = model.apply(params, state.model_state or {}, static, batch["inputs"], train=False)
             return global_loss(loss_fn(out, batch))
 
-        eval_fn = jax.jit(eval_loss, in_shardings=(shardings, self.batch_sharding), out_shardings=layout.replicated)
+        eval_fn = jax.jit(eval_loss, static_argnums=2, in_shardings=(shardings, self.batch_sharding),
+                          out_shardings=layout.replicated)
         return Prepared(inputs, layout, param_shapes, shardings, abstract, static, step_fn, eval_fn, built.report)
 
     def _static(self, key, inputs, static_shapes, layout: StateLayout):
@@ -271,8 +272,11 @@ class Trainer:
             return self._compiled[1](state, batch)
         return prep.step_fn(state, batch)
 
-    def evaluate(self, state: TrainState, batch: dict) -> jax.Array:
-        return self.prepared.eval_fn(state, self.shard_batch(batch))
+    def evaluate(self, state: TrainState, batch: dict, loss_fn: Callable | None = None) -> jax.Array:
+        """The loss of `batch` in eval mode (NNX `model.eval()`, Linen `train=False`): no dropout,
+        BatchNorm on its running statistics. `loss_fn` (default: the trainer's) may be any metric of
+        the same form, e.g. `(correct, rows)` for accuracy."""
+        return self.prepared.eval_fn(state, self.shard_batch(batch), loss_fn or self.loss_fn)
 
     def persistent_bytes_per_device(self, state: TrainState) -> int:
         """Bytes of the state's shards that live on the first local device."""
