@@ -118,6 +118,17 @@ def test_batchnorm_statistics_are_over_the_global_batch():
             np.testing.assert_allclose(losses, base, rtol=1e-5, atol=1e-5, err_msg=f"{engine} stage {stage}")
 
 
+def test_linen_batchnorm_statistics_are_over_the_global_batch():
+    """Linen's nn.BatchNorm gets the batch axes as its axis_name inside shard_map."""
+    batch, model = classification_batch(0), LinenDropNet(rate=0.0)
+    one = zj.make_mesh(devices=jax.devices()[:1])
+    _, _, base = _run(model, stage=0, engine="gspmd", steps=3, batch=batch, mesh=one)
+    for engine in ENGINES:
+        for stage in (0, 3):
+            _, _, losses = _run(model, stage=stage, engine=engine, steps=3, batch=batch)
+            np.testing.assert_allclose(losses, base, rtol=1e-5, atol=1e-5, err_msg=f"{engine} stage {stage}")
+
+
 def test_batchnorm_statistics_checkpoint_reshard_and_export(tmp_path):
     batch = classification_batch(0)
     trainer, state, _ = _run(DropNet, stage=3, engine="shard_map", steps=3, batch=batch)
