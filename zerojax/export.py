@@ -77,7 +77,7 @@ def export_params(checkpoint: str, out_path: str) -> dict:
                     raise UserError(f"checkpoint {step_dir!r} is corrupted: {group + '/' + name!r} does not match its checksum.")
                 if group == "params":  # model state is replicated: stored in its logical shape
                     logical = tuple(meta["params"][name]["shape"])
-                    stored = stored.astype(np.float32)[tuple(slice(0, s) for s in logical)]  # a view: streamed
+                    stored = np.asarray(stored, dtype=np.float32)[tuple(slice(0, s) for s in logical)]  # a view
                 with zf.open(f"{name}.npy", "w", force_zip64=True) as f:
                     np.lib.format.write_array(f, stored, allow_pickle=False)
                 del tree, stored

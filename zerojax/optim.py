@@ -96,7 +96,7 @@ def pads_exactly(tx, shape: tuple[int, int] = (129, 131), padded: tuple[int, int
         p = jnp.asarray(rng.normal(size=shape), jnp.float32)
         pad = lambda x: jnp.pad(x, [(0, t - s) for s, t in zip(shape, padded)])  # noqa: E731
         grads = [jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(2)]
-        with jax.default_device(jax.devices("cpu")[0]):
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
             s, sp, q, qp = tx.init(p), tx.init(pad(p)), p, pad(p)
             for g in grads:
                 u, s = tx.update(g, s, q)
