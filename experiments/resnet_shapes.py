@@ -50,7 +50,7 @@ def shapes(n: int, seed: int) -> dict:
         else:  # diagonal bar
             img = (np.abs((yy - cy) - (xx - cx)) <= 0) & (dy <= r)
         images[i] = img
-    images += rng.normal(0, 0.35, images.shape).astype(np.float32)
+    images += rng.normal(0, 0.9, images.shape).astype(np.float32)
     return {"inputs": images[..., None], "targets": labels}
 
 
@@ -128,8 +128,12 @@ def main() -> None:
     for r in runs:
         lines.append(f"| {r['stage']} | {r['first_loss']:.4f} | {r['mean_last_20']:.4f} | {r['eval_loss']:.4f} | "
                      f"{r['test_accuracy']:.1%} | {r['seconds']} | {r['gather']} |")
-    lines += ["", f"Largest per-step loss difference, stage 3 vs stage 0: {diff:.2e} (same dropout masks, "
-              "BatchNorm statistics averaged over the global batch)."]
+    early = float(np.max(np.abs(np.array(runs[0]["losses"][:10]) - np.array(runs[1]["losses"][:10]))))
+    lines += ["", f"Stage 3 vs stage 0, largest loss difference over the first 10 steps: {early:.1e}; over all "
+              f"{args.steps} steps: {diff:.1e}. Both draw the same dropout masks and average BatchNorm "
+              "statistics over the global batch; the steps differ only in fp32 summation order (stage 3's "
+              "per-unit gathers and reduce-scatters vs stage 0's all-reduce), a difference that training "
+              "amplifies step by step."]
     with open(os.path.join(RESULTS, "resnet_shapes.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -118,6 +118,15 @@ def test_batchnorm_statistics_are_over_the_global_batch():
             np.testing.assert_allclose(losses, base, rtol=1e-5, atol=1e-5, err_msg=f"{engine} stage {stage}")
 
 
+def test_gspmd_dropout_masks_do_not_depend_on_the_device_count():
+    """gspmd draws over the global batch (threefry partitionable): 1 and 8 devices agree with dropout
+    on; shard_map draws per device, so its masks depend on the device count (documented)."""
+    batch = classification_batch(0)
+    _, _, one = _run(DropNet, stage=0, engine="gspmd", steps=3, batch=batch, mesh=zj.make_mesh(devices=jax.devices()[:1]))
+    _, _, eight = _run(DropNet, stage=3, engine="gspmd", steps=3, batch=batch)
+    np.testing.assert_allclose(eight, one, rtol=1e-5, atol=1e-5)
+
+
 def test_linen_batchnorm_statistics_are_over_the_global_batch():
     """Linen's nn.BatchNorm gets the batch axes as its axis_name inside shard_map."""
     batch, model = classification_batch(0), LinenDropNet(rate=0.0)
