@@ -238,3 +238,23 @@ def test_optimizers_are_exact_on_padded_leaves(name):
         trainer, _, losses = _run(WideMLP, stage=3, engine=engine, steps=8, batch=batch, tx=OPTIMIZERS[name]())
         assert trainer.layout.leaves["b"]["kernel"].padded  # stored padded; the optimizer sees it whole
         np.testing.assert_allclose(losses, base, rtol=1e-5, atol=1e-5, err_msg=f"{name} {engine}")
+
+
+class NoisyMLP(nnx.Module):
+    """Draws from a user-named stream ("noise") and the "params" stream in its forward pass."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.rngs = nnx.Rngs(params=rngs.params(), noise=rngs.params())
+        self.mlp = UnevenMLP(rngs)
+
+    def __call__(self, x):
+        x = x + 0.1 * jax.random.normal(self.rngs.noise(), x.shape) + 0.01 * jax.random.normal(self.rngs.params(), x.shape)
+        return self.mlp(x)
+
+
+def test_user_named_nnx_streams_are_keyed_per_step_and_equal_across_stages():
+    batch = classification_batch(0)
+    runs = {stage: _run(NoisyMLP, stage=stage, engine="shard_map", steps=3, batch=batch, tx=optax.sgd(0.0))[2]
+            for stage in (0, 3)}
+    assert len(set(runs[0])) == 3  # new noise every step
+    np.testing.assert_allclose(runs[3], runs[0], rtol=1e-5, atol=1e-5)
