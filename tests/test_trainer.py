@@ -2,6 +2,7 @@
 retrace, engine options checked against the engine."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -21,8 +22,9 @@ def test_state_is_a_typed_pytree_with_saved_groups():
     trainer = _trainer(stage=1, precision="bf16")
     state = trainer.init(jax.random.key(0), classification_batch(0))
     assert isinstance(state, TrainState) and state.compute is not None  # bf16 below stage 3 keeps a copy
-    assert state.rng is None and state.model_state is None  # room for later groups, empty today
-    assert list(state.saved()) == ["step", "params", "opt_state"]  # compute is derived, not saved
+    assert state.rng.shape == (2,) and state.rng.dtype == jnp.uint32  # the run's key, as raw key data
+    assert state.model_state is None  # an MLP has no BatchNorm statistics: no group
+    assert list(state.saved()) == ["step", "params", "opt_state", "rng"]  # compute is derived, not saved
     assert jax.tree.structure(state) == jax.tree.structure(trainer.state_shardings)
     stage3 = _trainer(stage=3, precision="bf16").init(jax.random.key(0), classification_batch(0))
     assert stage3.compute is None  # stage 3 casts its shard before gathering: no persistent copy

@@ -18,6 +18,7 @@ _EXPORTS = {
     "make_layout": "zerojax.layout",
     "UserError": "zerojax.errors",
     "load_params": "zerojax.export",
+    "load_model_state": "zerojax.export",
     "fit": "zerojax.run",
     "FitOptions": "zerojax.run",
     "ArraySource": "zerojax.sources",

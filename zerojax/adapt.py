@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
@@ -27,8 +28,10 @@ from zerojax import wrap
 
 @dataclass(frozen=True)
 class FunctionalModel:
-    init: Callable  # (key, inputs) -> (params, static)
-    apply: Callable  # (params, static, inputs, layer_hook, around, layer_loop) -> outputs
+    init: Callable  # (key, inputs) -> (params, model_state, static)
+    # (params, model_state, static, inputs, *, rng, train, layer_hook, around, layer_loop)
+    #   -> (outputs, new model_state)
+    apply: Callable
     accepts_layer_hook: bool  # the model gathers per layer when given a hook (see models/gpt.py)
     module_type: type | None = None  # the model's class
     accepts_layer_loop: bool = False  # the model hands its layer loop to a `layer_loop` (prefetch)
@@ -36,6 +39,8 @@ class FunctionalModel:
     modules: Callable[[Any, Any, Any], list] | None = None
     # (unit paths, materialize, param paths, reshard_after_forward) -> around(module)
     unit_around: Callable[..., Callable] | None = None
+    # (module, axis names) -> context in which the model's BatchNorms average over those mesh axes
+    sync_batch_stats: Callable[..., Any] | None = None
 
 
 def _takes(fn, name: str) -> bool:
@@ -45,63 +50,157 @@ def _takes(fn, name: str) -> bool:
         return False
 
 
+# ---- NNX ------------------------------------------------------------------------------------------
+#
+# A module splits into three groups: `nnx.Param`s (the params), its RNG streams (`RngKey`/`RngCount`,
+# the "static" part: never trained, rewritten from the step's key each call) and every other
+# variable (BatchStat and user variables: the model state, grouped by collection name, carried and
+# updated by the step).
+
+_COLLECTION_NAMES = {"BatchStat": "batch_stats", "Cache": "cache", "Intermediate": "intermediates"}
+
+
+def _collection(var_type: type) -> str:
+    return _COLLECTION_NAMES.get(var_type.__name__, var_type.__name__)
+
+
+def _nnx_split(module: nnx.Module):
+    """(graphdef, params dict, rng State, model_state {collection: nested dict})."""
+    graphdef, params, rng_state, rest = nnx.split(module, nnx.Param, nnx.RngState, ...)
+    model_state: dict = {}
+    for path, var in nnx.to_flat_state(rest):
+        model_state.setdefault(_collection(type(var)), {})[path] = var.get_value()
+    model_state = {k: nnx.traversals.unflatten_mapping(v) for k, v in model_state.items()}
+    return graphdef, nnx.to_pure_dict(params), rng_state, model_state
+
+
+def _merge_state(model_state: dict) -> nnx.State:
+    flat = {}
+    for tree in model_state.values():
+        flat.update(nnx.traversals.flatten_mapping(tree))
+    return nnx.State(nnx.traversals.unflatten_mapping(flat))
+
+
+def _reseed(rng_state: nnx.State, key) -> nnx.State:
+    """Every RNG stream keyed from the step's `key` (the i-th `RngKey`, in path order, gets
+    `fold_in(key, i)`) with its counter at zero: a call's draws depend on (seed, step) only."""
+    flat = dict(nnx.to_flat_state(rng_state))
+    out, i = {}, 0
+    for path in sorted(flat, key=lambda p: tuple(str(k) for k in p)):
+        var = flat[path]
+        if isinstance(var, nnx.RngKey):
+            out[path] = jax.random.fold_in(key, i)
+            i += 1
+        else:
+            out[path] = jnp.zeros_like(var.get_value())
+    return nnx.State(nnx.traversals.unflatten_mapping(out))
+
+
 def _nnx_functions(make: Callable[[Any], nnx.Module], concrete: nnx.Module | None) -> FunctionalModel:
     abstract = concrete if concrete is not None else nnx.eval_shape(lambda: make(nnx.Rngs(0)))
-    graphdef, _, _ = nnx.split(abstract, nnx.Param, ...)
+    graphdef = nnx.split(abstract, nnx.Param, nnx.RngState, ...)[0]
 
     def init(key, inputs):
         del inputs  # NNX modules know their shapes from their constructor
         module = concrete if concrete is not None else make(nnx.Rngs(key))
-        _, params, static = nnx.split(module, nnx.Param, ...)
-        return nnx.to_pure_dict(params), static
+        _, params, rng_state, model_state = _nnx_split(module)
+        return params, model_state, rng_state
 
     hooked = _takes(type(abstract).__call__, "layer_hook")
     looped = hooked and _takes(type(abstract).__call__, "layer_loop")
 
-    def apply(params, static, inputs, layer_hook=None, around=None, layer_loop=None):
-        module = nnx.merge(graphdef, nnx.State(params), static)
+    def apply(params, model_state, static, inputs, *, rng=None, train=True, layer_hook=None, around=None,
+              layer_loop=None, sync=None):
+        rng_state = static if rng is None else _reseed(static, rng)
+        module = nnx.merge(graphdef, nnx.State(params), rng_state, _merge_state(model_state))
+        module.train() if train else module.eval()
         kwargs = {}
         if layer_hook is not None and hooked:
             kwargs["layer_hook"] = layer_hook
         if layer_loop is not None and looped:
             kwargs["layer_loop"] = layer_loop
+        if sync:
+            sync_batch_stats(module, sync)
         with around(module) if around else contextlib.nullcontext():
-            return module(inputs, **kwargs)
+            out = module(inputs, **kwargs)
+        return out, _nnx_split(module)[3] if model_state else model_state
 
     def unit_around(units, materialize, param_paths, reshard_after_forward=True):
         del param_paths  # an NNX module finds its params itself
         return wrap.nnx_around(units, materialize, reshard_after_forward)
 
+    def sync_batch_stats(module, axes):
+        for _, node in nnx.iter_graph(module):
+            if isinstance(node, nnx.BatchNorm) and node.axis_name is None:
+                node.axis_name = axes
+
     return FunctionalModel(init, apply, hooked, type(abstract), looped,
                            modules=lambda params, static, inputs: wrap.nnx_modules(abstract),
-                           unit_around=unit_around)
+                           unit_around=unit_around, sync_batch_stats=sync_batch_stats)
 
 
-def _linen_functions(module: nn.Module) -> FunctionalModel:
+# ---- Linen ----------------------------------------------------------------------------------------
+#
+# Every collection besides "params" (batch_stats, any user collection) is model state, mutable in
+# the train step. `__call__(..., train)` gets `train=True/False`; each name in `rng_streams` gets a
+# key folded from the step's key.
+
+
+def _linen_functions(module: nn.Module, rng_streams: tuple[str, ...]) -> FunctionalModel:
+    takes_train = _takes(type(module).__call__, "train")
+
+    def mode(train: bool) -> dict:
+        return {"train": train} if takes_train else {}
+
     def init(key, inputs):
-        variables = module.init(key, inputs)
-        static = {k: v for k, v in variables.items() if k != "params"}
-        return dict(variables["params"]), static
+        variables = module.init({"params": key, **{s: key for s in rng_streams}}, inputs, **mode(False))
+        model_state = {k: v for k, v in variables.items() if k != "params"}
+        return dict(variables["params"]), model_state, None
 
-    def apply(params, static, inputs, layer_hook=None, around=None, layer_loop=None):
-        if around is None:
-            return module.apply({"params": params, **static}, inputs)
-        # Units write their gathered params into the scope, so "params" must be mutable here.
-        with around(module):
-            return module.apply({"params": params, **static}, inputs, mutable=["params"])[0]
+    def apply(params, model_state, static, inputs, *, rng=None, train=True, layer_hook=None, around=None,
+              layer_loop=None, sync=None):
+        del static, layer_hook, layer_loop
+        rngs = {s: jax.random.fold_in(rng, i) for i, s in enumerate(rng_streams)} if rng is not None else None
+        mutable = list(model_state) if train else []
+        contexts = contextlib.ExitStack()
+        if sync:
+            contexts.enter_context(_linen_sync(sync))
+        if around is not None:
+            contexts.enter_context(around(module))
+            mutable = [*mutable, "params"]  # units write their gathered params into the scope
+        with contexts:
+            out = module.apply({"params": params, **model_state}, inputs, rngs=rngs, mutable=mutable or False,
+                               **mode(train))
+        if not mutable:
+            return out, model_state
+        out, updates = out
+        return out, {**model_state, **{k: v for k, v in updates.items() if k in model_state}}
 
     def unit_around(units, materialize, param_paths, reshard_after_forward=True):
         del reshard_after_forward  # a Linen unit's gathered params stay in its scope for the backward
         return wrap.linen_around(units, materialize, param_paths)
 
     return FunctionalModel(init, apply, False, type(module),
-                           modules=lambda params, static, inputs: wrap.linen_modules(module, params, static, inputs),
-                           unit_around=unit_around)
+                           modules=lambda params, model_state, inputs: wrap.linen_modules(module, params, model_state, inputs,
+                                                                                       **mode(False)),
+                           unit_around=unit_around, sync_batch_stats=lambda m, axes: _linen_sync(axes))
 
 
-def functional(model) -> FunctionalModel:
+def _linen_sync(axes):
+    """Every `nn.BatchNorm` without an `axis_name` averages its batch statistics over `axes`."""
+
+    def interceptor(next_fun, args, kwargs, context):
+        m = context.module
+        if isinstance(m, nn.BatchNorm) and m.axis_name is None:
+            object.__setattr__(m, "axis_name", axes)
+        return next_fun(*args, **kwargs)
+
+    return nn.intercept_methods(interceptor)
+
+
+def functional(model, rng_streams: tuple[str, ...] = ("dropout",)) -> FunctionalModel:
     if isinstance(model, nn.Module):
-        return _linen_functions(model)
+        return _linen_functions(model, tuple(rng_streams))
     if isinstance(model, nnx.Module):
         return _nnx_functions(None, model)
     if callable(model):

@@ -31,15 +31,20 @@ def _dig(tree, keys: tuple):
     return tree
 
 
-def _param_keys(step_dir: str) -> list[tuple]:
-    """Each parameter's key path (the dict keys, as saved) under the checkpoint's "params"."""
-    tree = state_handler().metadata(item_path(step_dir, "state")).tree["params"]
+MODEL_STATE_ENTRY = "__model_state__"  # the .npz entry naming the model-state collections
+
+
+def _param_keys(step_dir: str, group: str = "params") -> list[tuple]:
+    """Each leaf's key path (the dict keys, as saved) under the checkpoint's `group`."""
+    tree = state_handler().metadata(item_path(step_dir, "state")).tree.get(group, {})
     paths = jax.tree_util.tree_flatten_with_path(tree)[0]
     return [tuple(getattr(k, "key", getattr(k, "idx", None)) for k in p) for p, _ in paths]
 
 
 def export_params(checkpoint: str, out_path: str) -> dict:
-    """Write the master params, fp32 and in logical shapes, to an .npz keyed by parameter path.
+    """Write the master params, fp32 and in logical shapes, to an .npz keyed by parameter path, and the
+    model state (BatchNorm statistics) keyed by collection name and path ("batch_stats/bn/mean"); the
+    entry `__model_state__` lists those collections.
 
     Streams one leaf at a time (read, crop, write), so host memory peaks near the largest leaf. The
     file appears only when complete (written beside it, then renamed).
@@ -62,6 +67,7 @@ def export_params(checkpoint: str, out_path: str) -> dict:
     handler = state_handler()
     try:
         keys = _param_keys(step_dir)
+        state_keys = _param_keys(step_dir, "model_state")
     except Exception as e:  # noqa: BLE001
         raise unreadable(step_dir, "parameters", e) from None
     try:
@@ -70,23 +76,28 @@ def export_params(checkpoint: str, out_path: str) -> dict:
         raise UserError(f"cannot write {partial!r}: {e.strerror or e}.") from None
     try:
         with zf:
-            for k in keys:
+            for group, k in [("params", k) for k in keys] + [("model_state", k) for k in state_keys]:
                 name = "/".join(str(x) for x in k)
-                if name not in meta["params"]:
+                if group == "params" and name not in meta["params"]:
                     raise KeyError(name)
-                item = _nested(("params", *k), 0)
-                args = _nested(("params", *k), ocp.RestoreArgs(restore_type=np.ndarray))
+                item = _nested((group, *k), 0)
+                args = _nested((group, *k), ocp.RestoreArgs(restore_type=np.ndarray))
                 tree = handler.restore(item_path(step_dir, "state"), args=ocp.args.PyTreeRestore(
                     item=item, restore_args=args, partial_restore=True))
-                stored = np.asarray(_dig(tree, ("params", *k)), dtype=np.float32)
-                want = meta["leaves"][f"params/{name}"]
+                stored = np.asarray(_dig(tree, (group, *k)))
+                want = meta["leaves"][f"{group}/{name}"]
                 if "checksum" in want and want["checksum"] != _host_checksum(stored):
-                    raise UserError(f"checkpoint {step_dir!r} is corrupted: {'params/' + name!r} does not match its checksum.")
-                logical = tuple(meta["params"][name]["shape"])
-                leaf = stored[tuple(slice(0, s) for s in logical)]  # a view: write_array streams it
+                    raise UserError(f"checkpoint {step_dir!r} is corrupted: {group + '/' + name!r} does not match its checksum.")
+                if group == "params":  # model state is replicated: stored in its logical shape
+                    logical = tuple(meta["params"][name]["shape"])
+                    stored = np.asarray(stored, dtype=np.float32)[tuple(slice(0, s) for s in logical)]  # a view
                 with zf.open(f"{name}.npy", "w", force_zip64=True) as f:
-                    np.lib.format.write_array(f, leaf, allow_pickle=False)
-                del tree, stored, leaf
+                    np.lib.format.write_array(f, stored, allow_pickle=False)
+                del tree, stored
+            if state_keys:
+                with zf.open(f"{MODEL_STATE_ENTRY}.npy", "w") as f:
+                    collections = sorted({str(k[0]) for k in state_keys})
+                    np.lib.format.write_array(f, np.array(collections), allow_pickle=False)
         os.replace(partial, out_path)
     except Exception as e:  # noqa: BLE001
         if os.path.isfile(partial):
@@ -96,7 +107,8 @@ def export_params(checkpoint: str, out_path: str) -> dict:
         if isinstance(e, OSError) and e.filename is None and failure(e):  # zipfile's own write to `partial`
             raise UserError(f"writing {out_path!r} failed ({failure(e)}); nothing was written.") from None
         raise unreadable(step_dir, "parameters", e) from None
-    return {"step": meta["step"], "path": out_path, "params": len(keys), "from": step_dir}
+    return {"step": meta["step"], "path": out_path, "params": len(keys), "model_state": len(state_keys),
+            "from": step_dir}
 
 
 def _unflatten(flat: dict[str, np.ndarray]) -> dict:
@@ -110,18 +122,34 @@ def _unflatten(flat: dict[str, np.ndarray]) -> dict:
     return tree
 
 
+def _drop_model_state(flat: dict) -> dict:
+    collections = {str(c) for c in flat.pop(MODEL_STATE_ENTRY, ())}
+    return {k: v for k, v in flat.items() if k.split("/")[0] not in collections}
+
+
+def load_model_state(path: str) -> dict:
+    """The model-state collections of a file written by `zerojax export`: {"batch_stats": {...}}."""
+    with np.load(path, allow_pickle=False) as npz:
+        if MODEL_STATE_ENTRY not in npz.files:
+            return {}
+        collections = {str(c) for c in npz[MODEL_STATE_ENTRY]}
+        return _unflatten({k: npz[k] for k in npz.files if k.split("/")[0] in collections})
+
+
 def load_params(path: str, model=None):
     """Parameters written by `zerojax export`.
 
     Without `model`: a nested dict of fp32 arrays shaped like the model's params (pass it to
     `Trainer.init(..., params=...)` to fine-tune). With an `nnx.Module`: that module, its
-    parameters replaced in place, after checking every name and shape.
+    parameters replaced in place, after checking every name and shape. Model-state collections
+    (BatchNorm statistics) are left out of both; `load_model_state(path)` reads them.
     """
     if not os.path.isfile(path):
         raise UserError(f"parameter file {path!r} does not exist.")
     try:
         with np.load(path, allow_pickle=False) as npz:
             flat = {name: npz[name] for name in npz.files}
+        flat = _drop_model_state(flat)
     except Exception:  # noqa: BLE001
         raise UserError(f"parameter file {path!r} is not a readable .npz written by `zerojax export`.") from None
     if model is None:

@@ -27,6 +27,9 @@ class StateLayout:
     stage: Stage
     precision: Precision
     leaves: Any  # pytree of LeafLayout, same structure as the params
+    # The optimizer group's own leaves where they differ: padded leaves replicated in their logical
+    # shape, for optimizers whose update is not elementwise (see `zerojax.optim.pads_exactly`).
+    opt_leaves: Any = None
 
     @property
     def fsdp_size(self) -> int:
@@ -60,21 +63,38 @@ class StateLayout:
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
 
-    def shardings(self, sharded: bool):
-        return jax.tree.map(lambda l: NamedSharding(self.mesh, l.spec(sharded)), self.leaves, is_leaf=_is_layout)
+    def shardings(self, sharded: bool, leaves=None):
+        leaves = self.leaves if leaves is None else leaves
+        return jax.tree.map(lambda l: NamedSharding(self.mesh, l.spec(sharded)), leaves, is_leaf=_is_layout)
 
-    def shapes(self, sharded: bool):
+    def shapes(self, sharded: bool, leaves=None):
         """Storage shapes of a group: padded where sharded, logical where replicated."""
-        return jax.tree.map(lambda l: l.padded_shape if sharded else l.shape, self.leaves, is_leaf=_is_layout)
+        leaves = self.leaves if leaves is None else leaves
+        return jax.tree.map(lambda l: l.padded_shape if sharded else l.shape, leaves, is_leaf=_is_layout)
 
-    def to_layout(self, tree, sharded: bool):
+    def to_layout(self, tree, sharded: bool, leaves=None):
         """Pad (or crop) every leaf to the storage shape of a sharded (or replicated) group."""
-        shapes = self.shapes(sharded)
+        shapes = self.shapes(sharded, leaves)
         return jax.tree.map(lambda x, shape: fit_to(x, shape), tree, shapes, is_leaf=lambda x: isinstance(x, tuple))
+
+    # The optimizer group: `leaves` at `optimizer_sharded`, or `opt_leaves` where those are set.
+    @property
+    def _opt(self):
+        return self.leaves if self.opt_leaves is None else self.opt_leaves
+
+    def opt_shapes(self):
+        return self.shapes(self.optimizer_sharded, self._opt)
+
+    def opt_shardings(self):
+        return self.shardings(self.optimizer_sharded, self._opt)
+
+    def to_opt(self, tree):
+        """`tree` (any layout) in the optimizer group's storage shapes."""
+        return self.to_layout(tree, self.optimizer_sharded, self._opt)
 
     def opt_state_shardings(self, tx: optax.GradientTransformation, opt_state_shapes):
         """Moment leaves follow their parameter; scalars and other shapes replicate or shard by rule."""
-        shapes = self.shapes(self.optimizer_sharded)
+        shapes = self.opt_shapes()
 
         def follow_param(state_leaf, layout: LeafLayout, shape):
             if tuple(state_leaf.shape) == tuple(shape):
@@ -82,7 +102,7 @@ class StateLayout:
             return self._own_rule(state_leaf)
 
         return optax.tree_map_params(
-            tx, follow_param, opt_state_shapes, self.leaves, shapes,
+            tx, follow_param, opt_state_shapes, self._opt, shapes,
             transform_non_params=self._own_rule, is_leaf=lambda x: _is_layout(x) or isinstance(x, tuple) and all(isinstance(i, int) for i in x),
         )
 
@@ -97,7 +117,7 @@ class StateLayout:
     def opt_state_shapes(self, tx: optax.GradientTransformation):
         """The optimizer state's abstract leaves, from the optimizer group's storage shapes."""
         params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, self.precision.master_dtype),
-                              self.shapes(self.optimizer_sharded), is_leaf=lambda x: isinstance(x, tuple))
+                              self.opt_shapes(), is_leaf=lambda x: isinstance(x, tuple))
         return jax.eval_shape(tx.init, params)
 
     def state_shardings(self, tx, opt_state_shapes) -> TrainState:
@@ -128,8 +148,12 @@ class StateLayout:
 
 
 def make_layout(mesh, stage: Stage, precision: Precision, param_shapes, *, layer_stacks=("blocks",),
-                replicate_below_bytes: int = 2048) -> StateLayout:
-    """One `LeafLayout` per parameter; leaves under a `layer_stacks` name keep axis 0 whole."""
+                replicate_below_bytes: int = 2048, pad_free_optimizer: bool = False) -> StateLayout:
+    """One `LeafLayout` per parameter; leaves under a `layer_stacks` name keep axis 0 whole.
+
+    `pad_free_optimizer`: the optimizer group keeps padded leaves replicated in their logical shape
+    (for an optimizer whose update is not elementwise, which the zero padding would change).
+    """
     fsdp = mesh.shape[FSDP_AXIS]
 
     def rule(path, leaf):
@@ -140,4 +164,9 @@ def make_layout(mesh, stage: Stage, precision: Precision, param_shapes, *, layer
                            replicate_below_bytes=replicate_below_bytes)
 
     leaves = jax.tree_util.tree_map_with_path(rule, param_shapes)
-    return StateLayout(mesh, stage, precision, leaves)
+    opt_leaves = None
+    if pad_free_optimizer and stage.optimizer and any(l.padded for l in jax.tree.leaves(leaves, is_leaf=_is_layout)):
+        opt_leaves = jax.tree.map(
+            lambda l: LeafLayout(l.path, l.shape, l.shape, None, "replicated in the optimizer: padding would "
+                                 "change a non-elementwise update") if l.padded else l, leaves, is_leaf=_is_layout)
+    return StateLayout(mesh, stage, precision, leaves, opt_leaves)

@@ -79,3 +79,33 @@ def build_optimizer(c, total_steps: int):
         lr = c.lr
     base = get_optimizer(c.name).make(lr, c)
     return optax.chain(optax.clip_by_global_norm(c.grad_clip), base) if c.grad_clip else base
+
+
+def pads_exactly(tx, shape: tuple[int, int] = (129, 131), padded: tuple[int, int] = (129, 136)) -> bool:
+    """Whether `tx`'s update of a zero-padded leaf is the update of the unpadded leaf, padded: true
+    for elementwise optimizers (SGD, momentum, Adam/AdamW, global-norm clipping); false for
+    Adafactor (factored row/column statistics, update RMS clipping, parameter-scale RMS). Measured
+    on a probe leaf large enough to be factored, over two steps; a transform that cannot run on the
+    probe counts as not exact."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    try:
+        p = jnp.asarray(rng.normal(size=shape), jnp.float32)
+        pad = lambda x: jnp.pad(x, [(0, t - s) for s, t in zip(shape, padded)])  # noqa: E731
+        grads = [jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(2)]
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            s, sp, q, qp = tx.init(p), tx.init(pad(p)), p, pad(p)
+            for g in grads:
+                u, s = tx.update(g, s, q)
+                up, sp = tx.update(pad(g), sp, qp)
+                if not np.allclose(np.asarray(up)[: shape[0], : shape[1]], np.asarray(u), rtol=1e-6, atol=1e-8):
+                    return False
+                if np.any(np.asarray(up)[:, shape[1]:]):
+                    return False
+                q, qp = q + u, qp + up
+        return True
+    except Exception:  # noqa: BLE001 - any failure on the probe: be exact
+        return False

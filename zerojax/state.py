@@ -73,6 +73,6 @@ def fresh_state(layout: "StateLayout", tx: "optax.GradientTransformation", param
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=layout.to_layout(params, layout.master_sharded),
-        opt_state=tx.init(layout.to_layout(params, layout.optimizer_sharded)),
+        opt_state=tx.init(layout.to_opt(params)),
         compute=compute,
     )

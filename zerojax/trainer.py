@@ -22,15 +22,25 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax.adapt import functional
 from zerojax.engines import EngineOptions, GatherReport, get_engine
-from zerojax.engines.common import compute_params, cross_entropy
+from zerojax.engines.common import compute_params, cross_entropy, global_loss
 from zerojax.errors import UserError
 from zerojax.layout import StateLayout, make_layout
+from zerojax.optim import pads_exactly
 from zerojax.mesh import BATCH_AXES, data_parallel_size, make_mesh
 from zerojax.precision import get_precision
 from zerojax.stages import get_stage
 from zerojax.state import TrainState, derive_compute, fresh_state
 
 _KEEP_PREPARED = 4  # preparations kept for reuse (one per input shape and key)
+_KEY_SHAPE = (2,)  # the raw data of a threefry key: the state's `rng`
+
+
+def _run_key(key) -> jax.Array:
+    """The training RNG the state carries (raw uint32 key data, so it checkpoints like any leaf):
+    derived from the init key, apart from the key that initialised the params."""
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)
+    return jax.random.key_data(jax.random.fold_in(key, 0x7A3A))
 
 
 @dataclass(frozen=True)
@@ -42,9 +52,9 @@ class Prepared:
     param_shapes: Any  # the model's logical params, abstract
     state_shardings: TrainState  # a NamedSharding per leaf of each group
     abstract: TrainState  # the state as ShapeDtypeStructs with their shardings
-    static: Any  # the model's non-trainable state, replicated
+    static: Any  # the model's RNG streams (NNX), replicated; rewritten from the step's key each step
     step_fn: Callable  # jitted (state, batch) -> (state, metrics)
-    eval_fn: Callable  # jitted (state, batch) -> loss
+    eval_fn: Callable  # jitted (state, batch, loss_fn) -> loss, in eval mode
     report: GatherReport  # how the step materialises the compute params
 
 
@@ -62,18 +72,21 @@ class Trainer:
         reduce_dtype: str | None = None,
         replicate_below_bytes: int = 2048,
         engine_options: EngineOptions | dict | None = None,
+        rng_streams: tuple[str, ...] = ("dropout",),
     ):
         self._engine = get_engine(engine)
         self.engine = engine
         self.options = EngineOptions.of(engine_options)
         self._engine.check(self.options)
-        self.model = functional(model)
+        self.model = functional(model, rng_streams)
         self.tx = optimizer
         self.mesh = mesh if mesh is not None else make_mesh()
         self.stage = get_stage(stage)
         self.precision = get_precision(precision, reduce_dtype)
         self.loss_fn = loss_fn or cross_entropy
         self.replicate_below_bytes = replicate_below_bytes
+        # An optimizer whose update is not elementwise keeps padded leaves whole (see `make_layout`).
+        self._pads_exactly = pads_exactly(optimizer)
         self._preparations: dict[tuple, Prepared] = {}
         self._active: Prepared | None = None  # the preparation `step` uses: set by init / restore_state
         self._compiled = None  # (preparation, its compiled step), reused by `step`
@@ -107,31 +120,41 @@ class Trainer:
         return self._preparations[token]
 
     def _build(self, key, inputs: jax.ShapeDtypeStruct) -> Prepared:
-        param_shapes, static_shapes = jax.eval_shape(self.model.init, key, inputs)  # the one abstract trace
+        param_shapes, model_state_shapes, static_shapes = jax.eval_shape(self.model.init, key, inputs)  # one trace
         layout = make_layout(self.mesh, self.stage, self.precision, param_shapes,
-                             layer_stacks=self.options.layer_stacks, replicate_below_bytes=self.replicate_below_bytes)
+                             layer_stacks=self.options.layer_stacks, replicate_below_bytes=self.replicate_below_bytes,
+                             pad_free_optimizer=not self._pads_exactly)
         opt_state_shapes = layout.opt_state_shapes(self.tx)
-        shardings = layout.state_shardings(self.tx, opt_state_shapes)
+        has_model_state = bool(jax.tree.leaves(model_state_shapes))
+        model_state_shapes = model_state_shapes if has_model_state else None
+        shardings = layout.state_shardings(self.tx, opt_state_shapes).replace(
+            rng=layout.replicated, model_state=jax.tree.map(lambda _: layout.replicated, model_state_shapes))
+        abstract = layout.abstract_state(self.tx, opt_state_shapes).replace(
+            rng=jax.ShapeDtypeStruct(_KEY_SHAPE, np.uint32, sharding=layout.replicated),
+            model_state=jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=layout.replicated),
+                                     model_state_shapes))
         static = self._static(key, inputs, static_shapes, layout)
-        built = self._engine.build(layout, self.model, static, self.loss_fn, self.tx, self.options, inputs)
+        built = self._engine.build(layout, self.model, static, self.loss_fn, self.tx, self.options, inputs,
+                                   model_state=model_state_shapes)
         step_fn = jax.jit(built.step, in_shardings=(shardings, self.batch_sharding),
                           out_shardings=(shardings, layout.replicated), donate_argnums=0)
-        model, loss_fn = self.model, self.loss_fn
+        model = self.model
 
-        def eval_loss(state, batch):
+        def eval_loss(state, batch, loss_fn):  # eval mode: no dropout, BatchNorm uses its running statistics
             params = compute_params(layout, state)
-            return loss_fn(model.apply(params, static, batch["inputs"]), batch)
+            out, _ = model.apply(params, state.model_state or {}, static, batch["inputs"], train=False)
+            return global_loss(loss_fn(out, batch))
 
-        eval_fn = jax.jit(eval_loss, in_shardings=(shardings, self.batch_sharding), out_shardings=layout.replicated)
-        return Prepared(inputs, layout, param_shapes, shardings, layout.abstract_state(self.tx, opt_state_shapes),
-                        static, step_fn, eval_fn, built.report)
+        eval_fn = jax.jit(eval_loss, static_argnums=2, in_shardings=(shardings, self.batch_sharding),
+                          out_shardings=layout.replicated)
+        return Prepared(inputs, layout, param_shapes, shardings, abstract, static, step_fn, eval_fn, built.report)
 
     def _static(self, key, inputs, static_shapes, layout: StateLayout):
-        """The model's non-trainable state, replicated (computed only where it has leaves)."""
+        """The model's RNG streams, replicated (computed only where it has leaves)."""
         if not jax.tree.leaves(static_shapes):
             return static_shapes
         shardings = jax.tree.map(lambda _: layout.replicated, static_shapes)
-        init_static = jax.jit(lambda k, x: self.model.init(k, x)[1], out_shardings=shardings)
+        init_static = jax.jit(lambda k, x: self.model.init(k, x)[2], out_shardings=shardings)
         return init_static(key, jnp.zeros(inputs.shape, inputs.dtype))
 
     @property
@@ -188,9 +211,12 @@ class Trainer:
                 raise UserError("the given params do not match the model's parameter names and shapes.")
         model, layout, tx = self.model, prep.layout, self.tx
 
+        has_model_state = prep.state_shardings.model_state is not None
+
         def init_state(key, inputs, params=None):
-            fresh, _ = model.init(key, inputs)
-            return fresh_state(layout, tx, fresh if params is None else params)  # XLA drops an unused init
+            fresh, model_state, _ = model.init(key, inputs)
+            state = fresh_state(layout, tx, fresh if params is None else params)  # XLA drops an unused init
+            return state.replace(rng=_run_key(key), model_state=model_state if has_model_state else None)
 
         inputs = jnp.zeros(prep.inputs.shape, prep.inputs.dtype)
         state = jax.jit(init_state, out_shardings=prep.state_shardings)(key, inputs, params)
@@ -246,8 +272,11 @@ class Trainer:
             return self._compiled[1](state, batch)
         return prep.step_fn(state, batch)
 
-    def evaluate(self, state: TrainState, batch: dict) -> jax.Array:
-        return self.prepared.eval_fn(state, self.shard_batch(batch))
+    def evaluate(self, state: TrainState, batch: dict, loss_fn: Callable | None = None) -> jax.Array:
+        """The loss of `batch` in eval mode (NNX `model.eval()`, Linen `train=False`): no dropout,
+        BatchNorm on its running statistics. `loss_fn` (default: the trainer's) may be any metric of
+        the same form, e.g. `(correct, rows)` for accuracy."""
+        return self.prepared.eval_fn(state, self.shard_batch(batch), loss_fn or self.loss_fn)
 
     def persistent_bytes_per_device(self, state: TrainState) -> int:
         """Bytes of the state's shards that live on the first local device."""

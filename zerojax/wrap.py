@@ -124,20 +124,26 @@ def _unit_class(cls: type, materialize: Materialize, reshard: bool) -> type:
         leaves, treedef = jax.tree.flatten((args, kwargs))
         dynamic = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
 
-        def run(owned_raw, dynamic_args):
+        rest_leaves, rest_def = jax.tree.flatten(rest)  # passed in, so the unit may update it inside
+
+        def run(owned_raw, dynamic_args, rest_leaves):
             values = dict(flat)
             for p, raw in zip(owned, owned_raw):
                 values[p] = materialize(_key(prefix + p), raw)
-            unit = nnx.merge(graphdef, nnx.State(nnx.traversals.unflatten_mapping(values)), rest)
+            unit = nnx.merge(graphdef, nnx.State(nnx.traversals.unflatten_mapping(values)),
+                             jax.tree.unflatten(rest_def, rest_leaves))
             call_leaves = list(leaves)
             for i, x in zip(dynamic, dynamic_args):
                 call_leaves[i] = x
             a, k = jax.tree.unflatten(treedef, call_leaves)
-            return cls.__call__(unit, *a, **k)
+            out = cls.__call__(unit, *a, **k)
+            return out, nnx.split(unit, nnx.Param, ...)[2]  # BatchStats and RNG counters it updated
 
         if reshard:  # the gathered weights are not kept for the backward pass: gathered again there
             run = jax.checkpoint(run, policy=_UNIT_POLICY)
-        return run([flat[p] for p in owned], [leaves[i] for i in dynamic])
+        out, updated = run([flat[p] for p in owned], [leaves[i] for i in dynamic], rest_leaves)
+        nnx.update(self, updated)
+        return out
 
     return type(f"FSDPUnit_{cls.__name__}", (cls,), {"__call__": __call__})
 
@@ -145,7 +151,7 @@ def _unit_class(cls: type, materialize: Materialize, reshard: bool) -> type:
 # ---- Linen: a method interceptor writes a unit's gathered params into its scope on first call ------
 
 
-def linen_modules(module: nn.Module, params, static, inputs) -> list[tuple[Path, type, int]]:
+def linen_modules(module: nn.Module, params, model_state, inputs, **call_kwargs) -> list[tuple[Path, type, int]]:
     """Every submodule the model calls, found by tracing it once on abstract values."""
     seen: dict[Path, type] = {}
 
@@ -156,7 +162,7 @@ def linen_modules(module: nn.Module, params, static, inputs) -> list[tuple[Path,
         return next_fun(*args, **kwargs)
 
     with nn.intercept_methods(record):
-        jax.eval_shape(lambda p, x: module.apply({"params": p, **static}, x), params, inputs)
+        jax.eval_shape(lambda p, ms, x: module.apply({"params": p, **ms}, x, **call_kwargs), params, model_state, inputs)
     leaves = [tuple(str(k) for k in p) for p in nnx.traversals.flatten_mapping(params)]
     return [(p, c, sum(q[: len(p)] == p for q in leaves)) for p, c in seen.items() if p]
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import jax
 
+from zerojax.engines.common import global_loss
+
 from zerojax.accounting import analytic
 from zerojax.accounting.hlo import collective_bytes, compile_partitioned
 from zerojax.accounting.params import count_params
@@ -207,10 +209,12 @@ def activation_temp_bytes(trainer, batch, key=None) -> int:
                           is_leaf=_is_layout)
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding) for k, v in batch.items()}
 
-    def loss(params, batch):
-        return trainer.loss_fn(trainer.model.apply(params, static, batch["inputs"]), batch)
+    def loss(params, model_state, batch):
+        out, _ = trainer.model.apply(params, model_state, static, batch["inputs"])
+        return global_loss(trainer.loss_fn(out, batch))
 
-    compiled = jax.jit(jax.value_and_grad(loss)).lower(shapes, batch).compile()
+    model_state = prepared.abstract.model_state or {}
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(shapes, model_state, batch).compile()
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
 

@@ -16,6 +16,35 @@ def cross_entropy(logits, batch) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"]).mean()
 
 
+def loss_parts(value):
+    """A loss function's result as (total, weight): a pair `(total, weight)` means sum(total) /
+    sum(weight) over the global batch; a scalar means a mean over rows (weight None)."""
+    if isinstance(value, (tuple, list)):
+        total, weight = value
+        return jnp.asarray(total, jnp.float32), jax.lax.stop_gradient(jnp.asarray(weight, jnp.float32))
+    return value, None
+
+
+def global_loss(value) -> jax.Array:
+    """The loss of a whole (global) batch from the loss function's result (see `loss_parts`)."""
+    total, weight = loss_parts(value)
+    return total if weight is None else total / weight
+
+
+def step_key(state: TrainState):
+    """This step's PRNG key: the run's key (`state.rng`, raw key data) folded with the step number,
+    so every draw depends on (seed, step) alone and a resumed run draws the same."""
+    return jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+
+
+def keep_model_state(state: TrainState, model_state, bad_step) -> TrainState:
+    """The updated model state (BatchNorm statistics), or the old one after a non-finite step."""
+    if state.model_state is None:
+        return state
+    kept = jax.tree.map(lambda new, old: jnp.where(bad_step > 0, old, new), model_state, state.model_state)
+    return state.replace(model_state=kept)
+
+
 def constrain(tree, shardings):
     return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
 
@@ -47,10 +76,9 @@ def apply_update(layout: StateLayout, tx: optax.GradientTransformation, state: T
     value keeps the old state (`bad_step` = 1), so nothing non-finite is ever committed or saved;
     the step counter still advances, so the data position moves past the bad batch.
     """
-    opt_sharded = layout.optimizer_sharded
-    opt_shardings = layout.shardings(opt_sharded)
-    grads = constrain(layout.to_layout(cast_tree(grads, jnp.float32), opt_sharded), opt_shardings)
-    master = constrain(layout.to_layout(state.params, opt_sharded), opt_shardings)
+    opt_shardings = layout.opt_shardings()
+    grads = constrain(layout.to_opt(cast_tree(grads, jnp.float32)), opt_shardings)
+    master = constrain(layout.to_opt(state.params), opt_shardings)
     updates, opt_state = tx.update(grads, state.opt_state, master)
     master = optax.apply_updates(master, updates)
     params = constrain(layout.to_layout(master, layout.master_sharded), layout.shardings(layout.master_sharded))

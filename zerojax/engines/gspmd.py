@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 
 from zerojax.engines import BuiltStep, EngineOptions, GatherReport
-from zerojax.engines.common import apply_update, compute_params, constrain
+from zerojax.engines.common import apply_update, compute_params, constrain, global_loss, keep_model_state, step_key
 
 SUPPORTS = ("layer_stacks",)
 
@@ -40,21 +40,27 @@ def _report(layout, model) -> GatherReport:
     return GatherReport("whole", "whole model gathered at once (no layer hook)")
 
 
-def build(layout, model, static, loss_fn, tx, options: EngineOptions, inputs=None) -> BuiltStep:
-    del inputs  # the partitioner needs no abstract trace of the model
+def build(layout, model, static, loss_fn, tx, options: EngineOptions, inputs=None, model_state=None) -> BuiltStep:
+    del inputs, model_state  # the partitioner needs no abstract trace of the model
     layer_stacks = options.layer_stacks
 
     def step(state, batch):
+        # One draw over the global batch: the masks depend on the global shape and the key, not on
+        # the stage or (with jax_threefry_partitionable, the default) on the device count.
+        key = step_key(state)
+
         def loss_of(params):
             params, hook = _gather_where_used(layout, model, params, layer_stacks)
-            return loss_fn(model.apply(params, static, batch["inputs"], layer_hook=hook), batch)
+            out, model_state = model.apply(params, state.model_state or {}, static, batch["inputs"], rng=key,
+                                           train=True, layer_hook=hook)
+            return global_loss(loss_fn(out, batch)), model_state
 
-        loss, grads = jax.value_and_grad(loss_of)(compute_params(layout, state))
+        (loss, model_state), grads = jax.value_and_grad(loss_of, has_aux=True)(compute_params(layout, state))
         # Stages 2-3 ask for sharded gradients, which XLA can meet with a reduce-scatter;
         # stages 0-1 ask for the full all-reduced gradient.
         grads = layout.to_layout(grads, layout.grads_sharded)
         grads = constrain(grads, layout.shardings(layout.grads_sharded))
-        state, metrics = apply_update(layout, tx, state, grads, loss)
-        return state, {"loss": loss, **metrics}
+        new_state, metrics = apply_update(layout, tx, state, grads, loss)
+        return keep_model_state(new_state, model_state, metrics["bad_step"]), {"loss": loss, **metrics}
 
     return BuiltStep(step, _report(layout, model))

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax import wrap as wrap_lib
 from zerojax.engines import BuiltStep, EngineOptions, GatherReport
-from zerojax.engines.common import apply_update, compute_params
+from zerojax.engines.common import apply_update, compute_params, keep_model_state, loss_parts, step_key
 from zerojax.layout import StateLayout
 from zerojax.mesh import BATCH_AXES, data_parallel_size
 from zerojax.stages import FSDP_AXIS, LeafLayout, fit_to
@@ -167,7 +167,9 @@ class _PrefetchLoop:
 
 # ---- routes: how the model runs from stored values, each leaf materialised where the route says ----
 
-RunModel = Callable[[Any, jax.Array], Any]  # (stored values, inputs) -> model outputs
+# (stored values, model state, inputs, key) -> (model outputs, new model state); runs per device, with
+# BatchNorm statistics averaged over the batch axes (global-batch statistics, as under GSPMD)
+RunModel = Callable[[Any, Any, jax.Array, Any], Any]
 
 
 def _gather_all(materialize, layouts, raw):
@@ -175,20 +177,21 @@ def _gather_all(materialize, layouts, raw):
 
 
 def _route(layout: StateLayout, model, static, options: EngineOptions, materialize,
-           inputs) -> tuple[GatherReport, RunModel]:
+           inputs, model_state) -> tuple[GatherReport, RunModel]:
     """The report and the model runner of the route this stage, model and options take."""
     stage, leaves = layout.stage.index, layout.leaves
     stacks = [k for k in options.layer_stacks if isinstance(leaves, dict) and k in leaves]
     rule = wrap_lib.as_rule(options.wrap)  # checked even where unused
     if stage < 2:
         report = GatherReport("replicated", f"stage {stage}: compute params are replicated")
-        return report, lambda raw, x: model.apply(raw, static, x)
+        return report, lambda raw, ms, x, key: model.apply(raw, ms, static, x, rng=key, sync=BATCH_AXES)
     if model.accepts_layer_hook and len(stacks) == 1:
         return _layer_route(layout, model, static, stacks[0], materialize, options.prefetch and stage == 3)
     if rule is None:
         report = GatherReport("whole", wrap_lib.describe([], {}, None))
-        return report, lambda raw, x: model.apply(_gather_all(materialize, leaves, raw), static, x)
-    return _unit_route(layout, model, static, rule, materialize, inputs)
+        return report, lambda raw, ms, x, key: model.apply(_gather_all(materialize, leaves, raw), ms, static, x,
+                                                           rng=key, sync=BATCH_AXES)
+    return _unit_route(layout, model, static, rule, materialize, inputs, model_state)
 
 
 def _layer_route(layout, model, static, stack: str, materialize, prefetch: bool):
@@ -200,26 +203,27 @@ def _layer_route(layout, model, static, stack: str, materialize, prefetch: bool)
     hook = _LayerHook(jax.tree.map(_layer_layout, leaves[stack], is_leaf=_is_layout), materialize)
     loop = _PrefetchLoop(hook) if prefetch else None
 
-    def run(raw, inputs):
+    def run(raw, model_state, inputs, key):
         params = {k: v if k == stack else _gather_all(materialize, leaves[k], v) for k, v in raw.items()}
-        return model.apply(params, static, inputs, layer_hook=hook, layer_loop=loop)
+        return model.apply(params, model_state, static, inputs, rng=key, layer_hook=hook, layer_loop=loop,
+                           sync=BATCH_AXES)
 
     return report, run
 
 
-def _unit_route(layout, model, static, rule, materialize, inputs):
+def _unit_route(layout, model, static, rule, materialize, inputs, model_state):
     """Submodules chosen by the wrap rule gather their own params (see `zerojax.wrap`)."""
     leaves, dtype = layout.leaves, layout.precision.compute_dtype
     by_path = {l.path: l for l in jax.tree.leaves(leaves, is_leaf=_is_layout)}
     logical = jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape, dtype), leaves, is_leaf=_is_layout)
-    modules = model.modules(logical, static, inputs)
+    modules = model.modules(logical, model_state, inputs)
     units = wrap_lib.choose_units(modules, rule)
     text = wrap_lib.describe(units, {p: c for p, c, _ in modules}, rule)
     report = GatherReport("whole" if text.startswith("whole") else "units", text)
     paths = [tuple(p.split("/")) for p in by_path]
     around = model.unit_around(units, lambda path, x: materialize(by_path[path], x), paths,
                                rule.reshard_after_forward)
-    return report, lambda raw, x: model.apply(raw, static, x, around=around)
+    return report, lambda raw, ms, x, key: model.apply(raw, ms, static, x, rng=key, around=around, sync=BATCH_AXES)
 
 
 # ---- the step ------------------------------------------------------------------------------------
@@ -234,8 +238,11 @@ def _grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: "_Reduc
     stage, leaves, mesh = layout.stage.index, layout.leaves, layout.mesh
     dp, fsdp = data_parallel_size(mesh), mesh.shape[FSDP_AXIS]
 
-    def local(params, batch):
+    def local(params, model_state, key, batch):
         """Per device: loss and gradient of the local batch, reduced as the stage asks."""
+        # Each device draws its own masks (its key folded with its index on the batch axes): the same
+        # at every stage, since the mesh and the local batch are; they differ from GSPMD's masks.
+        key = jax.random.fold_in(jax.random.wrap_key_data(key), jax.lax.axis_index(BATCH_AXES))
         fixed = params if stage == 2 else None
         if stage == 2:  # differentiate w.r.t. shard-shaped zeros: see `Resident`
             params = jax.tree.map(lambda l: jnp.zeros(_local_shape(l, fsdp), reduce.reduce_dtype), leaves,
@@ -243,22 +250,28 @@ def _grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: "_Reduc
 
         def loss_of(diff):
             raw = jax.tree.map(Resident, fixed, diff) if fixed is not None else diff
-            # The loss is the mean over the global batch: each device's mean over its equal share,
-            # divided by the number of shares, summed across devices.
-            return loss_fn(run_model(raw, batch["inputs"]), batch) / dp
+            out, new_model_state = run_model(raw, model_state, batch["inputs"], key)
+            total, weight = loss_parts(loss_fn(out, batch))
+            # A scalar is a mean over rows: each device's mean over its equal share, divided by the
+            # number of shares, summed across devices. A pair is sum(total) / sum(weight): each
+            # device's total over the global weight, so a device whose rows all weigh 0 adds 0.
+            if weight is None:
+                return total / dp, new_model_state
+            return total / jax.lax.psum(weight, BATCH_AXES), new_model_state
 
-        loss, grads = jax.value_and_grad(loss_of)(params)
+        (loss, new_model_state), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
         if stage == 0:
             grads = jax.tree.map(reduce.to_all, grads)
         elif stage == 1:
             grads = jax.tree.map(lambda l, g: reduce.to_shard(g, l), leaves, grads, is_leaf=_is_layout)
-        return jax.lax.psum(loss, BATCH_AXES), grads
+        return jax.lax.psum(loss, BATCH_AXES), grads, new_model_state
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(_specs(layout, stage == 3), P(BATCH_AXES)),
-                         out_specs=(P(), _specs(layout, stage > 0)), check_vma=False)
+    return jax.shard_map(local, mesh=mesh, in_specs=(_specs(layout, stage == 3), P(), P(), P(BATCH_AXES)),
+                         out_specs=(P(), _specs(layout, stage > 0), P()), check_vma=False)
 
 
-def build(layout: StateLayout, model, static, loss_fn, tx, options: EngineOptions, inputs) -> BuiltStep:
+def build(layout: StateLayout, model, static, loss_fn, tx, options: EngineOptions, inputs,
+          model_state=None) -> BuiltStep:
     """`step(state, batch) -> (state, metrics)` and how it gathers params (`inputs`: the abstract
     model inputs, for finding a model's submodules before it is traced).
 
@@ -269,7 +282,7 @@ def build(layout: StateLayout, model, static, loss_fn, tx, options: EngineOption
     stage, mesh, prec = layout.stage.index, layout.mesh, layout.precision
     replicas = tuple(a for a in BATCH_AXES if a != FSDP_AXIS and mesh.shape[a] > 1)
     reduce = _Reduce(replicas, prec.compute_dtype, prec.reduce_dtype, prec.master_dtype)
-    report, run_model = _route(layout, model, static, options, reduce.materializer(stage), inputs)
+    report, run_model = _route(layout, model, static, options, reduce.materializer(stage), inputs, model_state or {})
     grads_fn = _grads_fn(layout, run_model, loss_fn, reduce)
 
     # Stages 1-2 in bf16: the new compute copy is the cast master shards, all-gathered here. The
@@ -281,8 +294,10 @@ def build(layout: StateLayout, model, static, loss_fn, tx, options: EngineOption
 
     def step(state, batch):
         params = state.params if stage == 3 else compute_params(layout, state)
-        loss, grads = grads_fn(params, batch)
+        key = jax.random.key_data(step_key(state))
+        loss, grads, model_state = grads_fn(params, state.model_state or {}, key, batch)
         new_state, metrics = apply_update(layout, tx, state, grads, loss)
+        new_state = keep_model_state(new_state, model_state, metrics["bad_step"])
         if layout.keeps_compute_copy and layout.master_sharded:
             new_state = new_state.replace(compute=gather_compute(new_state.params))  # params already kept if bad
         return new_state, {"loss": loss, **metrics}

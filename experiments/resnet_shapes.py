@@ -1,0 +1,143 @@
+"""A small ResNet-style CNN (BatchNorm + Dropout) on generated images, trained at ZeRO stages 0 and 3
+from the Python API, on 8 simulated CPU devices; writes experiments/results/resnet_shapes.{json,md}.
+
+The data set is generated, never downloaded: 16x16 grey images of four shapes (square outline,
+filled disc, cross, diagonal bar) at random positions and sizes, with Gaussian noise; the class is
+the shape. A fixed held-out set measures accuracy (eval mode: no dropout, BatchNorm running stats).
+
+    python experiments/resnet_shapes.py [--steps 300] [--engine shard_map]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import zerojax as zj  # noqa: E402
+
+SIZE, CLASSES = 16, 4
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def shapes(n: int, seed: int) -> dict:
+    """`n` noisy 16x16 images of one of four shapes, NHWC float32, and their labels."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[:SIZE, :SIZE]
+    images = np.zeros((n, SIZE, SIZE), np.float32)
+    labels = rng.integers(0, CLASSES, n).astype(np.int32)
+    for i, label in enumerate(labels):
+        r = rng.integers(3, 6)
+        cy, cx = rng.integers(r, SIZE - r, size=2)
+        dy, dx = np.abs(yy - cy), np.abs(xx - cx)
+        if label == 0:  # square outline
+            img = (np.maximum(dy, dx) == r)
+        elif label == 1:  # filled disc
+            img = dy**2 + dx**2 <= r**2
+        elif label == 2:  # cross
+            img = ((dy == 0) & (dx <= r)) | ((dx == 0) & (dy <= r))
+        else:  # diagonal bar
+            img = (np.abs((yy - cy) - (xx - cx)) <= 0) & (dy <= r)
+        images[i] = img
+    images += rng.normal(0, 0.9, images.shape).astype(np.float32)
+    return {"inputs": images[..., None], "targets": labels}
+
+
+class ResBlock(nnx.Module):
+    def __init__(self, ch: int, rngs: nnx.Rngs):
+        self.conv1 = nnx.Conv(ch, ch, (3, 3), use_bias=False, rngs=rngs)
+        self.bn1 = nnx.BatchNorm(ch, momentum=0.9, rngs=rngs)
+        self.conv2 = nnx.Conv(ch, ch, (3, 3), use_bias=False, rngs=rngs)
+        self.bn2 = nnx.BatchNorm(ch, momentum=0.9, rngs=rngs)
+
+    def __call__(self, x):
+        y = jax.nn.relu(self.bn1(self.conv1(x)))
+        return jax.nn.relu(x + self.bn2(self.conv2(y)))
+
+
+class ResNet(nnx.Module):
+    """stem conv -> 2 residual blocks -> pool -> 2 residual blocks -> global pool -> dropout -> dense."""
+
+    def __init__(self, rngs: nnx.Rngs, ch: int = 24):
+        self.stem = nnx.Conv(1, ch, (3, 3), use_bias=False, rngs=rngs)
+        self.bn = nnx.BatchNorm(ch, momentum=0.9, rngs=rngs)
+        self.blocks = nnx.List([ResBlock(ch, rngs) for _ in range(4)])
+        self.drop = nnx.Dropout(0.3, rngs=rngs)
+        self.head = nnx.Linear(ch, CLASSES, rngs=rngs)
+
+    def __call__(self, x):
+        x = jax.nn.relu(self.bn(self.stem(x)))
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i == 1:
+                x = nnx.avg_pool(x, (2, 2), strides=(2, 2))
+        return self.head(self.drop(x.mean(axis=(1, 2))))
+
+
+def accuracy(logits, batch):
+    return jnp.sum(jnp.argmax(logits, -1) == batch["targets"]), batch["targets"].shape[0]
+
+
+def train(stage: int, engine: str, steps: int, batch_size: int, train_set: dict, test_set: dict) -> dict:
+    trainer = zj.Trainer(ResNet, optax.adamw(3e-3, weight_decay=1e-4), mesh=zj.make_mesh(fsdp=8), stage=stage,
+                         engine=engine)
+    n = len(train_set["targets"])
+    batch = lambda i: {k: v[(i * batch_size) % n:(i * batch_size) % n + batch_size] for k, v in train_set.items()}  # noqa: E731
+    state = trainer.init(jax.random.key(0), batch(0))
+    losses, start = [], time.perf_counter()
+    for i in range(steps):
+        state, metrics = trainer.step(state, batch(i))
+        losses.append(float(metrics["loss"]))
+    seconds = time.perf_counter() - start
+    acc = float(trainer.evaluate(state, test_set, accuracy))
+    train_acc = float(trainer.evaluate(state, batch(0), accuracy))
+    return {"stage": stage, "engine": engine, "steps": steps, "batch_size": batch_size,
+            "first_loss": losses[0], "last_loss": losses[-1], "mean_last_20": float(np.mean(losses[-20:])),
+            "eval_loss": float(trainer.evaluate(state, test_set)), "test_accuracy": acc, "train_batch_accuracy": train_acc,
+            "seconds": round(seconds, 1), "gather": trainer.gather_report().description, "losses": losses}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--engine", default="shard_map")
+    args = parser.parse_args()
+    train_set, test_set = shapes(args.batch_size * 40, seed=0), shapes(512, seed=1)
+    runs = [train(stage, args.engine, args.steps, args.batch_size, train_set, test_set) for stage in (0, 3)]
+    diff = float(np.max(np.abs(np.array(runs[0]["losses"]) - np.array(runs[1]["losses"]))))
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "resnet_shapes.json"), "w") as f:
+        json.dump({"runs": runs, "max_loss_difference_stage3_vs_stage0": diff, "jax": jax.__version__}, f, indent=1)
+    lines = ["# ResNet-style CNN (BatchNorm + Dropout 0.3) on generated shapes, stages 0 and 3", "",
+             f"8 simulated CPU devices, engine `{args.engine}`, fp32, AdamW 3e-3, batch {args.batch_size}, "
+             f"{args.steps} steps, 4 classes (chance 25%), 512 held-out images; jax {jax.__version__}.", "",
+             "| stage | first loss | last-20 mean loss | eval loss | test accuracy | seconds | gathers |",
+             "|---|---|---|---|---|---|---|"]
+    for r in runs:
+        lines.append(f"| {r['stage']} | {r['first_loss']:.4f} | {r['mean_last_20']:.4f} | {r['eval_loss']:.4f} | "
+                     f"{r['test_accuracy']:.1%} | {r['seconds']} | {r['gather']} |")
+    early = float(np.max(np.abs(np.array(runs[0]["losses"][:10]) - np.array(runs[1]["losses"][:10]))))
+    lines += ["", f"Stage 3 vs stage 0, largest loss difference over the first 10 steps: {early:.1e}; over all "
+              f"{args.steps} steps: {diff:.1e}. Both draw the same dropout masks and average BatchNorm "
+              "statistics over the global batch; the steps differ only in fp32 summation order (stage 3's "
+              "per-unit gathers and reduce-scatters vs stage 0's all-reduce), a difference that training "
+              "amplifies step by step."]
+    with open(os.path.join(RESULTS, "resnet_shapes.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

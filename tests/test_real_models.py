@@ -1,0 +1,260 @@
+"""Models with Dropout, BatchNorm and RNG streams, train/eval mode, weighted losses and optimizers
+that are not elementwise: the same losses at every stage, in both engines."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+
+import zerojax as zj
+from zerojax.checkpoint import CheckpointWriter, restore, run_metadata
+from zerojax.export import export_params, load_model_state, load_params
+from zerojax.optim import pads_exactly
+
+from tests.models import UnevenMLP, classification_batch
+
+KEY = jax.random.key(0)
+ENGINES = ("gspmd", "shard_map")
+
+
+class DropNet(nnx.Module):
+    """Uneven widths (37 -> 43 -> 10), BatchNorm and Dropout in a repeated block (an FSDP unit)."""
+
+    def __init__(self, rngs: nnx.Rngs, rate: float = 0.3):
+        self.blocks = nnx.List([_Block(37, rngs, rate) for _ in range(2)])
+        self.bn = nnx.BatchNorm(37, rngs=rngs)
+        self.out = nnx.Linear(37, 10, rngs=rngs)
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.out(self.bn(x))
+
+
+class _Block(nnx.Module):
+    def __init__(self, width: int, rngs: nnx.Rngs, rate: float):
+        self.hidden = nnx.Linear(width, 43, rngs=rngs)
+        self.bn = nnx.BatchNorm(43, rngs=rngs)
+        self.drop = nnx.Dropout(rate, rngs=rngs)
+        self.back = nnx.Linear(43, width, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.back(self.drop(jax.nn.relu(self.bn(self.hidden(x)))))
+
+
+class LinenDropNet(nn.Module):
+    rate: float = 0.3
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.Dense(43)(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+        x = nn.Dropout(self.rate, deterministic=not train)(jax.nn.relu(x))
+        return nn.Dense(10)(nn.relu(nn.Dense(29)(x)))
+
+
+def _bn_net(rngs):
+    return DropNet(rngs, rate=0.0)
+
+
+def _models():
+    return {"nnx": DropNet, "linen": LinenDropNet()}
+
+
+def _run(model, *, stage, engine, steps, batch, tx=None, mesh=None, loss_fn=None):
+    trainer = zj.Trainer(model, tx or optax.adam(1e-2), stage=stage, engine=engine,
+                         mesh=mesh or zj.make_mesh(fsdp=8), loss_fn=loss_fn)
+    state = trainer.init(KEY, batch)
+    losses = []
+    for _ in range(steps):
+        state, metrics = trainer.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return trainer, state, losses
+
+
+# One model per engine in the default suite, the other pair under -m slow.
+_PAIRS = [("nnx", "shard_map"), ("linen", "gspmd"),
+          pytest.param("nnx", "gspmd", marks=pytest.mark.slow), pytest.param("linen", "shard_map", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("kind,engine", _PAIRS)
+def test_dropout_and_batchnorm_train_with_the_same_losses_at_every_stage(kind, engine):
+    batch = classification_batch(0)
+    model = _models()[kind]
+    trainer, state, base = _run(model, stage=0, engine=engine, steps=10, batch=batch)
+    assert base[-1] < base[0]
+    assert state.model_state is not None and "batch_stats" in state.model_state
+    for stage in (1, 2, 3):
+        _, _, losses = _run(model, stage=stage, engine=engine, steps=10, batch=batch)
+        np.testing.assert_allclose(losses, base, rtol=1e-5, atol=1e-5, err_msg=f"{kind} {engine} stage {stage}")
+
+
+@pytest.mark.parametrize("kind,engine", _PAIRS)
+def test_dropout_is_active_in_training_and_off_in_evaluation(kind, engine):
+    batch = classification_batch(0)
+    trainer, state, losses = _run(_models()[kind], stage=3, engine=engine, steps=4, batch=batch,
+                                  tx=optax.sgd(0.0))
+    assert len(set(losses)) == len(losses), losses  # lr 0: only the masks (and BatchNorm) change the loss
+    first, second = float(trainer.evaluate(state, batch)), float(trainer.evaluate(state, batch))
+    assert first == second
+    assert first not in losses
+
+
+def test_batchnorm_statistics_are_over_the_global_batch():
+    """No dropout: both engines, every stage and 1 vs 8 devices give the same losses."""
+    batch = classification_batch(0)
+    one = zj.make_mesh(devices=jax.devices()[:1])
+    _, state, base = _run(_bn_net, stage=0, engine="gspmd", steps=3, batch=batch, mesh=one)
+    for engine in ENGINES:
+        for stage in range(4):
+            _, state, losses = _run(_bn_net, stage=stage, engine=engine, steps=3, batch=batch)
+            np.testing.assert_allclose(losses, base, rtol=1e-5, atol=1e-5, err_msg=f"{engine} stage {stage}")
+
+
+def test_gspmd_dropout_masks_do_not_depend_on_the_device_count():
+    """gspmd draws over the global batch (threefry partitionable): 1 and 8 devices agree with dropout
+    on; shard_map draws per device, so its masks depend on the device count (documented)."""
+    batch = classification_batch(0)
+    _, _, one = _run(DropNet, stage=0, engine="gspmd", steps=3, batch=batch, mesh=zj.make_mesh(devices=jax.devices()[:1]))
+    _, _, eight = _run(DropNet, stage=3, engine="gspmd", steps=3, batch=batch)
+    np.testing.assert_allclose(eight, one, rtol=1e-5, atol=1e-5)
+
+
+def test_linen_batchnorm_statistics_are_over_the_global_batch():
+    """Linen's nn.BatchNorm gets the batch axes as its axis_name inside shard_map."""
+    batch, model = classification_batch(0), LinenDropNet(rate=0.0)
+    one = zj.make_mesh(devices=jax.devices()[:1])
+    _, _, base = _run(model, stage=0, engine="gspmd", steps=3, batch=batch, mesh=one)
+    for engine in ENGINES:
+        for stage in (0, 3):
+            _, _, losses = _run(model, stage=stage, engine=engine, steps=3, batch=batch)
+            np.testing.assert_allclose(losses, base, rtol=1e-5, atol=1e-5, err_msg=f"{engine} stage {stage}")
+
+
+def test_batchnorm_statistics_checkpoint_reshard_and_export(tmp_path):
+    batch = classification_batch(0)
+    trainer, state, _ = _run(DropNet, stage=3, engine="shard_map", steps=3, batch=batch)
+    fresh = trainer.init(KEY, batch)
+    stats = jax.tree.map(np.asarray, state.model_state)
+    changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), stats, jax.tree.map(np.asarray, fresh.model_state))
+    assert all(jax.tree.leaves(changed))  # every running mean and variance moved
+
+    # Save, keep training; a restored copy (same stage, then another stage on 4 devices) continues alike.
+    state, _ = _run_on(trainer, state, batch, 0)
+    writer = CheckpointWriter(str(tmp_path / "ckpt"), keep=1, run_meta=run_metadata(trainer, seed=0))
+    writer.save(3, state)
+    writer.wait()
+    saved = jax.tree.map(np.asarray, state.saved())
+    state, after = _run_on(trainer, state, batch, 3)
+    writer.close()
+    step_dir = str(tmp_path / "ckpt" / "3")
+    restored, _ = restore(trainer, step_dir, KEY, batch)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, restored.saved()), saved)
+    _, again = _run_on(trainer, restored, batch, 3)
+    assert again == after  # dropout keys come from (seed, step): the resumed run is bit-exact
+
+    other = zj.Trainer(DropNet, optax.adam(1e-2), stage=1, engine="shard_map", mesh=zj.make_mesh(fsdp=4,
+                                                                                                  devices=jax.devices()[:4]))
+    moved, _ = restore(other, step_dir, KEY, batch)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, moved.model_state), saved["model_state"])
+
+    out = export_params(step_dir, str(tmp_path / "params.npz"))
+    assert out["model_state"] == 6  # 3 BatchNorms x (mean, var)
+    with np.load(tmp_path / "params.npz") as npz:
+        assert "batch_stats/blocks/0/bn/mean" in npz.files
+        np.testing.assert_array_equal(npz["batch_stats/bn/var"], saved["model_state"]["batch_stats"]["bn"]["var"])
+    assert "batch_stats" not in load_params(str(tmp_path / "params.npz"))
+    np.testing.assert_array_equal(load_model_state(str(tmp_path / "params.npz"))["batch_stats"]["bn"]["mean"],
+                                  saved["model_state"]["batch_stats"]["bn"]["mean"])
+
+
+def _run_on(trainer, state, batch, steps):
+    losses = []
+    for _ in range(steps):
+        state, metrics = trainer.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+def _masked_ce(logits, batch):
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    return jnp.sum(ce * batch["mask"]), jnp.sum(batch["mask"])
+
+
+def test_masked_mean_loss_is_exact_in_both_engines():
+    batch = classification_batch(0)
+    rng = np.random.default_rng(1)
+    batch["mask"] = (rng.random(16) < 0.6).astype(np.float32)
+    batch["mask"][:2] = 0  # the first device's two rows are all masked out
+    batch["mask"][2] = 1
+    model = UnevenMLP(nnx.Rngs(0))
+    logits = np.asarray(model(jnp.asarray(batch["inputs"])))
+    want = float(_masked_ce(logits, batch)[0] / batch["mask"].sum())
+    runs = {}
+    for engine in ENGINES:
+        for stage in (0, 3):
+            _, _, runs[engine, stage] = _run(UnevenMLP, stage=stage, engine=engine, steps=5, batch=batch,
+                                             loss_fn=_masked_ce)
+            assert abs(runs[engine, stage][0] - want) < 1e-5, (engine, stage, runs[engine, stage][0], want)
+    for key, losses in runs.items():
+        np.testing.assert_allclose(losses, runs["gspmd", 0], rtol=1e-5, atol=1e-5, err_msg=str(key))
+
+
+class WideMLP(nnx.Module):
+    """A 130 x 131 leaf (factored by Adafactor) and others no fsdp size of 8 divides: all padded."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.a = nnx.Linear(37, 130, rngs=rngs)
+        self.b = nnx.Linear(130, 131, rngs=rngs)
+        self.c = nnx.Linear(131, 10, rngs=rngs)
+
+    def __call__(self, x):
+        return self.c(jax.nn.gelu(self.b(jax.nn.gelu(self.a(x)))))
+
+
+OPTIMIZERS = {
+    "adafactor": lambda: optax.adafactor(1e-2),
+    "sgd": lambda: optax.sgd(1e-1),
+    "momentum": lambda: optax.sgd(1e-1, momentum=0.9),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+}
+
+
+@pytest.mark.parametrize("name", ["adafactor", "adamw", pytest.param("sgd", marks=pytest.mark.slow),
+                                  pytest.param("momentum", marks=pytest.mark.slow)])
+def test_optimizers_are_exact_on_padded_leaves(name):
+    batch = classification_batch(0)
+    assert pads_exactly(OPTIMIZERS[name]()) == (name != "adafactor")
+    engines = ENGINES if name == "adafactor" else ("shard_map",)
+    for engine in engines:
+        _, _, base = _run(WideMLP, stage=0, engine=engine, steps=8, batch=batch, tx=OPTIMIZERS[name]())
+        trainer, _, losses = _run(WideMLP, stage=3, engine=engine, steps=8, batch=batch, tx=OPTIMIZERS[name]())
+        assert trainer.layout.leaves["b"]["kernel"].padded  # stored padded; the optimizer sees it whole
+        np.testing.assert_allclose(losses, base, rtol=1e-5, atol=1e-5, err_msg=f"{name} {engine}")
+
+
+class NoisyMLP(nnx.Module):
+    """Draws from a user-named stream ("noise") and the "params" stream in its forward pass."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.rngs = nnx.Rngs(params=rngs.params(), noise=rngs.params())
+        self.mlp = UnevenMLP(rngs)
+
+    def __call__(self, x):
+        x = x + 0.1 * jax.random.normal(self.rngs.noise(), x.shape) + 0.01 * jax.random.normal(self.rngs.params(), x.shape)
+        return self.mlp(x)
+
+
+def test_user_named_nnx_streams_are_keyed_per_step_and_equal_across_stages():
+    batch = classification_batch(0)
+    runs = {stage: _run(NoisyMLP, stage=stage, engine="shard_map", steps=3, batch=batch, tx=optax.sgd(0.0))[2]
+            for stage in (0, 3)}
+    assert len(set(runs[0])) == 3  # new noise every step
+    np.testing.assert_allclose(runs[3], runs[0], rtol=1e-5, atol=1e-5)
