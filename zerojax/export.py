@@ -49,21 +49,11 @@ def export_params(checkpoint: str, out_path: str) -> dict:
     Streams one leaf at a time (read, crop, write), so host memory peaks near the largest leaf. The
     file appears only when complete (written beside it, then renamed).
     """
-    import orbax.checkpoint as ocp
-
     step_dir = find_step_dir(checkpoint)
     meta = read_meta(step_dir)
     out_path = out_path if out_path.endswith(".npz") else out_path + ".npz"
-    out_dir = os.path.dirname(os.path.abspath(out_path))
-    if not os.path.isdir(out_dir):
-        raise UserError(f"output folder {out_dir!r} does not exist.")
-    if not os.access(out_dir, os.W_OK | os.X_OK):
-        raise UserError(f"output folder {out_dir!r} is not writable; give an .npz path in a folder you can write to.")
     partial = f"{out_path}.partial"
-    for path in (out_path, partial):
-        if os.path.isdir(path):
-            raise UserError(f"{path!r} is a folder; export writes a file there, so give another .npz path "
-                            "or move the folder away.")
+    _check_target(out_path, partial)
     handler = state_handler()
     try:
         keys = _param_keys(step_dir)
@@ -78,22 +68,8 @@ def export_params(checkpoint: str, out_path: str) -> dict:
         with zf:
             for group, k in [("params", k) for k in keys] + [("model_state", k) for k in state_keys]:
                 name = "/".join(str(x) for x in k)
-                if group == "params" and name not in meta["params"]:
-                    raise KeyError(name)
-                item = _nested((group, *k), 0)
-                args = _nested((group, *k), ocp.RestoreArgs(restore_type=np.ndarray))
-                tree = handler.restore(item_path(step_dir, "state"), args=ocp.args.PyTreeRestore(
-                    item=item, restore_args=args, partial_restore=True))
-                stored = np.asarray(_dig(tree, (group, *k)))
-                want = meta["leaves"][f"{group}/{name}"]
-                if "checksum" in want and want["checksum"] != _host_checksum(stored):
-                    raise UserError(f"checkpoint {step_dir!r} is corrupted: {group + '/' + name!r} does not match its checksum.")
-                if group == "params":  # model state is replicated: stored in its logical shape
-                    logical = tuple(meta["params"][name]["shape"])
-                    stored = np.asarray(stored, dtype=np.float32)[tuple(slice(0, s) for s in logical)]  # a view
                 with zf.open(f"{name}.npy", "w", force_zip64=True) as f:
-                    np.lib.format.write_array(f, stored, allow_pickle=False)
-                del tree, stored
+                    np.lib.format.write_array(f, _read_leaf(handler, step_dir, meta, group, k), allow_pickle=False)
             if state_keys:
                 with zf.open(f"{MODEL_STATE_ENTRY}.npy", "w") as f:
                     collections = sorted({str(k[0]) for k in state_keys})
@@ -109,6 +85,39 @@ def export_params(checkpoint: str, out_path: str) -> dict:
         raise unreadable(step_dir, "parameters", e) from None
     return {"step": meta["step"], "path": out_path, "params": len(keys), "model_state": len(state_keys),
             "from": step_dir}
+
+
+def _check_target(out_path: str, partial: str) -> None:
+    """The .npz can be written: its folder exists and is writable, nothing folder-like in the way."""
+    out_dir = os.path.dirname(os.path.abspath(out_path))
+    if not os.path.isdir(out_dir):
+        raise UserError(f"output folder {out_dir!r} does not exist.")
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise UserError(f"output folder {out_dir!r} is not writable; give an .npz path in a folder you can write to.")
+    for path in (out_path, partial):
+        if os.path.isdir(path):
+            raise UserError(f"{path!r} is a folder; export writes a file there, so give another .npz path "
+                            "or move the folder away.")
+
+
+def _read_leaf(handler, step_dir: str, meta: dict, group: str, k: tuple) -> np.ndarray:
+    """One saved leaf on the host, checksum-verified; params as fp32 in their logical shape (a view)."""
+    import orbax.checkpoint as ocp
+
+    name = "/".join(str(x) for x in k)
+    if group == "params" and name not in meta["params"]:
+        raise KeyError(name)
+    args = _nested((group, *k), ocp.RestoreArgs(restore_type=np.ndarray))
+    tree = handler.restore(item_path(step_dir, "state"), args=ocp.args.PyTreeRestore(
+        item=_nested((group, *k), 0), restore_args=args, partial_restore=True))
+    stored = np.asarray(_dig(tree, (group, *k)))
+    want = meta["leaves"][f"{group}/{name}"]
+    if "checksum" in want and want["checksum"] != _host_checksum(stored):
+        raise UserError(f"checkpoint {step_dir!r} is corrupted: {group + '/' + name!r} does not match its checksum.")
+    if group == "params":  # model state is replicated: stored in its logical shape
+        logical = tuple(meta["params"][name]["shape"])
+        stored = np.asarray(stored, dtype=np.float32)[tuple(slice(0, s) for s in logical)]
+    return stored
 
 
 def _unflatten(flat: dict[str, np.ndarray]) -> dict:

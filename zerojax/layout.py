@@ -10,11 +10,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax.precision import Precision
+from zerojax.precision import Precision, cast_tree
 from zerojax.stages import FSDP_AXIS, LeafLayout, Stage, fit_to, leaf_layout, path_str
 from zerojax.state import TrainState
 
@@ -146,6 +147,23 @@ class StateLayout:
                      if self.keeps_compute_copy else None),
         )
 
+
+    def fresh_state(self, tx: optax.GradientTransformation, params) -> TrainState:
+        """Step 0 from logical params (any dtype): master, optimizer and compute groups in their layouts."""
+        params = jax.tree.map(lambda x: x.astype(self.precision.master_dtype), params)
+        compute = None
+        if self.keeps_compute_copy:
+            compute = jax.tree.map(lambda x: x.astype(self.precision.compute_dtype), params)
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=self.to_layout(params, self.master_sharded),
+            opt_state=tx.init(self.to_opt(params)),
+            compute=compute,
+        )
+
+    def derive_compute(self, params):
+        """The persistent compute copy of master `params`: logical shapes, compute dtype, replicated."""
+        return cast_tree(self.to_layout(params, sharded=False), self.precision.compute_dtype)
 
 def make_layout(mesh, stage: Stage, precision: Precision, param_shapes, *, layer_stacks=("blocks",),
                 replicate_below_bytes: int = 2048, pad_free_optimizer: bool = False) -> StateLayout:

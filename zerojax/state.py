@@ -18,18 +18,9 @@ Where a group lives is said by its shardings alone, so a host-resident group (a 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
-import jax
-import jax.numpy as jnp
 from flax import struct
-
-from zerojax.precision import cast_tree
-
-if TYPE_CHECKING:
-    import optax
-
-    from zerojax.layout import StateLayout
 
 
 # Fields in name order, as a dict of the groups would flatten: the jitted step's argument order (and
@@ -52,27 +43,9 @@ class TrainState:
 
     @classmethod
     def from_saved(cls, saved: dict) -> "TrainState":
-        """The state from restored groups; the compute copy is still missing (see `derive_compute`)."""
+        """The state from restored groups; the compute copy is still missing (see `StateLayout.derive_compute`)."""
         unknown = set(saved) - set(cls.SAVED)
         if unknown:
             raise ValueError(f"not a saved train-state group: {sorted(unknown)}")
         return cls(**saved)
 
-
-def derive_compute(layout: "StateLayout", params):
-    """The persistent compute copy of master `params`: logical shapes, compute dtype, replicated."""
-    return cast_tree(layout.to_layout(params, sharded=False), layout.precision.compute_dtype)
-
-
-def fresh_state(layout: "StateLayout", tx: "optax.GradientTransformation", params) -> TrainState:
-    """Step 0 from logical params (any dtype): master, optimizer and compute groups in their layouts."""
-    params = jax.tree.map(lambda x: x.astype(layout.precision.master_dtype), params)
-    compute = None
-    if layout.keeps_compute_copy:
-        compute = jax.tree.map(lambda x: x.astype(layout.precision.compute_dtype), params)
-    return TrainState(
-        step=jnp.zeros((), jnp.int32),
-        params=layout.to_layout(params, layout.master_sharded),
-        opt_state=tx.init(layout.to_opt(params)),
-        compute=compute,
-    )

@@ -29,7 +29,7 @@ from zerojax.optim import pads_exactly
 from zerojax.mesh import BATCH_AXES, data_parallel_size, make_mesh
 from zerojax.precision import get_precision
 from zerojax.stages import get_stage
-from zerojax.state import TrainState, derive_compute, fresh_state
+from zerojax.state import TrainState
 
 _KEEP_PREPARED = 4  # preparations kept for reuse (one per input shape and key)
 _KEY_SHAPE = (2,)  # the raw data of a threefry key: the state's `rng`
@@ -215,7 +215,7 @@ class Trainer:
 
         def init_state(key, inputs, params=None):
             fresh, model_state, _ = model.init(key, inputs)
-            state = fresh_state(layout, tx, fresh if params is None else params)  # XLA drops an unused init
+            state = layout.fresh_state(tx, fresh if params is None else params)  # XLA drops an unused init
             return state.replace(rng=_run_key(key), model_state=model_state if has_model_state else None)
 
         inputs = jnp.zeros(prep.inputs.shape, prep.inputs.dtype)
@@ -235,7 +235,7 @@ class Trainer:
         state = TrainState.from_saved(saved)
         layout = prep.layout
         if layout.keeps_compute_copy:
-            derive = jax.jit(lambda params: derive_compute(layout, params), out_shardings=prep.state_shardings.compute)
+            derive = jax.jit(layout.derive_compute, out_shardings=prep.state_shardings.compute)
             state = state.replace(compute=derive(state.params))
         self._activate(prep)
         return state
