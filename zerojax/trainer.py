@@ -26,7 +26,7 @@ from zerojax.engines.common import compute_params, cross_entropy, global_loss
 from zerojax.errors import UserError
 from zerojax.layout import StateLayout, make_layout
 from zerojax.optim import pads_exactly
-from zerojax.mesh import BATCH_AXES, data_parallel_size, make_mesh
+from zerojax.mesh import BATCH_AXES, check_batch, data_parallel_size, make_mesh
 from zerojax.precision import get_precision
 from zerojax.stages import get_stage
 from zerojax.state import TrainState
@@ -98,12 +98,7 @@ class Trainer:
         return NamedSharding(self.mesh, P(BATCH_AXES))
 
     def _check_batch(self, batch) -> None:
-        rows = batch["inputs"].shape[0]
-        dp = data_parallel_size(self.mesh)
-        if rows % dp:
-            raise UserError(
-                f"train.batch_size={rows} is not divisible by the data-parallel size {dp} (mesh data x fsdp)."
-            )
+        check_batch(batch["inputs"].shape[0], data_parallel_size(self.mesh))
 
     def prepare(self, key, batch: dict) -> Prepared:
         """The preparation for this batch's input shape and `key`: built on first use, then reused.
