@@ -116,27 +116,41 @@ def _cmd(out, *extra) -> list[str]:
             "--set", f"train.steps={STEPS}", *TARGETS, *extra]
 
 
-def test_cli_train_with_targets_sigkill_and_resume_is_bit_exact(env, tmp_path):
-    ref = subprocess.run(_cmd(tmp_path / "ref"), env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+def _sigkill_and_resume(env, tmp_path, *sets) -> tuple[list[dict], list[dict]]:
+    """(the uninterrupted run's records, those of a run SIGKILLed after step 5 and resumed)."""
+    ref = subprocess.run(_cmd(tmp_path / "ref", *sets), env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    reference = _records(tmp_path / "ref")
-    assert len(reference) == STEPS and reference[-1]["loss"] < reference[0]["loss"]
-    summary = json.loads((tmp_path / "ref" / "summary.json").read_text())
-    assert summary["params"] == 12 * 24 + 24 + 24 * 4 + 4 and summary["eval_loss"] is not None
-
     out = tmp_path / "killed"
-    proc = subprocess.Popen(_cmd(out), env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(_cmd(out, *sets), env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while len(_records(out)) < 5 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.001)
     proc.kill()
     proc.wait()
-    done = subprocess.run(_cmd(out, "--resume"), env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(_cmd(out, "--resume", *sets), env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    got = _records(out)
+    return _records(tmp_path / "ref"), _records(out)
+
+
+def test_cli_train_with_targets_sigkill_and_resume_is_bit_exact(env, tmp_path):
+    reference, got = _sigkill_and_resume(env, tmp_path)
+    assert len(reference) == STEPS and reference[-1]["loss"] < reference[0]["loss"]
+    summary = json.loads((tmp_path / "ref" / "summary.json").read_text())
+    assert summary["params"] == 12 * 24 + 24 + 24 * 4 + 4 and summary["eval_loss"] is not None
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in got] == [r["loss"] for r in reference]  # bit for bit
     assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in reference]
+
+
+def test_cli_sigkill_and_resume_with_dropout_and_batchnorm_is_bit_exact(env, tmp_path):
+    """The RNG stream and the BatchNorm statistics are part of what a checkpoint restores."""
+    reference, got = _sigkill_and_resume(env, tmp_path, "--set", "model.target=tests.user_code:RegularisedMLP")
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in got] == [r["loss"] for r in reference]  # bit for bit
+    assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in reference]
+    # Evaluation runs on the running BatchNorm statistics, which only a restored model state carries.
+    evals = [json.loads((tmp_path / d / "summary.json").read_text())["eval_loss"] for d in ("ref", "killed")]
+    assert evals[0] is not None and evals[0] == evals[1]
 
 
 BAD = {

@@ -20,6 +20,19 @@ class MLP(nnx.Module):
         return self.out(jax.nn.gelu(self.hidden(x)))
 
 
+class RegularisedMLP(nnx.Module):
+    """BatchNorm statistics and dropout masks: model state and an RNG stream the run must carry."""
+
+    def __init__(self, features: int = 12, hidden: int = 24, classes: int = 4, rate: float = 0.3, *, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(features, hidden, rngs=rngs)
+        self.norm = nnx.BatchNorm(hidden, rngs=rngs)
+        self.drop = nnx.Dropout(rate, rngs=rngs)
+        self.out = nnx.Linear(hidden, classes, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.drop(jax.nn.gelu(self.norm(self.hidden(x)))))
+
+
 class LinenMLP(nn.Module):
     classes: int = 4
 
