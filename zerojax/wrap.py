@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
@@ -84,6 +85,70 @@ def _key(path) -> str:
     return "/".join(str(p) for p in path)
 
 
+# ---- a unit's gathers are ordered by data, not by barriers ---------------------------------------------
+#
+# A unit gathers right before its forward call and again right before its backward, holding the
+# gathered weights only in between. Schedulers reorder independent work freely (XLA:CPU runs every
+# independent all-gather first) and CSE merges equal computations (XLA:CPU strips optimization
+# barriers before CSE, so a remat'd unit's re-gather becomes its forward gather, kept alive for the
+# whole step). So each gather's *input* depends on data that exists only at the right time: the
+# shard plus an exact zero computed from the unit's input (forward) or from the incoming cotangent
+# (backward). No pass may hoist a gather above its operand, and the two gathers read different
+# operands, so they are never merged. The backward recomputes the unit (a custom_vjp, since
+# `jax.checkpoint` would replay the forward gather on the forward's operand).
+
+
+def zero_from(tree) -> jax.Array:
+    """An fp32 zero that depends on `tree`'s first floating-point value (NaN and inf give 0 too)."""
+    for x in jax.tree.leaves(tree):
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) and x.size:
+            z = x[(0,) * x.ndim].astype(jnp.float32) * 0  # x * 0 is not folded for floats (NaN * 0 = NaN)
+            return jnp.where(jnp.isfinite(z), z, 0.0)
+    return jnp.zeros((), jnp.float32)
+
+
+def tie(x, token):
+    """`x` plus the exact zero `token`: the same values, computed after `token` exists.
+    Stage 2's resident copies (not arrays) are left alone: they are not gathered."""
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating):
+        return x + token.astype(x.dtype)
+    return x
+
+
+def tie_tree(tree, token):
+    return jax.tree.map(lambda x: tie(x, token), tree)
+
+
+def rematerialized(run, params, *args, wait_for_grads: bool = False):
+    """`run(params, *args, token)`, its gathers tied to `args` (the unit's inputs) in the forward pass and, recomputed in the
+    backward pass, tied to the incoming cotangent. Nothing of the forward is kept but `args`."""
+    args = (params, *args)
+    fn, consts = jax.closure_convert(lambda *a: run(*a[:-1], a[-1]), *args, jnp.zeros((), jnp.float32))
+
+    @jax.custom_vjp
+    def call(args, consts):
+        return fn(*args, zero_from(args[1:]), *consts)  # args[0]: the unit's params
+
+    def fwd(args, consts):
+        return call(args, consts), (args, consts)
+
+    def bwd(res, ct):
+        args, consts = res
+        token = zero_from(ct)
+        _, vjp = jax.vjp(lambda a, c: fn(*a, token, *c), args, consts)
+        d_args, d_consts = vjp(ct)
+        if not wait_for_grads:
+            return d_args, d_consts
+        # The unit's input gradient waits for its reduced parameter gradients, so the next unit's
+        # backward cannot start while this unit's full-size gradients are alive (GSPMD's gradient
+        # all-reduces are otherwise combined into one at the end of the backward pass).
+        params_done = sum((zero_from(g) for g in jax.tree.leaves(d_args[0])), jnp.zeros((), jnp.float32))
+        return (d_args[0], *tie_tree(tuple(d_args[1:]), params_done)), d_consts
+
+    call.defvjp(fwd, bwd)
+    return call(tuple(args), consts)
+
+
 # ---- NNX: a unit is the same module object with a subclass whose __call__ gathers first ------------
 
 
@@ -95,7 +160,8 @@ def nnx_modules(module: nnx.Module) -> list[tuple[Path, type, int]]:
             if isinstance(n, nnx.Module) and p]
 
 
-def nnx_around(units: list[Path], materialize: Materialize, reshard_after_forward: bool = True):
+def nnx_around(units: list[Path], materialize: Materialize, reshard_after_forward: bool = True,
+               wait_for_grads: bool = False):
     """`around(module)` for `FunctionalModel.apply`: makes the submodules at `units` FSDP units."""
 
     def around(module: nnx.Module):
@@ -106,14 +172,14 @@ def nnx_around(units: list[Path], materialize: Materialize, reshard_after_forwar
                 n.set_value(materialize(_key(p), n.get_value()))
         for u in units:
             sub = by_path[u]
-            sub.__class__ = _unit_class(type(sub), materialize, reshard_after_forward)
+            sub.__class__ = _unit_class(type(sub), materialize, reshard_after_forward, wait_for_grads)
             sub._fsdp_path = u
         return contextlib.nullcontext()
 
     return around
 
 
-def _unit_class(cls: type, materialize: Materialize, reshard: bool) -> type:
+def _unit_class(cls: type, materialize: Materialize, reshard: bool, wait_for_grads: bool) -> type:
     def __call__(self, *args, **kwargs):
         prefix = self._fsdp_path
         graphdef, params, rest = nnx.split(self, nnx.Param, ...)
@@ -125,11 +191,12 @@ def _unit_class(cls: type, materialize: Materialize, reshard: bool) -> type:
         dynamic = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
 
         rest_leaves, rest_def = jax.tree.flatten(rest)  # passed in, so the unit may update it inside
+        names = list(flat)
 
-        def run(owned_raw, dynamic_args, rest_leaves):
-            values = dict(flat)
-            for p, raw in zip(owned, owned_raw):
-                values[p] = materialize(_key(prefix + p), raw)
+        def run(values_raw, dynamic_args, rest_leaves, token):
+            values = dict(zip(names, values_raw))
+            for p in owned:
+                values[p] = materialize(_key(prefix + p), tie(values[p], token))
             unit = nnx.merge(graphdef, nnx.State(nnx.traversals.unflatten_mapping(values)),
                              jax.tree.unflatten(rest_def, rest_leaves))
             call_leaves = list(leaves)
@@ -139,9 +206,11 @@ def _unit_class(cls: type, materialize: Materialize, reshard: bool) -> type:
             out = cls.__call__(unit, *a, **k)
             return out, nnx.split(unit, nnx.Param, ...)[2]  # BatchStats and RNG counters it updated
 
+        args = ([flat[p] for p in names], [leaves[i] for i in dynamic], rest_leaves)
         if reshard:  # the gathered weights are not kept for the backward pass: gathered again there
-            run = jax.checkpoint(run, policy=_UNIT_POLICY)
-        out, updated = run([flat[p] for p in owned], [leaves[i] for i in dynamic], rest_leaves)
+            out, updated = rematerialized(run, *args, wait_for_grads=wait_for_grads)
+        else:
+            out, updated = run(*args, jnp.zeros((), jnp.float32))
         nnx.update(self, updated)
         return out
 

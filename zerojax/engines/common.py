@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from zerojax import wrap as wrap_lib
 from zerojax.layout import StateLayout
 from zerojax.precision import cast_tree
 from zerojax.state import TrainState
@@ -92,3 +93,22 @@ def apply_update(layout: StateLayout, tx: optax.GradientTransformation, state: T
     kept = {k: getattr(state, k) for k in new_state}
     new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, kept)
     return state.replace(**new_state, step=state.step + 1), {"grad_norm": grad_norm, "bad_step": (~finite).astype(jnp.int32)}
+
+
+def unit_around(layout: StateLayout, model, rule, materialize, inputs, model_state, wait_for_grads=False):
+    """(GatherReport, around) for a model whose submodules the wrap `rule` makes FSDP units:
+    `materialize(path, stored value)` turns a leaf into the whole compute-dtype weight;
+    `wait_for_grads`: a unit's input gradient waits for its reduced parameter gradients."""
+    from zerojax.engines import GatherReport
+    from zerojax.stages import LeafLayout
+
+    leaves = jax.tree.leaves(layout.leaves, is_leaf=lambda x: isinstance(x, LeafLayout))
+    dtype = layout.precision.compute_dtype
+    logical = jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape, dtype), layout.leaves,
+                           is_leaf=lambda x: isinstance(x, LeafLayout))
+    modules = model.modules(logical, model_state, inputs)
+    units = wrap_lib.choose_units(modules, rule)
+    text = wrap_lib.describe(units, {p: c for p, c, _ in modules}, rule)
+    report = GatherReport("whole" if text.startswith("whole") else "units", text)
+    paths = [tuple(l.path.split("/")) for l in leaves]
+    return report, model.unit_around(units, materialize, paths, rule.reshard_after_forward, wait_for_grads)

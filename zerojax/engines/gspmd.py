@@ -4,11 +4,15 @@ constraints on the gradients let XLA's SPMD partitioner insert every collective.
 from __future__ import annotations
 
 import jax
+from jax.sharding import NamedSharding
 
+from zerojax.stages import LeafLayout
 from zerojax.engines import BuiltStep, EngineOptions, GatherReport
-from zerojax.engines.common import apply_update, compute_params, constrain, global_loss, keep_model_state, step_key
+from zerojax import wrap as wrap_lib
+from zerojax.engines.common import (apply_update, compute_params, constrain, global_loss, keep_model_state,
+                                     step_key, unit_around)
 
-SUPPORTS = ("layer_stacks",)
+SUPPORTS = ("layer_stacks", "wrap")
 
 
 def _replicated(layout, tree):
@@ -40,9 +44,30 @@ def _report(layout, model) -> GatherReport:
     return GatherReport("whole", "whole model gathered at once (no layer hook)")
 
 
+def _units(layout, model, options, inputs, model_state):
+    """Stage 3, a model without a layer hook: (report, around) making the wrap rule's submodules FSDP
+    units, each asking for its whole weights inside its own rematerialised call (see `zerojax.wrap`),
+    or None where no unit matches (the whole model is then gathered at once)."""
+    rule = wrap_lib.as_rule(options.wrap)
+    if not layout.compute_sharded or model.accepts_layer_hook or rule is None or model.unit_around is None:
+        return None
+    sharded = {l.path: NamedSharding(layout.mesh, l.spec(True))
+               for l in jax.tree.leaves(layout.leaves, is_leaf=lambda x: isinstance(x, LeafLayout))}
+
+    def materialize(path, x):
+        # Sharded first, then whole: the partitioner gathers this (tied) value, not the untied param
+        # it could otherwise propagate the whole sharding back to (and merge with the other pass's gather).
+        # The gradient's transpose is the same pair, so each unit's gradient is reduced inside its backward.
+        return jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(x, sharded[path]), layout.replicated)
+
+    report, around = unit_around(layout, model, rule, materialize, inputs, model_state, wait_for_grads=True)
+    return (report, around) if report.route == "units" else None
+
+
 def build(layout, model, static, loss_fn, tx, options: EngineOptions, inputs=None, model_state=None) -> BuiltStep:
-    del inputs, model_state  # the partitioner needs no abstract trace of the model
     layer_stacks = options.layer_stacks
+    units = _units(layout, model, options, inputs, model_state or {})
+    around = units[1] if units else None
 
     def step(state, batch):
         # One draw over the global batch: the masks depend on the global shape and the key, not on
@@ -50,9 +75,11 @@ def build(layout, model, static, loss_fn, tx, options: EngineOptions, inputs=Non
         key = step_key(state)
 
         def loss_of(params):
-            params, hook = _gather_where_used(layout, model, params, layer_stacks)
+            hook = None
+            if around is None:
+                params, hook = _gather_where_used(layout, model, params, layer_stacks)
             out, model_state = model.apply(params, state.model_state or {}, static, batch["inputs"], rng=key,
-                                           train=True, layer_hook=hook)
+                                           train=True, layer_hook=hook, around=around)
             return global_loss(loss_fn(out, batch)), model_state
 
         (loss, model_state), grads = jax.value_and_grad(loss_of, has_aux=True)(compute_params(layout, state))
@@ -63,4 +90,4 @@ def build(layout, model, static, loss_fn, tx, options: EngineOptions, inputs=Non
         new_state, metrics = apply_update(layout, tx, state, grads, loss)
         return keep_model_state(new_state, model_state, metrics["bad_step"]), {"loss": loss, **metrics}
 
-    return BuiltStep(step, _report(layout, model))
+    return BuiltStep(step, units[0] if units else _report(layout, model))

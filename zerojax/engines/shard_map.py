@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax import wrap as wrap_lib
 from zerojax.engines import BuiltStep, EngineOptions, GatherReport
-from zerojax.engines.common import apply_update, compute_params, keep_model_state, loss_parts, step_key
+from zerojax.engines.common import apply_update, compute_params, keep_model_state, loss_parts, step_key, unit_around
 from zerojax.layout import StateLayout
 from zerojax.mesh import BATCH_AXES, data_parallel_size
 from zerojax.stages import FSDP_AXIS, LeafLayout, fit_to
@@ -213,16 +213,9 @@ def _layer_route(layout, model, static, stack: str, materialize, prefetch: bool)
 
 def _unit_route(layout, model, static, rule, materialize, inputs, model_state):
     """Submodules chosen by the wrap rule gather their own params (see `zerojax.wrap`)."""
-    leaves, dtype = layout.leaves, layout.precision.compute_dtype
-    by_path = {l.path: l for l in jax.tree.leaves(leaves, is_leaf=_is_layout)}
-    logical = jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape, dtype), leaves, is_leaf=_is_layout)
-    modules = model.modules(logical, model_state, inputs)
-    units = wrap_lib.choose_units(modules, rule)
-    text = wrap_lib.describe(units, {p: c for p, c, _ in modules}, rule)
-    report = GatherReport("whole" if text.startswith("whole") else "units", text)
-    paths = [tuple(p.split("/")) for p in by_path]
-    around = model.unit_around(units, lambda path, x: materialize(by_path[path], x), paths,
-                               rule.reshard_after_forward)
+    by_path = {l.path: l for l in jax.tree.leaves(layout.leaves, is_leaf=_is_layout)}
+    report, around = unit_around(layout, model, rule, lambda path, x: materialize(by_path[path], x), inputs,
+                                 model_state)
     return report, lambda raw, ms, x, key: model.apply(raw, ms, static, x, rng=key, around=around, sync=BATCH_AXES)
 
 
