@@ -111,7 +111,8 @@ def _nnx_functions(make: Callable[[Any], nnx.Module], concrete: nnx.Module | Non
 
     def apply(params, model_state, static, inputs, *, rng=None, train=True, layer_hook=None, around=None,
               layer_loop=None, sync=None):
-        rng_state = static if rng is None else _reseed(static, rng)
+        # Without a key: the stored streams, copied, so units may update them in any trace.
+        rng_state = jax.tree.map(lambda x: x, static) if rng is None else _reseed(static, rng)
         module = nnx.merge(graphdef, nnx.State(params), rng_state, _merge_state(model_state))
         module.train() if train else module.eval()
         kwargs = {}

@@ -136,6 +136,8 @@ class Trainer:
         model = self.model
 
         def eval_loss(state, batch, loss_fn):  # eval mode: no dropout, BatchNorm uses its running statistics
+            if built.evaluate is not None:  # gathered as the train step's forward gathers
+                return built.evaluate(state, batch, loss_fn)
             params = compute_params(layout, state)
             out, _ = model.apply(params, state.model_state or {}, static, batch["inputs"], train=False)
             return global_loss(loss_fn(out, batch))

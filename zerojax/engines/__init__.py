@@ -58,6 +58,9 @@ class GatherReport:
 class BuiltStep(NamedTuple):
     step: Callable  # (state, batch) -> (state, metrics)
     report: GatherReport
+    # (state, batch, loss_fn) -> loss in eval mode, gathering as the step's forward does; None: the
+    # trainer's plain eval (the model applied to the compute params, partitioned by XLA)
+    evaluate: Callable | None = None
 
 
 @dataclass(frozen=True)

@@ -69,17 +69,23 @@ def build(layout, model, static, loss_fn, tx, options: EngineOptions, inputs=Non
     units = _units(layout, model, options, inputs, model_state or {})
     around = units[1] if units else None
 
+    def run(params, model_state, batch, key, train):
+        hook = None
+        if around is None:
+            params, hook = _gather_where_used(layout, model, params, layer_stacks)
+        return model.apply(params, model_state or {}, static, batch["inputs"], rng=key, train=train,
+                           layer_hook=hook, around=around)
+
+    def evaluate(state, batch, loss_fn):  # eval mode, gathered as the step's forward gathers
+        return global_loss(loss_fn(run(compute_params(layout, state), state.model_state, batch, None, False)[0], batch))
+
     def step(state, batch):
         # One draw over the global batch: the masks depend on the global shape and the key, not on
         # the stage or (with jax_threefry_partitionable, the default) on the device count.
         key = step_key(state)
 
         def loss_of(params):
-            hook = None
-            if around is None:
-                params, hook = _gather_where_used(layout, model, params, layer_stacks)
-            out, model_state = model.apply(params, state.model_state or {}, static, batch["inputs"], rng=key,
-                                           train=True, layer_hook=hook, around=around)
+            out, model_state = run(params, state.model_state, batch, key, train=True)
             return global_loss(loss_fn(out, batch)), model_state
 
         (loss, model_state), grads = jax.value_and_grad(loss_of, has_aux=True)(compute_params(layout, state))
@@ -90,4 +96,4 @@ def build(layout, model, static, loss_fn, tx, options: EngineOptions, inputs=Non
         new_state, metrics = apply_update(layout, tx, state, grads, loss)
         return keep_model_state(new_state, model_state, metrics["bad_step"]), {"loss": loss, **metrics}
 
-    return BuiltStep(step, units[0] if units else _report(layout, model))
+    return BuiltStep(step, units[0] if units else _report(layout, model), evaluate)

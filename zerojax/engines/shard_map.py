@@ -167,7 +167,7 @@ class _PrefetchLoop:
 
 # ---- routes: how the model runs from stored values, each leaf materialised where the route says ----
 
-# (stored values, model state, inputs, key) -> (model outputs, new model state); runs per device, with
+# (stored values, model state, inputs, key, train=True) -> (model outputs, new model state); per device, with
 # BatchNorm statistics averaged over the batch axes (global-batch statistics, as under GSPMD)
 RunModel = Callable[[Any, Any, jax.Array, Any], Any]
 
@@ -184,13 +184,15 @@ def _route(layout: StateLayout, model, static, options: EngineOptions, materiali
     rule = wrap_lib.as_rule(options.wrap)  # checked even where unused
     if stage < 2:
         report = GatherReport("replicated", f"stage {stage}: compute params are replicated")
-        return report, lambda raw, ms, x, key: model.apply(raw, ms, static, x, rng=key, sync=BATCH_AXES)
+        return report, lambda raw, ms, x, key, train=True: model.apply(raw, ms, static, x, rng=key, train=train,
+                                                                     sync=BATCH_AXES)
     if model.accepts_layer_hook and len(stacks) == 1:
         return _layer_route(layout, model, static, stacks[0], materialize, options.prefetch and stage == 3)
     if rule is None:
         report = GatherReport("whole", wrap_lib.describe([], {}, None))
-        return report, lambda raw, ms, x, key: model.apply(_gather_all(materialize, leaves, raw), ms, static, x,
-                                                           rng=key, sync=BATCH_AXES)
+        return report, lambda raw, ms, x, key, train=True: model.apply(_gather_all(materialize, leaves, raw), ms,
+                                                                       static, x, rng=key, train=train,
+                                                                       sync=BATCH_AXES)
     return _unit_route(layout, model, static, rule, materialize, inputs, model_state)
 
 
@@ -203,10 +205,10 @@ def _layer_route(layout, model, static, stack: str, materialize, prefetch: bool)
     hook = _LayerHook(jax.tree.map(_layer_layout, leaves[stack], is_leaf=_is_layout), materialize)
     loop = _PrefetchLoop(hook) if prefetch else None
 
-    def run(raw, model_state, inputs, key):
+    def run(raw, model_state, inputs, key, train=True):
         params = {k: v if k == stack else _gather_all(materialize, leaves[k], v) for k, v in raw.items()}
-        return model.apply(params, model_state, static, inputs, rng=key, layer_hook=hook, layer_loop=loop,
-                           sync=BATCH_AXES)
+        return model.apply(params, model_state, static, inputs, rng=key, train=train, layer_hook=hook,
+                           layer_loop=loop if train else None, sync=BATCH_AXES)
 
     return report, run
 
@@ -216,7 +218,8 @@ def _unit_route(layout, model, static, rule, materialize, inputs, model_state):
     by_path = {l.path: l for l in jax.tree.leaves(layout.leaves, is_leaf=_is_layout)}
     report, around = unit_around(layout, model, rule, lambda path, x: materialize(by_path[path], x), inputs,
                                  model_state)
-    return report, lambda raw, ms, x, key: model.apply(raw, ms, static, x, rng=key, around=around, sync=BATCH_AXES)
+    return report, lambda raw, ms, x, key, train=True: model.apply(raw, ms, static, x, rng=key, train=train,
+                                                                 around=around, sync=BATCH_AXES)
 
 
 # ---- the step ------------------------------------------------------------------------------------
@@ -263,6 +266,25 @@ def _grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: "_Reduc
                          out_specs=(P(), _specs(layout, stage > 0), P()), check_vma=False)
 
 
+def _eval_fn(layout: StateLayout, run_model: RunModel):
+    """Stage 3: `(state, batch, loss_fn) -> loss` in eval mode, each device gathering the params as
+    the step's forward does (one gather of each leaf) and running its share of the batch."""
+    dp = data_parallel_size(layout.mesh)
+
+    def evaluate(state, batch, loss_fn):
+        def local(params, model_state, batch):
+            out, _ = run_model(params, model_state, batch["inputs"], None, train=False)
+            total, weight = loss_parts(loss_fn(out, batch))
+            if weight is None:
+                return jax.lax.psum(total / dp, BATCH_AXES)
+            return jax.lax.psum(total, BATCH_AXES) / jax.lax.psum(weight, BATCH_AXES)
+
+        return jax.shard_map(local, mesh=layout.mesh, in_specs=(_specs(layout, True), P(), P(BATCH_AXES)),
+                             out_specs=P(), check_vma=False)(state.params, state.model_state or {}, batch)
+
+    return evaluate
+
+
 def build(layout: StateLayout, model, static, loss_fn, tx, options: EngineOptions, inputs,
           model_state=None) -> BuiltStep:
     """`step(state, batch) -> (state, metrics)` and how it gathers params (`inputs`: the abstract
@@ -295,4 +317,4 @@ def build(layout: StateLayout, model, static, loss_fn, tx, options: EngineOption
             new_state = new_state.replace(compute=gather_compute(new_state.params))  # params already kept if bad
         return new_state, {"loss": loss, **metrics}
 
-    return BuiltStep(step, report)
+    return BuiltStep(step, report, _eval_fn(layout, run_model) if stage == 3 else None)

@@ -1,0 +1,65 @@
+"""Temp memory of the stage-3 step against depth for a user NNX model (an `nnx.List` of blocks).
+
+    python experiments/unit_depth.py [--width 256] [--depths 4 8 16] [--precision fp32]
+
+Compiles only (no step runs): temp and peak bytes per device from `memory_analysis()`, 8 simulated
+CPU devices, AdamW and plain SGD (whose only sharded temporaries are the gradient shards). Writes
+experiments/results/unit_depth.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import zerojax as zj  # noqa: E402
+from tests.test_units import _batch, _deep  # noqa: E402
+
+MiB = 2**20
+
+
+def measure(width, depth, stage, engine, optimizer, precision):
+    tx = optax.adamw(1e-3) if optimizer == "adamw" else optax.sgd(1e-2)
+    trainer = zj.Trainer(_deep(width, depth), tx, mesh=zj.make_mesh(fsdp=8), stage=stage, engine=engine,
+                         precision=precision)
+    batch = _batch(width)
+    state = trainer.init(jax.random.key(0), batch)
+    m = trainer.lower(state, trainer.shard_batch(batch)).compile().memory_analysis()
+    peak = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    return m.temp_size_in_bytes, peak
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--depths", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument("--precision", default="fp32")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "unit_depth.md"))
+    args = ap.parse_args()
+    block = 4 * 2 * (args.width**2 + args.width) / MiB
+    lines = [f"NNX model, width {args.width}, blocks of 2 Linear ({block:.2f} MiB fp32 a block), "
+             f"{args.precision}, stage 3, 8 devices; temp MiB per device (peak MiB)", "",
+             "| engine | optimizer | " + " | ".join(f"L = {d}" for d in args.depths) + " | temp growth per block |",
+             "|---|---|" + "---|" * (len(args.depths) + 1)]
+    for engine in ("shard_map", "gspmd"):
+        for optimizer in ("adamw", "sgd"):
+            rows = [measure(args.width, d, 3, engine, optimizer, args.precision) for d in args.depths]
+            per_block = (rows[-1][0] - rows[0][0]) / (args.depths[-1] - args.depths[0]) / MiB
+            cells = " | ".join(f"{t / MiB:.3f} ({p / MiB:.3f})" for t, p in rows)
+            lines.append(f"| {engine} | {optimizer} | {cells} | {per_block:.3f} MiB = {per_block / block:.2f} blocks |")
+            print(lines[-1], flush=True)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
