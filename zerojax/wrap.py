@@ -2,9 +2,10 @@
 
 Like PyTorch FSDP's auto-wrap policy, a `WrapRule` picks submodules by class. A unit's parameters
 are gathered right before its call and (with `reshard_after_forward`, NNX only) dropped after it:
-the call runs under `jax.checkpoint` saving only its matmul outputs, so the backward pass gathers the
-weights again (and redoes the cheap elementwise work) and the gather's transpose reduce-scatters the
-gradient.
+the backward pass recomputes the unit, gathering the weights again, and the gather's transpose
+reduce-scatters the gradient. Each gather's operand depends on the unit's input (forward) or its
+incoming cotangent (backward), so no scheduler can hoist it and no CSE can merge the two (see
+`rematerialized` and docs/engines.md).
 Parameters outside every unit belong to the root and are gathered once, before the model runs.
 
 The default rule, `WrapRule()`, needs no configuration: every module class that is used more than
@@ -25,10 +26,6 @@ from flax import nnx
 
 Path = tuple[str, ...]
 Materialize = Callable[[str, Any], Any]  # ("a/b/kernel", stored value) -> compute-dtype array
-# A unit's remat policy: matmul outputs are saved, anything else (the gathered weights above all) is
-# recomputed. (Saving "all but the named weights" does not work: the gather's own output, before the
-# name, would be saved.)
-_UNIT_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
 
 @dataclass(frozen=True)
@@ -120,8 +117,8 @@ def tie_tree(tree, token):
 
 
 def rematerialized(run, params, *args, wait_for_grads: bool = False):
-    """`run(params, *args, token)`, its gathers tied to `args` (the unit's inputs) in the forward pass and, recomputed in the
-    backward pass, tied to the incoming cotangent. Nothing of the forward is kept but `args`."""
+    """`run(params, *args, token)` with its gathers tied to `args` (the unit's inputs) in the forward
+    pass and, recomputed in the backward pass, to the incoming cotangent. Only the inputs are kept."""
     args = (params, *args)
     fn, consts = jax.closure_convert(lambda *a: run(*a[:-1], a[-1]), *args, jnp.zeros((), jnp.float32))
 
