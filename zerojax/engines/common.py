@@ -84,12 +84,16 @@ def apply_update(layout: StateLayout, tx: optax.GradientTransformation, state: T
     master = optax.apply_updates(master, updates)
     params = constrain(layout.to_layout(master, layout.master_sharded), layout.shardings(layout.master_sharded))
     new_state = {"params": params, "opt_state": opt_state}
+    checked = dict(new_state)
     if layout.keeps_compute_copy:
-        # Cast the shard before it is gathered, so the all-gather moves compute-dtype bytes.
+        # Cast the shard before it is gathered, so the all-gather moves compute-dtype bytes; check
+        # the cast shards, not the gathered copy, so the check itself gathers nothing (an engine
+        # that gathers the copy its own way leaves this gather dead).
         compute = constrain(cast_tree(params, layout.precision.compute_dtype), layout.shardings(layout.master_sharded))
+        checked["compute"] = compute
         new_state["compute"] = constrain(layout.to_layout(compute, sharded=False), layout.shardings(False))
     grad_norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite(new_state)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite(checked)
     kept = {k: getattr(state, k) for k in new_state}
     new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, kept)
     return state.replace(**new_state, step=state.step + 1), {"grad_norm": grad_norm, "bad_step": (~finite).astype(jnp.int32)}
