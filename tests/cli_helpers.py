@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -52,3 +53,21 @@ def wait_for(predicate, proc, what: str, timeout: float = 300, poll: float = 0.0
             proc.kill()
             pytest.fail(f"timed out waiting for {what}")
         time.sleep(poll)
+
+
+def cli_env(cache_dir) -> dict:
+    """The environment of CLI subprocesses sharing one compilation cache (each compiles the same
+    step, so all but the first are cheap); each sets its own device count with --devices."""
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache_dir), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "PYTHONPATH": REPO, "COLUMNS": "200"}
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+def read_records(out) -> list[dict]:
+    """The complete lines of OUT/metrics.jsonl (a run killed mid-write may leave a partial last one)."""
+    path = os.path.join(out, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.cli_helpers import assert_one_line_error, dir_digest, wait_for
+from tests.cli_helpers import assert_one_line_error, cli_env, dir_digest, read_records, wait_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "tiny.yaml")
@@ -27,11 +27,7 @@ SETS = [f"train.steps={STEPS}", "checkpoint.every=2", "checkpoint.keep=3", "data
 
 
 def _records(out) -> list[dict]:
-    path = os.path.join(out, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.endswith("\n")]
+    return read_records(out)
 
 
 def _cmd(out, *sets, resume=True) -> list[str]:
@@ -44,11 +40,7 @@ def _cmd(out, *sets, resume=True) -> list[str]:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict:
-    cache = tmp_path_factory.mktemp("xla_cache")
-    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-           "PYTHONPATH": REPO, "COLUMNS": "200"}
-    env.pop("XLA_FLAGS", None)
-    return env
+    return cli_env(tmp_path_factory.mktemp("xla_cache"))
 
 
 def _run(cmd, env, **kw) -> subprocess.CompletedProcess:

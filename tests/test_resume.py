@@ -22,7 +22,7 @@ from zerojax.engines.common import cross_entropy
 from zerojax.errors import UserError
 from zerojax.experiment import build_experiment
 from zerojax.run import fit
-from tests.cli_helpers import dir_digest, wait_for
+from tests.cli_helpers import dir_digest, read_records, wait_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "tiny.yaml")
@@ -35,11 +35,7 @@ TMP_MARK = ".orbax-checkpoint-tmp"
 
 
 def _records(out) -> list[dict]:
-    path = os.path.join(out, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.endswith("\n")]
+    return read_records(out)
 
 
 def _train_cmd(out, *sets) -> list[str]:

@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import zerojax as zj
-from tests.cli_helpers import assert_one_line_error, run_cli
+from tests.cli_helpers import assert_one_line_error, cli_env, read_records, run_cli
 from tests.user_code import MLP, blobs
 from zerojax.sources import ArraySource, IterableSource, global_batch
 
@@ -28,11 +28,7 @@ TARGETS = ["--set", "model.target=tests.user_code:MLP", "--set", "data.target=te
 
 
 def _records(out) -> list[dict]:
-    path = os.path.join(out, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.endswith("\n")]
+    return read_records(out)
 
 
 def _trainer(stage=3):
@@ -104,11 +100,7 @@ def test_summary_and_metrics_have_the_gpt_fields(tmp_path):
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict:
-    cache = tmp_path_factory.mktemp("xla_cache")
-    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-           "PYTHONPATH": REPO, "COLUMNS": "200"}
-    env.pop("XLA_FLAGS", None)
-    return env
+    return cli_env(tmp_path_factory.mktemp("xla_cache"))
 
 
 def _cmd(out, *extra) -> list[str]:
