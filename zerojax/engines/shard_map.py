@@ -46,6 +46,19 @@ class Resident(NamedTuple):
     shard: jax.Array
 
 
+def gather_bits(x, axis: int):
+    """`all_gather(x, fsdp, tiled)` moving a sub-32-bit float's bits as unsigned integers.
+
+    A gather only copies bits, so this is exact on every backend; XLA:CPU runs floating-point
+    collectives below 32 bits in f32 (`float-normalization-bf16`), which doubled the bytes it moved
+    and left an f32 copy of every gathered leaf in temp memory (stage 1-2's post-update gather was
+    stage 2's peak on jax 0.12)."""
+    if not (jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4):
+        return jax.lax.all_gather(x, FSDP_AXIS, axis=axis, tiled=True)
+    bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+    return jax.lax.bitcast_convert_type(jax.lax.all_gather(bits, FSDP_AXIS, axis=axis, tiled=True), x.dtype)
+
+
 @dataclass(frozen=True)
 class _Reduce:
     replicas: tuple[str, ...]  # batch axes besides fsdp with size > 1: pure replicas (hybrid sharding)
@@ -67,7 +80,7 @@ class _Reduce:
     def cast_gather(self, shard, leaf: LeafLayout):
         x = shard.astype(self.compute_dtype)  # cast first, so the gather moves compute-dtype bytes
         if leaf.axis is not None:
-            x = jax.lax.all_gather(x, FSDP_AXIS, axis=leaf.axis, tiled=True)
+            x = gather_bits(x, leaf.axis)
         return fit_to(x, leaf.shape)
 
     def gather(self, leaf: LeafLayout):
