@@ -1,5 +1,7 @@
-"""The headline: the largest GPT that trains 3 steps at ZeRO stage 0 and at stage 3 on this machine,
-with 8 simulated CPU devices.
+"""The headline: the largest model that trains 3 steps at ZeRO stage 0 and at stage 3 on this machine,
+with 8 simulated CPU devices: the shipped GPT (a scanned stack of blocks), or a user-written NNX
+model (`experiments.user_model:DeepClassifier`, an unscanned Python list of residual MLP blocks,
+gathered unit by unit at stage 3).
 
 All 8 simulated devices live in one process's memory, so whatever a stage replicates costs 8x:
 stage 0 keeps 12 bytes per parameter per device in fp32 + Adam (96 bytes per parameter in all),
@@ -11,7 +13,8 @@ memory crosses the budget, so the machine stays safe and a kill means "does not 
 grows in depth at a fixed width; the search calibrates bytes per layer on two small models, predicts
 the largest depth, then steps up until an attempt no longer fits (or down until one does).
 
-    python experiments/headline.py            # ~15 min; writes experiments/results/headline.{md,json,png}
+    python experiments/headline.py --model gpt --engine gspmd   # ~15 min -> results/headline-gpt-gspmd.{md,json,png}
+    python experiments/headline.py --model user --engine shard_map --budget-gib 6
 """
 
 from __future__ import annotations
@@ -51,10 +54,19 @@ def _rss(pid: int) -> int:
 
 
 def command(stage: int, layers: int, a) -> list[str]:
-    sets = {"zero.stage": stage, "zero.engine": a.engine, "precision": "fp32", "model.d_model": a.width,
-            "model.n_heads": a.width // 64, "model.d_ff": a.d_ff, "model.n_layers": layers, "model.seq_len": a.seq,
-            "train.batch_size": a.batch, "train.steps": 3, "data.eval_fraction": 0, "optimizer.warmup_steps": 0}
-    cmd = ["zerojax", "train", "configs/tiny.yaml", "--devices", "8", "--out", "OUT"]
+    if a.model == "gpt":
+        config = "configs/tiny.yaml"
+        sets = {"model.d_model": a.width, "model.n_heads": a.width // 64, "model.d_ff": a.d_ff,
+                "model.n_layers": layers, "model.seq_len": a.seq}
+    else:
+        config = "configs/user-mlp.yaml"
+        sets = {"model.target": "experiments.user_model:DeepClassifier", "model.kwargs.width": a.width,
+                "model.kwargs.hidden": a.d_ff, "model.kwargs.depth": layers, "train.eval_every": 0}
+    sets.update({"zero.stage": stage, "zero.engine": a.engine, "precision": "fp32", "train.batch_size": a.batch,
+                 "train.steps": 3, "optimizer.warmup_steps": 0, "checkpoint.every": 0})
+    if a.model == "gpt":
+        sets["data.eval_fraction"] = 0
+    cmd = ["zerojax", "train", config, "--devices", "8", "--out", "OUT"]
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]
     return cmd
@@ -62,6 +74,10 @@ def command(stage: int, layers: int, a) -> list[str]:
 
 def params(layers: int, a) -> int:
     d, f = a.width, a.d_ff
+    if a.model == "user":
+        from user_model import DeepClassifier  # experiments/ is on the path when run as a script
+
+        return DeepClassifier.num_params(width=d, hidden=f, depth=layers)
     return 2 * 256 * d + d + layers * (2 * d + 4 * d * d + 3 * d * f)
 
 
@@ -137,22 +153,23 @@ def write(rows: list[dict], a, budget: int, started: str) -> None:
     best = {s: max((r for r in rows if r["stage"] == s and r["trained"]), key=lambda r: r["params"], default=None)
             for s in (0, 3)}
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "headline.json"), "w") as f:
+    with open(os.path.join(RESULTS, f"{_name(a)}.json"), "w") as f:
         json.dump({"budget_bytes": budget, "started": started, "args": vars(a), "attempts": rows,
                    "largest": best}, f, indent=2)
     lines = [
-        "# Headline: the largest GPT that trains on this machine, stage 0 vs stage 3",
+        f"# Headline: the largest {_TITLE[a.model]} that trains on this machine, stage 0 vs stage 3",
         "",
         f"Run {started} on {platform.node()} ({os.cpu_count()} CPUs, "
         f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GIB:.1f} GiB RAM), 8 simulated CPU devices in "
         f"one process, fp32 params + Adam (12 bytes per parameter kept), engine `{a.engine}`, width "
-        f"{a.width} (d_ff {a.d_ff}), depth searched, global batch {a.batch} x {a.seq} tokens, 3 steps each. "
+        f"{a.width} ({'d_ff' if a.model == 'gpt' else 'block hidden'} {a.d_ff}), depth searched, global batch "
+        f"{a.batch} x {a.seq if a.model == 'gpt' else 32} {'tokens' if a.model == 'gpt' else 'features'}, 3 steps each. "
         f"Memory budget {budget / GIB:.1f} GiB of peak resident memory (the smaller of --budget-gib and what was "
         "free at the start less 3 GiB, since other work shares the machine): an attempt whose resident memory "
         f"crosses it is killed and counts as not fitting. The whole search took "
         f"{sum(r['wall_s'] for r in rows) / 60:.1f} min.",
         "",
-        "Made by `python experiments/headline.py`.",
+        f"Made by `python experiments/headline.py --model {a.model} --engine {a.engine}`.",
         "",
         "| stage | largest depth that trains | parameters | peak RSS | state per device | median step |",
         "|---|---|---|---|---|---|",
@@ -179,13 +196,20 @@ def write(rows: list[dict], a, budget: int, started: str) -> None:
     for s, r in best.items():
         if r:
             lines += ["```", r["command"], "```"]
-    lines += ["", "![peak RSS against parameters](headline.png)", ""]
-    with open(os.path.join(RESULTS, "headline.md"), "w") as f:
+    lines += ["", f"![peak RSS against parameters]({_name(a)}.png)", ""]
+    with open(os.path.join(RESULTS, f"{_name(a)}.md"), "w") as f:
         f.write("\n".join(lines))
-    _plot(rows, budget)
+    _plot(rows, budget, a)
 
 
-def _plot(rows: list[dict], budget: int) -> None:
+_TITLE = {"gpt": "GPT", "user": "user-written NNX model (unscanned list of blocks)"}
+
+
+def _name(a) -> str:
+    return f"headline-{a.model}-{a.engine}"
+
+
+def _plot(rows: list[dict], budget: int, a) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -203,25 +227,26 @@ def _plot(rows: list[dict], budget: int) -> None:
     ax.set_xlabel("parameters (millions)")
     ax.set_xlim(left=0)
     ax.set_ylabel("peak resident memory of the process (GiB)")
-    ax.set_title("8 simulated devices in one process: the largest GPT each stage trains")
+    ax.set_title(f"8 simulated devices, engine {a.engine}: the largest {a.model} model each stage trains")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(RESULTS, "headline.png"), dpi=120)
+    fig.savefig(os.path.join(RESULTS, f"{_name(a)}.png"), dpi=120)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--budget-gib", type=float, default=18.0, help="peak resident memory allowed (default 18)")
+    p.add_argument("--model", choices=("gpt", "user"), default="gpt")
     p.add_argument("--engine", default="gspmd")
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--d-ff", type=int, default=2816)
     p.add_argument("--seq", type=int, default=16)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--stages", default="0,3")
-    p.add_argument("--from-json", action="store_true", help="only re-render results/headline.md from its JSON")
+    p.add_argument("--from-json", action="store_true", help="only re-render the results' .md from their JSON")
     a = p.parse_args()
     if a.from_json:
-        with open(os.path.join(RESULTS, "headline.json")) as f:
+        with open(os.path.join(RESULTS, f"{_name(a)}.json")) as f:
             saved = json.load(f)
         write(saved["attempts"], argparse.Namespace(**saved["args"]), saved["budget_bytes"], saved["started"])
         return 0

@@ -29,6 +29,39 @@ class Classifier(nnx.Module):
         return self.out(jax.nn.gelu(self.l2(jax.nn.gelu(self.l1(x_BxF)))))
 
 
+
+class Block(nnx.Module):
+    """A pre-norm residual MLP block: x + fc2(gelu(fc1(norm(x))))."""
+
+    def __init__(self, width: int, hidden: int, *, rngs: nnx.Rngs):
+        self.norm = nnx.LayerNorm(width, rngs=rngs)
+        self.fc1 = nnx.Linear(width, hidden, rngs=rngs)
+        self.fc2 = nnx.Linear(hidden, width, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.fc2(jax.nn.gelu(self.fc1(self.norm(x))))
+
+
+class DeepClassifier(nnx.Module):
+    """features -> width, `depth` Blocks in a plain Python list (unscanned), -> classes."""
+
+    def __init__(self, features: int = 32, width: int = 256, hidden: int = 1024, depth: int = 4,
+                 classes: int = 8, *, rngs: nnx.Rngs):
+        self.inp = nnx.Linear(features, width, rngs=rngs)
+        self.blocks = nnx.List([Block(width, hidden, rngs=rngs) for _ in range(depth)])
+        self.out = nnx.Linear(width, classes, rngs=rngs)
+
+    def __call__(self, x_BxF):
+        x = self.inp(x_BxF)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+    @staticmethod
+    def num_params(features: int = 32, width: int = 256, hidden: int = 1024, depth: int = 4, classes: int = 8) -> int:
+        block = 2 * width + width * hidden + hidden + hidden * width + width
+        return features * width + width + depth * block + width * classes + classes
+
 def blobs(seed: int, batch_size: int, rows: int = 4096, features: int = 32, classes: int = 8,
           split: str = "train") -> ArraySource:
     """Noisy Gaussian blobs, one per class. The data set is fixed by `split`; `seed` shuffles it.
