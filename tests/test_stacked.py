@@ -230,7 +230,20 @@ def test_dropout_in_blocks_trains_alike_at_every_stage(engine):
     np.testing.assert_allclose(losses, reference, rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("engine", ["shard_map", pytest.param("gspmd", marks=pytest.mark.slow)])
+def test_batch_norm_statistics_are_per_layer():
+    fm = functional(lambda rngs: Nested(rngs, norm=True))
+    params, model_state, static = fm.init(jax.random.key(0), None)
+    assert model_state["batch_stats"]["trunk"]["first"]["layers"]["norm"]["mean"].shape == (3, 32)
+    _, updated = jax.jit(lambda p, m, x: fm.apply(p, m, static, x, train=True))(params, model_state,
+                                                                                 _batch(32)["inputs"])
+    mean = updated["batch_stats"]["trunk"]["first"]["layers"]["norm"]["mean"]
+    assert not np.allclose(mean, 0) and not np.allclose(mean[0], mean[1])  # each layer its own statistics
+    _, kept = jax.jit(lambda p, m, x: fm.apply(p, m, static, x, train=False))(params, updated, _batch(32)["inputs"])
+    np.testing.assert_array_equal(kept["batch_stats"]["trunk"]["first"]["layers"]["norm"]["mean"], mean)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["shard_map", "gspmd"])
 def test_batch_norm_in_blocks_updates_each_layer(engine):
     model = lambda rngs: Nested(rngs, norm=True)  # noqa: E731
     reference, ref_state = _losses(_trainer(model, 0, "gspmd"), 32, steps=2, rows=16)
