@@ -262,6 +262,9 @@ def test_bad_arguments_are_user_errors():
         zj.Stacked(Block, 0, 8, rngs=nnx.Rngs(0))
     with pytest.raises(UserError, match="remat"):
         zj.Stacked(Block, 2, 8, rngs=nnx.Rngs(0), remat="some")
+    widen = zj.Stacked(lambda rngs: nnx.Linear(8, 16, rngs=rngs), 2, rngs=nnx.Rngs(0))
+    with pytest.raises(UserError, match="same structure, shape and dtype"):
+        widen(jnp.ones((4, 8)))
 
 
 # ---- compiled: temp memory flat in depth, textbook traffic ------------------------------------------

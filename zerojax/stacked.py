@@ -86,12 +86,23 @@ class Stacked(nnx.Module):
                 p = hook(p)
             block = nnx.merge(graphdef, p, r)
             y = block(x, *args, **kwargs)
+            _check_same(x, y)
             return y, nnx.state(block, nnx.Not(nnx.Param))  # RNG counters, BatchNorm statistics
 
         x, rest = jax.lax.scan(_remat(body, self.remat), x, (params, rest))
         if jax.tree.leaves(rest):
             nnx.update(layers, rest)
         return x
+
+
+def _check_same(x, y) -> None:
+    """A scanned block must return what it takes: same structure, shapes and dtypes."""
+    def spec(tree):
+        return jax.tree.structure(tree), [(jax.numpy.shape(a), jax.numpy.result_type(a)) for a in jax.tree.leaves(tree)]
+
+    if spec(x) != spec(y):
+        raise UserError(f"each block of a Stacked must map x to a value of the same structure, shape and dtype "
+                        f"(it is scanned): got {spec(x)[1]} in and {spec(y)[1]} out.")
 
 
 def _remat(body: Callable, policy: str) -> Callable:
