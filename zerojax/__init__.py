@@ -23,6 +23,7 @@ _EXPORTS = {
     "FitOptions": "zerojax.run",
     "ArraySource": "zerojax.sources",
     "IterableSource": "zerojax.sources",
+    "Stacked": "zerojax.stacked",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
+from zerojax import stacked as stacked_lib
 from zerojax import wrap
 
 
@@ -32,7 +33,7 @@ class FunctionalModel:
     # (params, model_state, static, inputs, *, rng, train, layer_hook, around, layer_loop)
     #   -> (outputs, new model_state)
     apply: Callable
-    accepts_layer_hook: bool  # the model gathers per layer when given a hook (see models/gpt.py)
+    accepts_layer_hook: bool  # the model gathers per layer when given a hook (models/gpt.py, zerojax.stacked)
     module_type: type | None = None  # the model's class
     accepts_layer_loop: bool = False  # the model hands its layer loop to a `layer_loop` (prefetch)
     # (logical params, static, abstract inputs) -> [(path, class, parameter leaves)] of its submodules
@@ -41,6 +42,8 @@ class FunctionalModel:
     unit_around: Callable[..., Callable] | None = None
     # (module, axis names) -> context in which the model's BatchNorms average over those mesh axes
     sync_batch_stats: Callable[..., Any] | None = None
+    # param paths of the model's `zj.Stacked` layer stacks (leaves keep axis 0 whole; one hook each)
+    stacks: tuple[tuple, ...] = ()
 
 
 def _takes(fn, name: str) -> bool:
@@ -88,8 +91,9 @@ def _reseed(rng_state: nnx.State, key) -> nnx.State:
     out, i = {}, 0
     for path in sorted(flat, key=lambda p: tuple(str(k) for k in p)):
         var = flat[path]
-        if isinstance(var, nnx.RngKey):
-            out[path] = jax.random.fold_in(key, i)
+        if isinstance(var, nnx.RngKey):  # a stack of keys (`zj.Stacked`) gets as many keys
+            shape = var.get_value().shape
+            out[path] = jax.random.fold_in(key, i) if not shape else jax.random.split(jax.random.fold_in(key, i), shape)
             i += 1
         else:
             out[path] = jnp.zeros_like(var.get_value())
@@ -108,6 +112,7 @@ def _nnx_functions(make: Callable[[Any], nnx.Module], concrete: nnx.Module | Non
 
     hooked = _takes(type(abstract).__call__, "layer_hook")
     looped = hooked and _takes(type(abstract).__call__, "layer_loop")
+    stacks = () if hooked else stacked_lib.stack_paths(abstract)
 
     def apply(params, model_state, static, inputs, *, rng=None, train=True, layer_hook=None, around=None,
               layer_loop=None, sync=None):
@@ -117,12 +122,17 @@ def _nnx_functions(make: Callable[[Any], nnx.Module], concrete: nnx.Module | Non
         module.train() if train else module.eval()
         kwargs = {}
         if layer_hook is not None and hooked:
-            kwargs["layer_hook"] = layer_hook
+            kwargs["layer_hook"] = _single(layer_hook)
         if layer_loop is not None and looped:
-            kwargs["layer_loop"] = layer_loop
+            kwargs["layer_loop"] = _single(layer_loop)
         if sync:
             sync_batch_stats(module, sync)
-        with around(module) if around else contextlib.nullcontext():
+        contexts = contextlib.ExitStack()
+        if stacks and (layer_hook or layer_loop):
+            contexts.enter_context(stacked_lib.hooks_installed(module, layer_hook, layer_loop))
+        if around:
+            contexts.enter_context(around(module))
+        with contexts:
             out = module(inputs, **kwargs)
         return out, _nnx_split(module)[3] if model_state else model_state
 
@@ -135,9 +145,18 @@ def _nnx_functions(make: Callable[[Any], nnx.Module], concrete: nnx.Module | Non
             if isinstance(node, nnx.BatchNorm) and node.axis_name is None:
                 node.axis_name = axes
 
-    return FunctionalModel(init, apply, hooked, type(abstract), looped,
+    return FunctionalModel(init, apply, hooked or bool(stacks), type(abstract), looped or bool(stacks),
                            modules=lambda params, static, inputs: wrap.nnx_modules(abstract),
-                           unit_around=unit_around, sync_batch_stats=sync_batch_stats)
+                           unit_around=unit_around, sync_batch_stats=sync_batch_stats, stacks=stacks)
+
+
+def _single(hooks):
+    """A model's own `layer_hook` argument: engines pass {stack path: hook}; the model has one stack."""
+    if not isinstance(hooks, dict):
+        return hooks
+    if len(hooks) != 1:
+        raise ValueError(f"a model taking layer_hook has one layer stack, got hooks for {sorted(hooks)}")
+    return next(iter(hooks.values()))
 
 
 # ---- Linen ----------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax.precision import Precision, cast_tree
 from zerojax.stages import FSDP_AXIS, LeafLayout, Stage, fit_to, leaf_layout, path_str
+from zerojax.stacked import under
 from zerojax.state import TrainState
 
 _is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
@@ -166,8 +167,10 @@ class StateLayout:
         return cast_tree(self.to_layout(params, sharded=False), self.precision.compute_dtype)
 
 def make_layout(mesh, stage: Stage, precision: Precision, param_shapes, *, layer_stacks=("blocks",),
-                replicate_below_bytes: int = 2048, pad_free_optimizer: bool = False) -> StateLayout:
-    """One `LeafLayout` per parameter; leaves under a `layer_stacks` name keep axis 0 whole.
+                replicate_below_bytes: int = 2048, pad_free_optimizer: bool = False,
+                stack_paths: tuple = ()) -> StateLayout:
+    """One `LeafLayout` per parameter; leaves under a `layer_stacks` name, or under one of the
+    `stack_paths` (param paths of `zj.Stacked` layer stacks), keep axis 0 whole.
 
     `pad_free_optimizer`: the optimizer group keeps padded leaves replicated in their logical shape
     (for an optimizer whose update is not elementwise, which the zero padding would change).
@@ -176,7 +179,8 @@ def make_layout(mesh, stage: Stage, precision: Precision, param_shapes, *, layer
 
     def rule(path, leaf):
         name = path_str(path)
-        stacked = any(part in layer_stacks for part in name.split("/"))
+        keys = tuple(getattr(k, "key", k) for k in path)
+        stacked = any(part in layer_stacks for part in name.split("/")) or under(keys, stack_paths)
         itemsize = np.dtype(precision.master_dtype).itemsize
         return leaf_layout(name, leaf.shape, itemsize, fsdp, layer_axis=0 if stacked else None,
                            replicate_below_bytes=replicate_below_bytes)

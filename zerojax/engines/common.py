@@ -8,6 +8,7 @@ import optax
 
 from zerojax import wrap as wrap_lib
 from zerojax.layout import StateLayout
+from zerojax.stacked import under
 from zerojax.precision import cast_tree
 from zerojax.state import TrainState
 
@@ -116,3 +117,27 @@ def unit_around(layout: StateLayout, model, rule, materialize, inputs, model_sta
     report = GatherReport("whole" if text.startswith("whole") else "units", text)
     paths = [tuple(l.path.split("/")) for l in leaves]
     return report, model.unit_around(units, materialize, paths, rule.reshard_after_forward, wait_for_grads)
+
+
+def stack_paths(model, leaves, options) -> tuple[tuple, ...]:
+    """The param paths the "layers" route gathers one layer at a time: the model's `zj.Stacked`
+    stacks, or for a model taking `layer_hook` (the shipped GPT) its top-level `layer_stacks` entries."""
+    if model.stacks:
+        return tuple(model.stacks)
+    if model.accepts_layer_hook and isinstance(leaves, dict):
+        return tuple((k,) for k in options.layer_stacks if k in leaves)
+    return ()
+
+
+def outside_stacks(fn, stacks, layouts, values):
+    """`fn(leaf layout, value)` on every leaf outside the `stacks` paths; stacked leaves unchanged."""
+    from zerojax.stages import LeafLayout
+
+    def one(path, leaf, value):
+        return value if under(tuple(getattr(k, "key", k) for k in path), stacks) else fn(leaf, value)
+
+    return jax.tree_util.tree_map_with_path(one, layouts, values, is_leaf=lambda x: isinstance(x, LeafLayout))
+
+
+def describe_stacks(stacks) -> str:
+    return ", ".join("'" + "/".join(map(str, s)) + "'" for s in stacks)

@@ -9,8 +9,8 @@ from jax.sharding import NamedSharding
 from zerojax.stages import LeafLayout
 from zerojax.engines import BuiltStep, EngineOptions, GatherReport
 from zerojax import wrap as wrap_lib
-from zerojax.engines.common import (apply_update, compute_params, constrain, global_loss, keep_model_state,
-                                     step_key, unit_around)
+from zerojax.engines.common import (apply_update, compute_params, constrain, describe_stacks, global_loss,
+                                     keep_model_state, outside_stacks, stack_paths, step_key, unit_around)
 
 SUPPORTS = ("layer_stacks", "wrap")
 
@@ -19,28 +19,37 @@ def _replicated(layout, tree):
     return constrain(tree, jax.tree.map(lambda _: layout.replicated, tree))
 
 
-def _gather_where_used(layout, model, params, layer_stacks):
+def _gather_where_used(layout, model, params, options):
     """Stage 3: ask for whole weights at the point of use, so XLA all-gathers weights (FSDP).
 
     Left alone, the partitioner keeps the weights sharded and splits each matmul over them instead,
-    moving activations that grow with the batch. Stacked layers are gathered one layer at a time
-    inside the scan (through the model's layer hook); the rest, or a model without a hook, at once.
-    The gradient still comes back as an all-reduce and a slice on this backend (4 units of traffic
-    where FSDP needs 3), which is what the `shard_map` engine is for.
+    moving activations that grow with the batch. Stacked layers (`zj.Stacked`, or the GPT's blocks)
+    are gathered one layer at a time inside the scan (a layer hook per stack); the rest, or a model
+    without stacks, at once. The gradient still comes back as an all-reduce and a slice on this
+    backend (4 units of traffic where FSDP needs 3), which is what the `shard_map` engine is for.
     """
     if not layout.compute_sharded:
         return params, None
-    if not model.accepts_layer_hook:
+    stacks = stack_paths(model, params, options)
+    if not stacks:
         return _replicated(layout, params), None
-    outside = {k: v if k in layer_stacks else _replicated(layout, v) for k, v in params.items()}
-    return outside, lambda layer: _replicated(layout, layer)
+    outside = outside_stacks(lambda _, v: jax.lax.with_sharding_constraint(v, layout.replicated), stacks,
+                             layout.leaves, params)
+    if not model.stacks:  # the GPT's hook, as it always was
+        return outside, {s: (lambda layer: _replicated(layout, layer)) for s in stacks}
+    # `zj.Stacked`: a barrier between the layer's slice and its gather keeps XLA:CPU's layout
+    # assignment from re-laying out the whole stacked shard for the gather (a copy of 1/fsdp of the
+    # stack's weights for the whole step: temp then grew by 0.25 of a block per block, now 0.125,
+    # the gradient's shard). Values are unchanged; elsewhere it only orders the slice before the gather.
+    return outside, {s: (lambda layer: _replicated(layout, jax.lax.optimization_barrier(layer))) for s in stacks}
 
 
 def _report(layout, model) -> GatherReport:
     if not layout.compute_sharded:
         return GatherReport("replicated", f"stage {layout.stage.index}: compute params are replicated")
     if model.accepts_layer_hook:
-        return GatherReport("layers", "per layer, where used: stacked layers inside the scan, the rest at once")
+        return GatherReport("layers", "per layer, where used: stacked layers inside the scan, the rest at once"
+                            + (f" (stacks {describe_stacks(model.stacks)})" if model.stacks else ""))
     return GatherReport("whole", "whole model gathered at once (no layer hook)")
 
 
@@ -65,14 +74,13 @@ def _units(layout, model, options, inputs, model_state):
 
 
 def build(layout, model, static, loss_fn, tx, options: EngineOptions, inputs=None, model_state=None) -> BuiltStep:
-    layer_stacks = options.layer_stacks
     units = _units(layout, model, options, inputs, model_state or {})
     around = units[1] if units else None
 
     def run(params, model_state, batch, key, train):
         hook = None
         if around is None:
-            params, hook = _gather_where_used(layout, model, params, layer_stacks)
+            params, hook = _gather_where_used(layout, model, params, options)
         return model.apply(params, model_state or {}, static, batch["inputs"], rng=key, train=train,
                            layer_hook=hook, around=around)
 

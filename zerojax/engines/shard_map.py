@@ -11,7 +11,8 @@ The optimizer then updates the shards (`apply_update`, outside the shard_map: it
 the updated compute copy is all-gathered. Gradients cross devices in `precision.reduce_dtype`.
 
 How parameters are gathered at stages 2-3 (`GatherReport.route`):
-  "layers"  the model takes a `layer_hook` (the shipped GPT): one layer per scan iteration;
+  "layers"  the model holds `zj.Stacked` stacks or takes a `layer_hook` (the shipped GPT): one layer
+            per scan iteration;
   "units"   a wrap rule picks submodules that gather their own params (see `zerojax.wrap`);
   "whole"   no units: the whole model is gathered before it runs (correct, but no memory saving).
 """
@@ -28,9 +29,11 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax import wrap as wrap_lib
 from zerojax.engines import BuiltStep, EngineOptions, GatherReport
-from zerojax.engines.common import apply_update, compute_params, keep_model_state, loss_parts, step_key, unit_around
+from zerojax.engines.common import (apply_update, compute_params, describe_stacks, keep_model_state, loss_parts,
+                                     outside_stacks, stack_paths, step_key, unit_around)
 from zerojax.layout import StateLayout
 from zerojax.mesh import BATCH_AXES, data_parallel_size
+from zerojax.stacked import at
 from zerojax.stages import FSDP_AXIS, LeafLayout, fit_to
 
 SUPPORTS = ("layer_stacks", "prefetch", "wrap")
@@ -193,14 +196,14 @@ def _route(layout: StateLayout, model, static, options: EngineOptions, materiali
            inputs, model_state) -> tuple[GatherReport, RunModel]:
     """The report and the model runner of the route this stage, model and options take."""
     stage, leaves = layout.stage.index, layout.leaves
-    stacks = [k for k in options.layer_stacks if isinstance(leaves, dict) and k in leaves]
+    stacks = stack_paths(model, leaves, options)
     rule = wrap_lib.as_rule(options.wrap)  # checked even where unused
     if stage < 2:
         report = GatherReport("replicated", f"stage {stage}: compute params are replicated")
         return report, lambda raw, ms, x, key, train=True: model.apply(raw, ms, static, x, rng=key, train=train,
                                                                      sync=BATCH_AXES)
-    if model.accepts_layer_hook and len(stacks) == 1:
-        return _layer_route(layout, model, static, stacks[0], materialize, options.prefetch and stage == 3)
+    if stacks and (model.stacks or len(stacks) == 1):
+        return _layer_route(layout, model, static, stacks, materialize, options.prefetch and stage == 3)
     if rule is None:
         report = GatherReport("whole", wrap_lib.describe([], {}, None))
         return report, lambda raw, ms, x, key, train=True: model.apply(_gather_all(materialize, leaves, raw), ms,
@@ -209,19 +212,20 @@ def _route(layout: StateLayout, model, static, options: EngineOptions, materiali
     return _unit_route(layout, model, static, rule, materialize, inputs, model_state)
 
 
-def _layer_route(layout, model, static, stack: str, materialize, prefetch: bool):
-    """One layer of `stack` materialised per scan iteration (the model's layer hook); the rest at once."""
+def _layer_route(layout, model, static, stacks, materialize, prefetch: bool):
+    """One layer of each stack materialised per scan iteration (a layer hook per stack); the rest at once."""
     leaves = layout.leaves
     prefetch = prefetch and model.accepts_layer_loop
-    report = GatherReport("layers", f"per layer: '{stack}' gathered one layer per scan iteration"
+    report = GatherReport("layers", f"per layer: {describe_stacks(stacks)} gathered one layer per scan iteration"
                           + (", next layer prefetched" if prefetch else ""))
-    hook = _LayerHook(jax.tree.map(_layer_layout, leaves[stack], is_leaf=_is_layout), materialize)
-    loop = _PrefetchLoop(hook) if prefetch else None
+    hooks = {s: _LayerHook(jax.tree.map(_layer_layout, at(leaves, s), is_leaf=_is_layout), materialize)
+             for s in stacks}
+    loops = {s: _PrefetchLoop(hook) for s, hook in hooks.items()} if prefetch else None
 
     def run(raw, model_state, inputs, key, train=True):
-        params = {k: v if k == stack else _gather_all(materialize, leaves[k], v) for k, v in raw.items()}
-        return model.apply(params, model_state, static, inputs, rng=key, train=train, layer_hook=hook,
-                           layer_loop=loop if train else None, sync=BATCH_AXES)
+        params = outside_stacks(materialize, stacks, leaves, raw)
+        return model.apply(params, model_state, static, inputs, rng=key, train=train, layer_hook=hooks,
+                           layer_loop=loops if train else None, sync=BATCH_AXES)
 
     return report, run
 
