@@ -243,3 +243,14 @@ def test_cli_indivisible_batch_is_one_line_exit_2(tmp_path):
     result = run_cli("train", "configs/tiny.yaml", "--devices", "8", "--out", str(tmp_path),
                      "--set", "train.grad_accum=3")
     assert_one_line_error(result, "train.grad_accum=3", "train.batch_size=16")
+
+
+def test_planner_counts_stage_3_traffic_per_micro_batch():
+    from zerojax.accounting import analytic as A
+
+    for stage in (0, 1, 2):
+        assert A.traffic_bytes(1e9, 8, stage, 2, grad_accum=4) == A.traffic_bytes(1e9, 8, stage, 2)
+    once, four = A.traffic_bytes(1e9, 8, 3, 2), A.traffic_bytes(1e9, 8, 3, 2, grad_accum=4)
+    assert four["param_allgather"] == 4 * once["param_allgather"] and four["grad_reduce"] == 4 * once["grad_reduce"]
+    kept = A.traffic_bytes(1e9, 8, 3, 2, grad_accum=4, reshard_after_forward=False)
+    assert kept["param_allgather"] == once["param_allgather"] / 2 and kept["grad_reduce"] == once["grad_reduce"]
