@@ -254,3 +254,16 @@ def test_planner_counts_stage_3_traffic_per_micro_batch():
     assert four["param_allgather"] == 4 * once["param_allgather"] and four["grad_reduce"] == 4 * once["grad_reduce"]
     kept = A.traffic_bytes(1e9, 8, 3, 2, grad_accum=4, reshard_after_forward=False)
     assert kept["param_allgather"] == once["param_allgather"] / 2 and kept["grad_reduce"] == once["grad_reduce"]
+
+
+def test_resume_checks_grad_accum_and_accepts_checkpoints_from_before_it():
+    from zerojax.config import Config
+    from zerojax.run import check_resume_config
+
+    before = Config().to_dict()
+    del before["train"]["grad_accum"], before["zero"]["reshard_after_forward"]  # a checkpoint's config from before
+    check_resume_config(before, Config().to_dict(), "ckpt")  # the defaults: nothing changed
+    changed = Config().to_dict()
+    changed["train"]["grad_accum"] = 2  # other micro-batches, other dropout keys: another trajectory
+    with pytest.raises(UserError, match="train.grad_accum is 2 here but 1 in the checkpoint"):
+        check_resume_config(before, changed, "ckpt")
