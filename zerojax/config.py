@@ -56,6 +56,7 @@ class ZeroConfig(_Section):
     engine: str = "gspmd"
     reduce_dtype: Optional[str] = None
     prefetch: StrictBool = False  # shard_map stage 3: gather layer i+1 while layer i computes
+    reshard_after_forward: StrictBool = True  # stage 3, False: gather once per step, keep across micro-batches
 
 
 class MeshConfig(_Section):
@@ -76,6 +77,7 @@ class OptimizerConfig(_Section):
 class TrainConfig(_Section):
     steps: PositiveInt = 30
     batch_size: PositiveInt = 16  # global, split over mesh data x fsdp
+    grad_accum: PositiveInt = 1  # micro-batches per step, batch_size / grad_accum rows each
     seed: NonNegativeInt = 0  # an unsigned PRNG seed
     eval_every: NonNegativeInt = 0  # 0: evaluate only at the end
     eval_batches: PositiveInt = 2
@@ -217,6 +219,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
 def validate(c: Config) -> None:
     """The rules beyond each key's own type and bounds, each asked of the module that owns it."""
     from zerojax.engines import ENGINES
+    from zerojax.engines.accum import check_accum_batch
     from zerojax.mesh import check_batch, check_sizes
     from zerojax.optim import get_optimizer
     from zerojax.precision import get_precision
@@ -241,3 +244,6 @@ def validate(c: Config) -> None:
             import_target(text, key)  # importable and callable: fails here, before JAX starts
     if c.mesh.fsdp is not None:
         check_batch(c.train.batch_size, c.mesh.data * c.mesh.fsdp)
+        check_accum_batch(c.train.batch_size, c.mesh.data * c.mesh.fsdp, c.train.grad_accum)
+    elif c.train.batch_size % c.train.grad_accum:
+        check_accum_batch(c.train.batch_size, 1, c.train.grad_accum)

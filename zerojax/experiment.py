@@ -15,6 +15,7 @@ from typing import Any
 from zerojax.config import Config
 from zerojax.data import BatchStream, load_corpus, split_corpus
 from zerojax.engines import EngineOptions
+from zerojax.engines.accum import check_accum_batch
 from zerojax.mesh import check_batch, data_parallel_size, make_mesh
 from zerojax.models.gpt import GPT, GPTConfig, gpt_config
 from zerojax.optim import build_optimizer
@@ -70,6 +71,7 @@ def build_experiment(c: Config, devices=None) -> Experiment:
     model, gpt, meta = build_model(c)
     mesh = make_mesh(c.mesh.data, c.mesh.fsdp, devices=devices)
     check_batch(c.train.batch_size, data_parallel_size(mesh))
+    check_accum_batch(c.train.batch_size, data_parallel_size(mesh), c.train.grad_accum)
     train_data, eval_data = build_data(c, gpt)
     loss_fn = None
     if c.loss.target:
@@ -85,6 +87,7 @@ def build_experiment(c: Config, devices=None) -> Experiment:
         precision=c.precision,
         loss_fn=loss_fn,
         reduce_dtype=c.zero.reduce_dtype,
-        engine_options=EngineOptions(prefetch=c.zero.prefetch),
+        engine_options=EngineOptions(prefetch=c.zero.prefetch, reshard_after_forward=c.zero.reshard_after_forward),
+        grad_accum=c.train.grad_accum,
     )
     return Experiment(c, gpt, trainer, train_data, eval_data, meta)

@@ -143,7 +143,10 @@ def check_resume_config(saved: dict, current: dict, step_dir: str) -> None:
     """Stop a resume that changes the trajectory (naming each key and both values); warn about the
     safe changes it makes. A longer or shorter `train.steps` rebuilds the learning-rate schedule over
     the new total, so with warm-up and cosine decay the rate from the resumed step on follows it."""
-    old, new = _flat(saved), _flat(current)
+    from zerojax.config import Config
+
+    # A key the checkpoint's config predates (e.g. train.grad_accum) held its default there.
+    old, new = {**_flat(Config().to_dict()), **_flat(saved)}, _flat(current)
     changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
     fatal = [k for k in changed if not _safe(k)]
     if fatal:

@@ -1,6 +1,7 @@
 """`Trainer`: init straight into shards, compile, step.
 
-    trainer = zj.Trainer(model, optax.adamw(3e-4), mesh=mesh, stage=3, engine="gspmd", precision="bf16")
+    trainer = zj.Trainer(model, optax.adamw(3e-4), mesh=mesh, stage=3, engine="gspmd", precision="bf16",
+                         grad_accum=1)  # k > 1: k micro-batches of batch/k rows per step, one update
     state = trainer.init(jax.random.key(0), batch)
     state, metrics = trainer.step(state, batch)
 
@@ -22,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax.adapt import functional
 from zerojax.engines import EngineOptions, GatherReport, get_engine
+from zerojax.engines.accum import check_accum_batch, check_grad_accum
 from zerojax.engines.common import compute_params, cross_entropy, global_loss
 from zerojax.errors import UserError
 from zerojax.layout import StateLayout, make_layout
@@ -73,11 +75,15 @@ class Trainer:
         replicate_below_bytes: int = 2048,
         engine_options: EngineOptions | dict | None = None,
         rng_streams: tuple[str, ...] = ("dropout",),
+        grad_accum: int = 1,
     ):
         self._engine = get_engine(engine)
         self.engine = engine
         self.options = EngineOptions.of(engine_options)
         self._engine.check(self.options)
+        self.grad_accum = check_grad_accum(grad_accum)
+        if self.grad_accum > 1 and "grad_accum" not in self._engine.supports:
+            raise UserError(f"the {engine} engine does not support gradient accumulation (train.grad_accum).")
         self.model = functional(model, rng_streams)
         self.tx = optimizer
         self.mesh = mesh if mesh is not None else make_mesh()
@@ -99,6 +105,7 @@ class Trainer:
 
     def _check_batch(self, batch) -> None:
         check_batch(batch["inputs"].shape[0], data_parallel_size(self.mesh))
+        check_accum_batch(batch["inputs"].shape[0], data_parallel_size(self.mesh), self.grad_accum)
 
     def prepare(self, key, batch: dict) -> Prepared:
         """The preparation for this batch's input shape and `key`: built on first use, then reused.
@@ -129,8 +136,9 @@ class Trainer:
             model_state=jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=layout.replicated),
                                      model_state_shapes))
         static = self._static(key, inputs, static_shapes, layout)
+        accumulate = {"grad_accum": self.grad_accum} if self.grad_accum > 1 else {}
         built = self._engine.build(layout, self.model, static, self.loss_fn, self.tx, self.options, inputs,
-                                   model_state=model_state_shapes)
+                                   model_state=model_state_shapes, **accumulate)
         step_fn = jax.jit(built.step, in_shardings=(shardings, self.batch_sharding),
                           out_shardings=(shardings, layout.replicated), donate_argnums=0)
         model = self.model

@@ -117,32 +117,43 @@ def kept_state_bytes(
     return out
 
 
-def traffic_units(stage: Stage) -> tuple[int, int]:
+def traffic_units(stage: Stage, grad_accum: int = 1, reshard_after_forward: bool = True) -> tuple[int, int]:
     """(param all-gathers, gradient reductions) per step, in units of b * params * (p - 1) / p.
 
     A ring all-gather or reduce-scatter sends (p - 1)/p of the full tensor from every device; an
     all-reduce is the two back to back, 2 units.
+
+    With `grad_accum` = k micro-batches per step, stages 0-2 still reduce once per step (the local
+    gradient is accumulated, then reduced), but stage 3 gathers and reduce-scatters per micro-batch:
+    k times the traffic. Stage 3 with `reshard_after_forward=False` gathers once per step and keeps
+    the whole weights: 1 gather and 1 reduction, whatever k.
     """
+    if stage.compute_params and not reshard_after_forward:
+        return 1, 1
     # Stage 3 gathers the compute params twice: in the forward and again in the rematerialised
     # backward. Stages 1-2 gather once, to rebuild the replicated params after the sharded update.
     gathers = 2 if stage.compute_params else (1 if stage.master_params else 0)
     # A sharded update needs only the local gradient shard: one reduce-scatter. (An implementation
     # that all-reduces and then slices, as the stage-1 row of the table allows, moves 1 unit more.)
     reductions = 1 if stage.optimizer else 2
+    if stage.compute_params:
+        return gathers * grad_accum, reductions * grad_accum
     return gathers, reductions
 
 
 def traffic_bytes(
-    params: float, devices: int, stage: int, compute_bytes: float, reduce_bytes: float | None = None
+    params: float, devices: int, stage: int, compute_bytes: float, reduce_bytes: float | None = None,
+    grad_accum: int = 1, reshard_after_forward: bool = True,
 ) -> dict[str, float]:
-    """Bytes one device sends per optimizer step (ring collectives, no gradient accumulation).
+    """Bytes one device sends per optimizer step (ring collectives; `grad_accum` micro-batches per
+    step, see `traffic_units`).
 
     Parameters are gathered in the compute dtype (`compute_bytes`), gradients reduced in the reduce
     dtype (`reduce_bytes`, default: the compute dtype).
     """
     _check(params, devices)
     ring = params * (devices - 1) / devices
-    gathers, reductions = traffic_units(get_stage(stage))
+    gathers, reductions = traffic_units(get_stage(stage), grad_accum, reshard_after_forward)
     reduce_bytes = compute_bytes if reduce_bytes is None else reduce_bytes
     out = {"param_allgather": gathers * compute_bytes * ring, "grad_reduce": reductions * reduce_bytes * ring}
     out["total"] = out["param_allgather"] + out["grad_reduce"]
@@ -211,17 +222,21 @@ def step_time_estimate(
     shape: GPTShape | None = None,
     seq_len: int = 0,
     mfu: float = 1.0,
+    grad_accum: int = 1,
+    reshard_after_forward: bool = True,
 ) -> StepTime:
     """Compute at `mfu` x peak (default 1.0: the ideal, so times are lower bounds) and traffic at
     the per-direction interconnect rate."""
     attn = (shape.n_layers, shape.d_model, seq_len) if shape else (0, 0, 0)
     flops = flops_per_step(params, tokens_per_device, *attn)
-    traffic = traffic_bytes(params, devices, stage, compute_bytes)["total"]
+    traffic = traffic_bytes(params, devices, stage, compute_bytes, grad_accum=grad_accum,
+                            reshard_after_forward=reshard_after_forward)["total"]
     return StepTime(flops / (hardware.peak_flops * mfu), traffic / hardware.link_bytes_per_s)
 
 
 def comm_bound_tokens_per_device(
-    hw: Hardware, stage: int, compute_bytes: float = 2, devices: int | None = None, mfu: float = 1.0
+    hw: Hardware, stage: int, compute_bytes: float = 2, devices: int | None = None, mfu: float = 1.0,
+    grad_accum: int = 1, reshard_after_forward: bool = True,
 ) -> float:
     """Tokens per device per step below which a step is communication-bound.
 
@@ -230,7 +245,7 @@ def comm_bound_tokens_per_device(
     depends on the hardware's FLOP-to-byte ratio, not the model size. Without `devices`, the
     large-p limit (p - 1) / p = 1. Attention FLOPs are ignored, so t* is slightly high.
     """
-    k = sum(traffic_units(get_stage(stage)))
+    k = sum(traffic_units(get_stage(stage), grad_accum, reshard_after_forward))
     ring = (devices - 1) / devices if devices else 1.0
     return k * compute_bytes * ring * hw.peak_flops * mfu / (6.0 * hw.link_bytes_per_s)
 
@@ -265,11 +280,13 @@ class Plan:
     precision: Precision
     optimizer: Optimizer
     seq_len: int
-    micro_batch: int
+    micro_batch: int  # sequences per device per micro-batch
     mfu: float
     shape: GPTShape | None
     stages: tuple[StagePlan, ...]
     recommendation: Recommendation
+    grad_accum: int = 1  # micro-batches per step
+    reshard_after_forward: bool = True
 
 
 def plan(
@@ -283,10 +300,14 @@ def plan(
     shape: GPTShape | None = None,
     remat: str = "full",
     mfu: float = 1.0,
+    grad_accum: int = 1,
+    reshard_after_forward: bool = True,
 ) -> Plan:
-    """Every stage side by side, and the one to use."""
+    """Every stage side by side, and the one to use. `micro_batch` sequences per device per
+    micro-batch, `grad_accum` micro-batches per step: activations are one micro-batch's, compute is
+    the whole step's, and stage 3's traffic is per micro-batch (see `traffic_units`)."""
     _check(params, devices)
-    for key, value in (("seq_len", seq_len), ("micro_batch", micro_batch)):
+    for key, value in (("seq_len", seq_len), ("micro_batch", micro_batch), ("grad_accum", grad_accum)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UserError(f"{key} must be a positive integer, got {value!r}.")
     if not 0 < mfu <= 1:
@@ -305,17 +326,20 @@ def plan(
             stage=st.index,
             memory=memory,
             activation_bytes=act,
-            traffic=traffic_bytes(params, devices, st.index, b),
+            traffic=traffic_bytes(params, devices, st.index, b, grad_accum=grad_accum,
+                                  reshard_after_forward=reshard_after_forward),
             time=step_time_estimate(
-                params, devices, st.index, hardware, micro_batch * seq_len, b, shape, seq_len, mfu
+                params, devices, st.index, hardware, grad_accum * micro_batch * seq_len, b, shape, seq_len, mfu,
+                grad_accum, reshard_after_forward,
             ),
             fits=memory["total"] + (act or 0.0) <= hardware.hbm_bytes,
-            comm_bound_below_tokens=comm_bound_tokens_per_device(hardware, st.index, b, devices, mfu),
+            comm_bound_below_tokens=comm_bound_tokens_per_device(hardware, st.index, b, devices, mfu, grad_accum,
+                                                                 reshard_after_forward),
         ))
     rows = tuple(rows)
     return Plan(
         params, devices, hardware, precision, optimizer, seq_len, micro_batch, mfu, shape, rows,
-        _recommend(rows, params, hardware, precision, optimizer, seq_len),
+        _recommend(rows, params, hardware, precision, optimizer, seq_len), grad_accum, reshard_after_forward,
     )
 
 
@@ -368,6 +392,8 @@ def plan_dict(p: Plan) -> dict:
         "optimizer": p.optimizer.name,
         "seq_len": p.seq_len,
         "micro_batch": p.micro_batch,
+        "grad_accum": p.grad_accum,
+        "reshard_after_forward": p.reshard_after_forward,
         "mfu": p.mfu,
         "stages": [
             {

@@ -43,7 +43,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--hardware", default="h100", help=", ".join(HARDWARE))
     p.add_argument("--seq", type=int, help="sequence length (default: CONFIG's model.seq_len, else 2048)")
     p.add_argument("--micro-batch", type=int,
-                   help="sequences per device per step (default: CONFIG's train.batch_size / devices, else 1)")
+                   help="sequences per device per micro-batch (default: CONFIG's train.batch_size / devices / "
+                        "train.grad_accum, else 1)")
+    p.add_argument("--grad-accum", type=int,
+                   help="micro-batches per step (default: CONFIG's train.grad_accum, else 1); stage 3 "
+                        "gathers and reduces once per micro-batch")
     p.add_argument("--optimizer", help=f"{', '.join(OPTIMIZERS)} (default: CONFIG's, else adamw)")
     p.add_argument("--precision", help=f"{' or '.join(DTYPES)}, bf16 with an fp32 master (default: CONFIG's, else bf16)")
     p.add_argument("--mfu", type=float, default=1.0, help="assumed fraction of peak FLOP/s (default 1.0)")
@@ -61,7 +65,7 @@ def _run(args: argparse.Namespace) -> int:
         raise UserError("give either CONFIG or --params, not both.")
     if args.overrides and args.config is None:
         raise UserError("--set needs a CONFIG to override; pass CONFIG or plan with --params alone.")
-    for key in ("devices", "seq", "micro_batch"):
+    for key in ("devices", "seq", "micro_batch", "grad_accum"):
         value = getattr(args, key)
         if value is not None and value < 1:
             raise UserError(f"--{key.replace('_', '-')} must be a positive integer, got {value}.")
@@ -76,7 +80,8 @@ def _run(args: argparse.Namespace) -> int:
             raise UserError("--devices is required: how many devices share the model state.")
         inputs = {"params": parse_count(args.params), "devices": args.devices, "seq_len": args.seq or 2048,
                   "micro_batch": args.micro_batch or 1, "precision": args.precision or "bf16",
-                  "optimizer": args.optimizer or "adamw", "shape": None, "remat": "full", "replicas": 1}
+                  "optimizer": args.optimizer or "adamw", "shape": None, "remat": "full", "replicas": 1,
+                  "grad_accum": args.grad_accum or 1, "reshard_after_forward": True}
     result = analytic.plan(
         inputs["params"],
         inputs["devices"],
@@ -88,6 +93,8 @@ def _run(args: argparse.Namespace) -> int:
         shape=inputs["shape"],
         remat=inputs["remat"],
         mfu=args.mfu,
+        grad_accum=inputs["grad_accum"],
+        reshard_after_forward=inputs["reshard_after_forward"],
     )
     if args.json:
         out = analytic.plan_dict(result)
@@ -134,7 +141,9 @@ def _from_config(args: argparse.Namespace) -> dict:
         "params": counted["params"],
         "devices": fsdp,
         "seq_len": counted["seq_len"],
-        "micro_batch": args.micro_batch or max(1, c.train.batch_size // dp),
+        "micro_batch": args.micro_batch or max(1, c.train.batch_size // dp // (args.grad_accum or c.train.grad_accum)),
+        "grad_accum": args.grad_accum or c.train.grad_accum,
+        "reshard_after_forward": c.zero.reshard_after_forward,
         "precision": args.precision or c.precision,
         "optimizer": args.optimizer or c.optimizer.name,
         "shape": counted["shape"],
@@ -194,7 +203,9 @@ def _print_table(p, config: str | None = None, remat: str = "full", replicas: in
         caption=(
             f"GB = 1e9 bytes per device. model state: the textbook ZeRO accounting (compute params, fp32 "
             f"master, optimizer, gradients); kept: what zerojax keeps between steps (no gradients; stage 3 "
-            f"casts each fp32 shard when it gathers it, so no bf16 copy). Traffic per step; {p.micro_batch} x {p.seq_len} tokens per device per step at "
+            f"casts each fp32 shard when it gathers it, so no bf16 copy). Traffic per step; {p.grad_accum} x {p.micro_batch} x {p.seq_len} tokens per device per step "
+            f"(micro-batches x rows x seq; stage 3 gathers per micro-batch"
+            f"{', once with reshard_after_forward=false' if not p.reshard_after_forward else ''}) at "
             f"{p.mfu:g} x peak. {activations}"
             + (" Traffic is within one group of the sharding devices; the replicas' gradient all-reduce is not "
                "included." if replicas > 1 else "")

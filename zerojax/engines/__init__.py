@@ -4,6 +4,9 @@ An engine is a builder registered under a name:
 
     build(layout, model, static, loss_fn, tx, options, inputs) -> BuiltStep(step, report)
 
+An engine that lists "grad_accum" in its `SUPPORTS` also takes `grad_accum=k` (k > 1): k micro-batches
+per step (see `zerojax.engines.accum`).
+
 `step(state, batch) -> (state, metrics)` is pure (the trainer jits it); `report` says how the
 compute params are materialised, decided when the step is built. `options` is one `EngineOptions`;
 an engine names the options it supports (`Engine.supports`), and any other option set away from its
@@ -31,6 +34,10 @@ class EngineOptions:
     layer_stacks: tuple[str, ...] = ("blocks",)  # top-level param names stacking layers on axis 0
     prefetch: bool = False  # stage 3, layer-hook model: gather layer i+1 while layer i computes
     wrap: Any = "auto"  # FSDP units for models without a layer hook: "auto", "none", classes, a WrapRule
+    # stage 3: False keeps the gathered weights for the whole step (every micro-batch of a gradient
+    # accumulation, forward and backward): one gather and one reduce-scatter per step, full-size weights
+    # and gradient held meanwhile (FSDP2's name)
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_stacks", tuple(self.layer_stacks))

@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax import wrap as wrap_lib
 from zerojax.engines import BuiltStep, EngineOptions, GatherReport
+from zerojax.engines import accum
 from zerojax.engines.common import (apply_update, compute_params, describe_stacks, keep_model_state, loss_parts,
                                      outside_stacks, stack_paths, step_key, unit_around)
 from zerojax.layout import StateLayout
@@ -36,7 +37,7 @@ from zerojax.mesh import BATCH_AXES, data_parallel_size
 from zerojax.stacked import at
 from zerojax.stages import FSDP_AXIS, LeafLayout, fit_to
 
-SUPPORTS = ("layer_stacks", "prefetch", "wrap")
+SUPPORTS = ("layer_stacks", "prefetch", "wrap", "reshard_after_forward", "grad_accum")
 
 _is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
 
@@ -283,6 +284,56 @@ def _grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: "_Reduc
                          out_specs=(P(), _specs(layout, stage > 0), P()), check_vma=False)
 
 
+def _accum_grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: "_Reduce", k: int,
+                    gather_first: bool):
+    """`_grads_fn` over k micro-batches of each device's rows, in one `lax.scan`.
+
+    Stage 3 (`run_model` materialising from shards): every micro-batch gathers each leaf and
+    reduce-scatters its gradient (the gather's transpose); the shards are accumulated in fp32.
+    Otherwise (`run_model` on whole compute params: stages 0-2, or stage 3 with `gather_first`, its
+    leaves gathered once before the scan) each device accumulates its unreduced local gradient in
+    fp32 and the step reduces it once, after the scan: an all-reduce at stage 0, a reduce-scatter
+    at stages 1-3.
+    """
+    stage, leaves, mesh = layout.stage.index, layout.leaves, layout.mesh
+    dp = data_parallel_size(mesh)
+    psum_weight = lambda w: jax.lax.psum(w, BATCH_AXES)  # noqa: E731
+
+    def local(params, model_state, key, batch):
+        key = jax.random.fold_in(jax.random.wrap_key_data(key), jax.lax.axis_index(BATCH_AXES))
+        if gather_first:
+            params = jax.tree.map(lambda l, x: reduce.cast_gather(x, l), leaves, params, is_leaf=_is_layout)
+        micro = jax.tree.map(lambda x: accum.split(x, k)[:, 0], batch)  # (k, rows / k, ...)
+
+        def body(carry, xs):
+            acc, loss_acc, weight_acc, model_state = carry
+            i, mb = xs
+
+            def loss_of(p):
+                out, new_state = run_model(p, model_state, mb["inputs"], jax.random.fold_in(key, i))
+                # a mean over rows: each device's mean over its share, divided by the number of shares
+                loss, scale, weight = accum.parts(loss_fn(out, mb), psum_weight, shares=dp)
+                return loss, (scale, weight, new_state)
+
+            (loss, (scale, weight, new_state)), g = jax.value_and_grad(loss_of, has_aux=True)(params)
+            return (accum.add_scaled(acc, g, scale), loss_acc + scale * loss, weight_acc + weight, new_state), None
+
+        zero = jnp.zeros((), jnp.float32)
+        (acc, loss, weight, new_model_state), _ = jax.lax.scan(
+            body, (accum.zeros_f32(params), zero, zero, model_state), (jnp.arange(k), micro))
+        grads = jax.tree.map(lambda a: a / weight, acc)
+        if stage == 0:
+            grads = jax.tree.map(reduce.to_all, grads)
+        elif stage < 3 or gather_first:
+            grads = jax.tree.map(lambda l, g: reduce.to_shard(g, l), leaves, grads, is_leaf=_is_layout)
+        if stage == 3:
+            grads = jax.tree.map(lambda g: g.astype(reduce.master_dtype), grads)
+        return jax.lax.psum(loss, BATCH_AXES) / weight, grads, new_model_state
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(_specs(layout, stage == 3), P(), P(), P(BATCH_AXES)),
+                         out_specs=(P(), _specs(layout, stage > 0), P()), check_vma=False)
+
+
 def _eval_fn(layout: StateLayout, run_model: RunModel):
     """Stage 3: `(state, batch, loss_fn) -> loss` in eval mode, each device gathering the params as
     the step's forward does (one gather of each leaf) and running its share of the batch."""
@@ -303,19 +354,35 @@ def _eval_fn(layout: StateLayout, run_model: RunModel):
 
 
 def build(layout: StateLayout, model, static, loss_fn, tx, options: EngineOptions, inputs,
-          model_state=None) -> BuiltStep:
+          model_state=None, grad_accum: int = 1) -> BuiltStep:
     """`step(state, batch) -> (state, metrics)` and how it gathers params (`inputs`: the abstract
     model inputs, for finding a model's submodules before it is traced).
 
     options.prefetch      stage 3 with a layer-hook model: gather layer i+1 while layer i computes.
     options.wrap          FSDP units for models without a layer hook: "auto", "none", classes or a WrapRule.
     options.layer_stacks  top-level param names whose leaves stack layers on axis 0 and go through the hook.
+    options.reshard_after_forward  stage 3: False gathers the whole model once per step and keeps it.
+    grad_accum            k micro-batches per step (see `_accum_grads_fn`).
     """
     stage, mesh, prec = layout.stage.index, layout.mesh, layout.precision
     replicas = tuple(a for a in BATCH_AXES if a != FSDP_AXIS and mesh.shape[a] > 1)
     reduce = _Reduce(replicas, prec.compute_dtype, prec.reduce_dtype, prec.master_dtype)
     report, run_model = _route(layout, model, static, options, reduce.materializer(stage), inputs, model_state or {})
-    grads_fn = _grads_fn(layout, run_model, loss_fn, reduce)
+    train_report = report
+    keep = stage == 3 and not options.reshard_after_forward
+    if grad_accum > 1 or keep:
+        if stage == 2 or keep:  # differentiate the whole compute params; reduce once after the scan
+            train_report = (GatherReport("whole", "stage 3, reshard_after_forward=False: the whole model gathered "
+                                         "once per step and kept for every micro-batch") if keep else
+                            GatherReport("replicated", "stage 2 with gradient accumulation: compute params are "
+                                         "replicated, the local gradient reduce-scattered once per step"))
+            run_train = lambda raw, ms, x, key, train=True: model.apply(raw, ms, static, x, rng=key,  # noqa: E731
+                                                                        train=train, sync=BATCH_AXES)
+        else:
+            run_train = run_model
+        grads_fn = _accum_grads_fn(layout, run_train, loss_fn, reduce, grad_accum, keep)
+    else:
+        grads_fn = _grads_fn(layout, run_model, loss_fn, reduce)
 
     # Stages 1-2 in bf16: the new compute copy is the cast master shards, all-gathered here. The
     # gather apply_update leaves to XLA moves the same bytes, but the step then holds 32-41 MB more
@@ -334,4 +401,4 @@ def build(layout: StateLayout, model, static, loss_fn, tx, options: EngineOption
             new_state = new_state.replace(compute=gather_compute(new_state.params))  # params already kept if bad
         return new_state, {"loss": loss, **metrics}
 
-    return BuiltStep(step, report, _eval_fn(layout, run_model) if stage == 3 else None)
+    return BuiltStep(step, train_report, _eval_fn(layout, run_model) if stage == 3 else None)
