@@ -207,7 +207,7 @@ def test_stages_2_3_scatter_each_layer_inside_the_loop(measured):
 
 def test_cpu_executed_traffic_is_reported_separately(measured):
     """XLA:CPU upcasts bf16 reductions to f32 after partitioning: twice the bytes, not the traffic.
-    Gathers move their bits as integers (`gather_bits`), so the CPU runs them as partitioned."""
+    Gathers move their bits as integers (`collectives.gather_bits`), so the CPU runs them as partitioned."""
     ours = measured["shard_map", 1]
     cpu, partitioned = ours["cpu_traffic"]["bytes"], ours["traffic"]["bytes"]
     assert cpu["reduce-scatter"] / partitioned["reduce-scatter"] == pytest.approx(2.0, rel=0.01)

@@ -19,8 +19,7 @@ How parameters are gathered at stages 2-3 (`GatherReport.route`):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -30,84 +29,17 @@ from jax.sharding import PartitionSpec as P
 from zerojax import wrap as wrap_lib
 from zerojax.engines import BuiltStep, EngineOptions, GatherReport
 from zerojax.engines import accum
+from zerojax.engines.collectives import Reduce, Resident
 from zerojax.engines.common import (apply_update, compute_params, describe_stacks, keep_model_state, loss_parts,
                                      outside_stacks, stack_paths, step_key, unit_around)
 from zerojax.layout import StateLayout
 from zerojax.mesh import BATCH_AXES, data_parallel_size
 from zerojax.stacked import at
-from zerojax.stages import FSDP_AXIS, LeafLayout, fit_to
+from zerojax.stages import FSDP_AXIS, LeafLayout
 
 SUPPORTS = ("layer_stacks", "prefetch", "wrap", "reshard_after_forward", "grad_accum")
 
 _is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
-
-
-class Resident(NamedTuple):
-    """Stage 2's view of a leaf: the replicated compute copy the forward reads, and a shard-shaped
-    zero whose gradient receives this device's reduce-scattered part of the leaf's gradient."""
-
-    full: jax.Array
-    shard: jax.Array
-
-
-def gather_bits(x, axis: int):
-    """`all_gather(x, fsdp, tiled)` moving a sub-32-bit float's bits as unsigned integers.
-
-    A gather only copies bits, so this is exact on every backend; XLA:CPU runs floating-point
-    collectives below 32 bits in f32 (`float-normalization-bf16`), which doubled the bytes it moved
-    and left an f32 copy of every gathered leaf in temp memory (stage 1-2's post-update gather was
-    stage 2's peak on jax 0.12)."""
-    if not (jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4):
-        return jax.lax.all_gather(x, FSDP_AXIS, axis=axis, tiled=True)
-    bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
-    return jax.lax.bitcast_convert_type(jax.lax.all_gather(bits, FSDP_AXIS, axis=axis, tiled=True), x.dtype)
-
-
-@dataclass(frozen=True)
-class _Reduce:
-    replicas: tuple[str, ...]  # batch axes besides fsdp with size > 1: pure replicas (hybrid sharding)
-    compute_dtype: Any
-    reduce_dtype: Any
-    master_dtype: Any
-
-    def to_shard(self, ct, leaf: LeafLayout):
-        """A leaf's local gradient -> this device's shard of the sum over all devices."""
-        ct = ct.astype(self.reduce_dtype)
-        if leaf.axis is None:  # replicated in every group: every device keeps the whole sum
-            return jax.lax.psum(ct, (FSDP_AXIS, *self.replicas))
-        ct = jax.lax.psum_scatter(fit_to(ct, leaf.padded_shape), FSDP_AXIS, scatter_dimension=leaf.axis, tiled=True)
-        return jax.lax.psum(ct, self.replicas) if self.replicas else ct
-
-    def to_all(self, ct):
-        return jax.lax.psum(ct.astype(self.reduce_dtype), (FSDP_AXIS, *self.replicas))
-
-    def cast_gather(self, shard, leaf: LeafLayout):
-        x = shard.astype(self.compute_dtype)  # cast first, so the gather moves compute-dtype bytes
-        if leaf.axis is not None:
-            x = gather_bits(x, leaf.axis)
-        return fit_to(x, leaf.shape)
-
-    def gather(self, leaf: LeafLayout):
-        """Stage 3: fp32 shard -> whole compute-dtype leaf; backward: reduce-scatter of its gradient."""
-        gather = lambda shard: self.cast_gather(shard, leaf)  # noqa: E731
-        # The transpose JAX derives for a tiled all_gather is this psum_scatter; it is written out
-        # so that it runs in the reduce dtype and also sums over the replica axes.
-        f = jax.custom_vjp(gather)
-        f.defvjp(lambda s: (gather(s), None), lambda _, ct: (self.to_shard(ct, leaf).astype(self.master_dtype),))
-        return f
-
-    def resident(self, leaf: LeafLayout):
-        """Stage 2: the forward reads the resident copy; backward: reduce-scatter into the shard."""
-        f = jax.custom_vjp(lambda full, shard: full)
-        f.defvjp(lambda full, shard: (full, None), lambda _, ct: (None, self.to_shard(ct, leaf)))
-        return f
-
-    def materializer(self, stage: int):
-        if stage == 3:
-            return lambda leaf, x: self.gather(leaf)(x)
-        if stage == 2:
-            return lambda leaf, x: self.resident(leaf)(x.full, x.shard)
-        return lambda leaf, x: x
 
 
 def _layer_layout(leaf: LeafLayout) -> LeafLayout:
@@ -247,7 +179,7 @@ def _specs(layout: StateLayout, sharded: bool):
     return jax.tree.map(lambda l: l.spec(sharded), layout.leaves, is_leaf=_is_layout)
 
 
-def _grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: "_Reduce"):
+def _grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: "Reduce"):
     """shard_map'd `(params, batch) -> (loss, grads)`, gradients reduced as the stage asks."""
     stage, leaves, mesh = layout.stage.index, layout.leaves, layout.mesh
     dp, fsdp = data_parallel_size(mesh), mesh.shape[FSDP_AXIS]
@@ -284,7 +216,7 @@ def _grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: "_Reduc
                          out_specs=(P(), _specs(layout, stage > 0), P()), check_vma=False)
 
 
-def _accum_grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: "_Reduce", k: int,
+def _accum_grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: "Reduce", k: int,
                     gather_first: bool):
     """`_grads_fn` over k micro-batches of each device's rows, in one `lax.scan`.
 
@@ -366,7 +298,7 @@ def build(layout: StateLayout, model, static, loss_fn, tx, options: EngineOption
     """
     stage, mesh, prec = layout.stage.index, layout.mesh, layout.precision
     replicas = tuple(a for a in BATCH_AXES if a != FSDP_AXIS and mesh.shape[a] > 1)
-    reduce = _Reduce(replicas, prec.compute_dtype, prec.reduce_dtype, prec.master_dtype)
+    reduce = Reduce(replicas, prec.compute_dtype, prec.reduce_dtype, prec.master_dtype)
     report, run_model = _route(layout, model, static, options, reduce.materializer(stage), inputs, model_state or {})
     train_report = report
     keep = stage == 3 and not options.reshard_after_forward

@@ -1,0 +1,118 @@
+"""Gradient accumulation under `gspmd`: k micro-batches in one `lax.scan` (see `zerojax.engines.accum`).
+
+Stage 3 (weights resharded after the forward): each micro-batch runs the plain step's forward and
+backward, gathering where used, and its gradient is reduced to shards as it is made (the gather's
+transpose); the shards are accumulated in fp32.
+
+Stages 0-2, and stage 3 keeping the gathered weights (gathered once before the scan): the
+partitioner cannot hold a partial sum across loop iterations, so each data-parallel group's gradient
+is made separately (`vmap` over the groups, the group axis sharded over the batch axes: every device
+computes and accumulates its own unreduced fp32 gradient), and the sum over groups after the scan is
+the step's one all-reduce or reduce-scatter. Dropout keys are folded with the group index; BatchNorm
+statistics are averaged over the groups.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from zerojax.engines import accum
+from zerojax.engines.common import compute_params, constrain
+from zerojax.mesh import BATCH_AXES, data_parallel_size
+
+_GROUPS = "zerojax_groups"  # the vmapped axis of data-parallel groups
+
+
+def accumulated_grads(layout, model, static, loss_fn, run, k: int, keep_gathered: bool):
+    """`(state, batch, key) -> (loss, grads, model_state)` over k micro-batches."""
+    if layout.compute_sharded and not keep_gathered:
+        return _sharded_micro(layout, loss_fn, run, k)
+    return _grouped(layout, model, static, loss_fn, k)
+
+
+def _scan(body, init, key, micro, k: int, mesh):
+    """Run `body` over the k micro-batches; the loss and the accumulated grads over the summed weight."""
+    rows = NamedSharding(mesh, P(None, BATCH_AXES))
+    micro = constrain(micro, jax.tree.map(lambda _: rows, micro))
+    keys = jax.vmap(lambda i: accum.micro_key(key, i))(jnp.arange(k))
+    (grads, loss, weight, model_state), _ = jax.lax.scan(body, init, (keys, micro))
+    return loss / weight, jax.tree.map(lambda g: g / weight, grads), model_state
+
+
+def _sharded_micro(layout, loss_fn, run, k: int):
+    dp = data_parallel_size(layout.mesh)
+    shardings = layout.shardings(True)
+
+    def grads(state, batch, key):
+        params = compute_params(layout, state)
+        zeros = constrain(layout.to_layout(accum.zeros_f32(params), True), shardings)
+        micro = jax.tree.map(lambda x: accum.split(x, k, dp).reshape(k, -1, *x.shape[1:]), batch)
+
+        def body(carry, xs):
+            acc, loss_acc, weight_acc, model_state = carry
+            key, mb = xs
+
+            def loss_of(p):
+                out, new_state = run(p, model_state, mb, key, train=True)
+                loss, scale, weight = accum.parts(loss_fn(out, mb))
+                return loss, (scale, weight, new_state)
+
+            (loss, (scale, weight, new_state)), g = jax.value_and_grad(loss_of, has_aux=True)(params)
+            model_state = new_state if model_state is not None else None
+            g = constrain(layout.to_layout(g, True), shardings)
+            acc = constrain(accum.add_scaled(acc, g, scale), shardings)
+            return (acc, loss_acc + scale * loss, weight_acc + weight, model_state), None
+
+        zero = jnp.zeros((), jnp.float32)
+        return _scan(body, (zeros, zero, zero, state.model_state), key, micro, k, layout.mesh)
+
+    return grads
+
+
+def _group_grad_fn(model, static, loss_fn):
+    """One data-parallel group's `(loss, (scale, weight, model_state)), grads`, vmapped over groups."""
+
+    def group_grad(p, model_state, mb, key, group):
+        def loss_of(p):
+            out, new_state = model.apply(p, model_state or {}, static, mb["inputs"], rng=jax.random.fold_in(key, group),
+                                         train=True, sync=_GROUPS)
+            loss, scale, weight = accum.parts(loss_fn(out, mb))
+            return loss, (scale, weight, new_state)
+
+        return jax.value_and_grad(loss_of, has_aux=True)(p)
+
+    return jax.vmap(group_grad, in_axes=(None, None, 0, None, 0), axis_name=_GROUPS)
+
+
+def _grouped(layout, model, static, loss_fn, k: int):
+    dp = data_parallel_size(layout.mesh)
+    group_sharding = NamedSharding(layout.mesh, P(BATCH_AXES))
+    per_group = _group_grad_fn(model, static, loss_fn)
+
+    def grads(state, batch, key):
+        params = compute_params(layout, state)
+        if layout.compute_sharded:  # stage 3: gathered once, kept for every micro-batch
+            params = constrain(params, jax.tree.map(lambda _: layout.replicated, params))
+        zeros = jax.tree.map(lambda p: jnp.zeros((dp, *p.shape), jnp.promote_types(p.dtype, jnp.float32)), params)
+        zeros = constrain(zeros, jax.tree.map(lambda _: group_sharding, zeros))
+        micro = jax.tree.map(lambda x: accum.split(x, k, dp), batch)  # (k, dp, rows / k, ...)
+
+        def body(carry, xs):
+            acc, loss_acc, weight_acc, model_state = carry
+            key, mb = xs
+            (loss, (scale, weight, new_state)), g = per_group(params, model_state, mb, key, jnp.arange(dp))
+            acc = jax.tree.map(lambda a, x: a + scale.reshape((dp,) + (1,) * (x.ndim - 1)) * x.astype(a.dtype), acc, g)
+            acc = constrain(acc, jax.tree.map(lambda _: group_sharding, acc))
+            if model_state is not None:  # the same in every group: its statistics are averaged over them
+                model_state = jax.tree.map(lambda x: x[0], new_state)
+            return (acc, loss_acc + jnp.sum(scale * loss), weight_acc + jnp.sum(weight), model_state), None
+
+        zero = jnp.zeros((), jnp.float32)
+        loss, acc, model_state = _scan(body, (zeros, zero, zero, state.model_state), key, micro, k, layout.mesh)
+        grads = jax.tree.map(lambda a: jnp.sum(a, axis=0), acc)  # the step's one reduction
+        grads = constrain(layout.to_layout(grads, layout.grads_sharded), layout.shardings(layout.grads_sharded))
+        return loss, grads, model_state
+
+    return grads
