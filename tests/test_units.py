@@ -24,7 +24,7 @@ from flax import linen as nn
 from flax import nnx
 
 import zerojax as zj
-from tests.models import tiny_gpt, token_batch
+from tests.models import classification_batch, tiny_gpt, token_batch
 from zerojax.accounting.hlo import collective_bytes, compile_partitioned
 
 DEVICES = 8
@@ -190,7 +190,8 @@ def test_shard_map_traffic_is_textbook():
     assert abs(traffic["reduce-scatter"] + traffic["all-reduce"] - unit) <= 0.02 * unit
 
 
-@pytest.mark.parametrize("kind,engine", [(k, e) for k in ("nnx", "linen", "linen_setup") for e in ("shard_map", "gspmd")])
+@pytest.mark.parametrize("kind,engine", [(k, e) for k in ("nnx", "linen") for e in ("shard_map", "gspmd")] + [
+    pytest.param("linen_setup", e, marks=pytest.mark.slow) for e in ("shard_map", "gspmd")])
 def test_units_train_like_stage_0(kind, engine):
     width, depth, steps = 64, 4, 4
 
@@ -204,6 +205,50 @@ def test_units_train_like_stage_0(kind, engine):
         return np.array(out)
 
     np.testing.assert_allclose(losses(3, engine), losses(0, "gspmd"), rtol=1e-5, atol=0)
+
+
+class LinenStatefulBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        h = nn.BatchNorm(use_running_average=not train, momentum=0.9)(nn.Dense(43)(x))
+        h = nn.Dropout(0.3, deterministic=not train)(jax.nn.relu(h))
+        return x + nn.Dense(x.shape[-1])(h)
+
+
+class LinenStatefulNet(nn.Module):
+    """Units (the blocks) that update batch_stats and draw dropout masks inside their call."""
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        for _ in range(2):
+            x = LinenStatefulBlock()(x, train)
+        return nn.Dense(10)(x)
+
+
+@pytest.mark.parametrize("engine", ["shard_map", pytest.param("gspmd", marks=pytest.mark.slow)])
+def test_linen_units_with_batchnorm_and_dropout_train_like_stage_0(engine):
+    """The unit's RNG counters advance once (the same masks as a plain call) and its new batch_stats
+    reach the model state."""
+    batch = classification_batch(0)
+    runs = {}
+    for stage in (0, 3):
+        trainer = zj.Trainer(LinenStatefulNet(), optax.adam(1e-2), stage=stage, engine=engine,
+                             mesh=zj.make_mesh(fsdp=DEVICES))
+        state = trainer.init(jax.random.key(0), batch)
+        first_stats = None
+        losses = []
+        for _ in range(4):
+            state, metrics = trainer.step(state, batch)
+            losses.append(float(metrics["loss"]))
+            first_stats = first_stats or jax.tree.map(np.asarray, state.model_state)
+        runs[stage] = losses, first_stats, trainer
+    assert "2 x LinenStatefulBlock" in runs[3][2].gather_report().description
+    np.testing.assert_allclose(runs[3][0], runs[0][0], rtol=1e-5, atol=1e-5)
+    assert len(set(runs[3][0])) == 4
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), runs[3][1], runs[0][1])
+    moved = jax.tree.map(lambda a, b: not np.allclose(a, b), runs[3][1],
+                         jax.tree.map(np.asarray, runs[3][2].init(jax.random.key(0), batch).model_state))
+    assert all(jax.tree.leaves(moved))  # every unit's running mean and variance was updated
 
 
 # ---- evaluation goes through the engine: one gather of the parameters, no partitioned matmuls -------
