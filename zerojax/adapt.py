@@ -180,10 +180,11 @@ def _linen_functions(module: nn.Module, rng_streams: tuple[str, ...]) -> Functio
     def unit_around(units, materialize, param_paths, reshard_after_forward=True, wait_for_grads=False):
         return wrap_linen.linen_around(units, materialize, param_paths, reshard_after_forward, wait_for_grads)
 
-    return FunctionalModel(init, apply, False, type(module),
-                           modules=lambda params, model_state, inputs: wrap_linen.linen_modules(module, params, model_state, inputs,
-                                                                                              **mode(False)),
-                           unit_around=unit_around, sync_batch_stats=lambda m, axes: _linen_sync(axes))
+    def modules(params, model_state, inputs):
+        return wrap_linen.linen_modules(module, params, model_state, inputs, **mode(False))
+
+    return FunctionalModel(init, apply, False, type(module), modules=modules, unit_around=unit_around,
+                           sync_batch_stats=lambda m, axes: _linen_sync(axes))
 
 
 def _linen_sync(axes):

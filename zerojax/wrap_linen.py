@@ -38,8 +38,11 @@ def linen_modules(module: nn.Module, params, model_state, inputs, **call_kwargs)
             seen.setdefault(tuple(scope.path), type(context.module))
         return next_fun(*args, **kwargs)
 
+    def run(p, ms, x):
+        return module.apply({"params": p, **ms}, x, **call_kwargs)
+
     with nn.intercept_methods(record):
-        jax.eval_shape(lambda p, ms, x: module.apply({"params": p, **ms}, x, **call_kwargs), params, model_state, inputs)
+        jax.eval_shape(run, params, model_state, inputs)
     leaves = [tuple(str(k) for k in p) for p in nnx.traversals.flatten_mapping(params)]
     return [(p, c, sum(q[: len(p)] == p for q in leaves)) for p, c in seen.items() if p]
 
