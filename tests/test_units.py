@@ -26,6 +26,7 @@ from flax import nnx
 import zerojax as zj
 from tests.models import classification_batch, tiny_gpt, token_batch
 from zerojax.accounting.hlo import collective_bytes, compile_partitioned
+from zerojax.wrap import WrapRule
 
 DEVICES = 8
 ROWS = 64
@@ -249,6 +250,46 @@ def test_linen_units_with_batchnorm_and_dropout_train_like_stage_0(engine):
     moved = jax.tree.map(lambda a, b: not np.allclose(a, b), runs[3][1],
                          jax.tree.map(np.asarray, runs[3][2].init(jax.random.key(0), batch).model_state))
     assert all(jax.tree.leaves(moved))  # every unit's running mean and variance was updated
+
+
+class LinenSharedNet(nn.Module):
+    """A unit called twice (once with a keyword argument) and a unit with Dense units inside it."""
+
+    def setup(self):
+        self.inp, self.out = nn.Dense(32), nn.Dense(10)
+        self.first, self.second = LinenScaledBlock(), LinenScaledBlock()
+
+    def __call__(self, x):
+        x = self.first(self.inp(x))
+        x = self.first(x, scale=0.5)
+        return self.out(self.second(x))
+
+
+class LinenScaledBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, *, scale=1.0):
+        return x + scale * nn.Dense(32)(jax.nn.gelu(nn.Dense(32)(x)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["shard_map", "gspmd"])
+@pytest.mark.parametrize("wrap,units", [("auto", "2 x Dense, 2 x LinenScaledBlock"),
+                                        (WrapRule(reshard_after_forward=False), "2 x Dense, 2 x LinenScaledBlock"),
+                                        ((LinenScaledBlock, nn.Dense), "6 x Dense, 2 x LinenScaledBlock")])
+def test_linen_shared_and_nested_units_train_like_stage_0(engine, wrap, units):
+    def run(stage):
+        trainer = zj.Trainer(LinenSharedNet(), optax.adamw(3e-3), mesh=zj.make_mesh(fsdp=DEVICES), stage=stage,
+                             engine=engine, engine_options={"wrap": wrap})
+        state = trainer.init(jax.random.key(0), _batch(32))
+        losses = []
+        for step in range(3):
+            state, metrics = trainer.step(state, _batch(32, step))
+            losses.append(float(metrics["loss"]))
+        return losses + [float(trainer.evaluate(state, _batch(32, 5)))], trainer.gather_report().description
+
+    got, description = run(3)
+    assert description.startswith(f"FSDP units: {units}"), description
+    np.testing.assert_allclose(got, run(0)[0], rtol=1e-5, atol=0)
 
 
 # ---- evaluation goes through the engine: one gather of the parameters, no partitioned matmuls -------
