@@ -1,6 +1,8 @@
-"""Temp memory of the stage-3 step against depth for a user NNX model (an `nnx.List` of blocks).
+"""Temp memory of the stage-3 step against depth for user models of L identical blocks: an NNX model
+(an `nnx.List` of blocks) and a Linen one (`nn.compact`), the models of tests/test_units.py.
 
-    python experiments/unit_depth.py [--width 256] [--depths 4 8 16] [--precision fp32]
+    python experiments/unit_depth.py [--width 256] [--depths 4 8 16] [--models nnx linen]
+                                     [--precisions fp32 bf16] [--optimizers adamw sgd]
 
 Compiles only (no step runs): temp and peak bytes per device from `memory_analysis()`, 8 simulated
 CPU devices, AdamW and plain SGD (whose only sharded temporaries are the gradient shards). Writes
@@ -17,18 +19,17 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import zerojax as zj  # noqa: E402
-from tests.test_units import _batch, _deep  # noqa: E402
+from tests.test_units import _batch, _model  # noqa: E402
 
 MiB = 2**20
 
 
-def measure(width, depth, stage, engine, optimizer, precision):
+def measure(kind, width, depth, stage, engine, optimizer, precision):
     tx = optax.adamw(1e-3) if optimizer == "adamw" else optax.sgd(1e-2)
-    trainer = zj.Trainer(_deep(width, depth), tx, mesh=zj.make_mesh(fsdp=8), stage=stage, engine=engine,
+    trainer = zj.Trainer(_model(kind, width, depth), tx, mesh=zj.make_mesh(fsdp=8), stage=stage, engine=engine,
                          precision=precision)
     batch = _batch(width)
     state = trainer.init(jax.random.key(0), batch)
@@ -41,21 +42,29 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--depths", type=int, nargs="+", default=[4, 8, 16])
-    ap.add_argument("--precision", default="fp32")
+    ap.add_argument("--models", nargs="+", default=["nnx", "linen"])
+    ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
+    ap.add_argument("--optimizers", nargs="+", default=["adamw", "sgd"])
+    ap.add_argument("--engines", nargs="+", default=["shard_map", "gspmd"])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "unit_depth.md"))
     args = ap.parse_args()
-    block = 4 * 2 * (args.width**2 + args.width) / MiB
-    lines = [f"NNX model, width {args.width}, blocks of 2 Linear ({block:.2f} MiB fp32 a block), "
-             f"{args.precision}, stage 3, 8 devices; temp MiB per device (peak MiB)", "",
-             "| engine | optimizer | " + " | ".join(f"L = {d}" for d in args.depths) + " | temp growth per block |",
-             "|---|---|" + "---|" * (len(args.depths) + 1)]
-    for engine in ("shard_map", "gspmd"):
-        for optimizer in ("adamw", "sgd"):
-            rows = [measure(args.width, d, 3, engine, optimizer, args.precision) for d in args.depths]
-            per_block = (rows[-1][0] - rows[0][0]) / (args.depths[-1] - args.depths[0]) / MiB
-            cells = " | ".join(f"{t / MiB:.3f} ({p / MiB:.3f})" for t, p in rows)
-            lines.append(f"| {engine} | {optimizer} | {cells} | {per_block:.3f} MiB = {per_block / block:.2f} blocks |")
-            print(lines[-1], flush=True)
+    block = 4 * 2 * (args.width**2 + args.width) / MiB  # fp32 bytes of a block's weights
+    lines = [f"width {args.width}, blocks of 2 Linear ({block:.2f} MiB fp32, {block / 2:.2f} MiB bf16 a block), "
+             f"stage 3, 8 devices; temp MiB per device (peak MiB); growth in blocks of the compute dtype", "",
+             "| model | precision | engine | optimizer | " + " | ".join(f"L = {d}" for d in args.depths)
+             + " | temp growth per block |",
+             "|---|---|---|---|" + "---|" * (len(args.depths) + 1)]
+    for kind in args.models:
+        for precision in args.precisions:
+            compute_block = block / 2 if precision == "bf16" else block
+            for engine in args.engines:
+                for optimizer in args.optimizers:
+                    rows = [measure(kind, args.width, d, 3, engine, optimizer, precision) for d in args.depths]
+                    per_block = (rows[-1][0] - rows[0][0]) / (args.depths[-1] - args.depths[0]) / MiB
+                    cells = " | ".join(f"{t / MiB:.3f} ({p / MiB:.3f})" for t, p in rows)
+                    lines.append(f"| {kind} | {precision} | {engine} | {optimizer} | {cells} | {per_block:.3f} MiB"
+                                 f" = {per_block / compute_block:.2f} blocks |")
+                    print(lines[-1], flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")

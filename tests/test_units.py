@@ -1,11 +1,16 @@
 """Stage 3 gathers a user's model unit by unit in both engines: temp memory stops growing with depth.
 
-A model of L identical blocks (an `nnx.List`), compiled only: between L = 4 and L = 8 the step's temp
-memory may grow by 0.15 x the 4 extra blocks' full weights (fp32 at 8 devices, the 4 blocks' fp32
-gradient shards alone are 0.125 of that) plus the 4 extra blocks' saved activations (each unit keeps
-only its input, rows/8 x width x 4 bytes = 8 KiB a block here). Before units gathered by data
-dependence, it grew by one to two blocks' full weights per block. Plain SGD, so the optimizer's
-own sharded temporaries do not blur what the gathers hold.
+Models of L identical blocks (NNX: an `nnx.List`; Linen: `nn.compact` and setup-style lists), compiled
+only. Between L = 4 and L = 8 the step's temp memory per device may grow by, for each extra block:
+  - its new fp32 master shard (1/8 of the block's fp32 weights): the update writes the new params
+    beside the old ones, which the step keeps until its finiteness check (a non-finite step keeps the
+    old state), so XLA holds them in temp. That is 0.125 of a block in fp32, 0.25 of one in bf16;
+  - 0.025 of the block's full weights in the compute dtype, for everything else (no gathered block
+    may stay alive: before, it grew by one to two blocks' full weights per block);
+  - its saved activations: each unit keeps only its fp32 input, rows/8 x width x 4 bytes (8 KiB
+    a block at width 256, 16 KiB at 512).
+In fp32 that is the issue's 0.15 x 4 blocks' full weights plus the activations. Plain SGD, so the
+optimizer's own sharded temporaries do not blur what the gathers hold.
 """
 
 import functools
@@ -15,11 +20,13 @@ import jax
 import numpy as np
 import optax
 import pytest
+from flax import linen as nn
 from flax import nnx
 
 import zerojax as zj
-from tests.models import tiny_gpt, token_batch
+from tests.models import classification_batch, tiny_gpt, token_batch
 from zerojax.accounting.hlo import collective_bytes, compile_partitioned
+from zerojax.wrap import WrapRule
 
 DEVICES = 8
 ROWS = 64
@@ -49,20 +56,77 @@ def _deep(width: int, depth: int):
     return Deep
 
 
+class LinenBlock(nn.Module):
+    width: int
+
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(self.width)(jax.nn.gelu(nn.Dense(self.width)(x)))
+
+
+class LinenDeep(nn.Module):
+    """`nn.compact`: the same model as `_deep`'s, its blocks created in the call."""
+
+    width: int
+    depth: int
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(self.width)(x)
+        for _ in range(self.depth):
+            x = LinenBlock(self.width)(x)
+        return nn.Dense(10)(x)
+
+
+class LinenSetupBlock(nn.Module):
+    width: int
+
+    def setup(self):
+        self.fc1, self.fc2 = nn.Dense(self.width), nn.Dense(self.width)
+
+    def __call__(self, x):
+        return x + self.fc2(jax.nn.gelu(self.fc1(x)))
+
+
+class LinenSetupDeep(nn.Module):
+    """Setup-style: a list of blocks made in `setup`."""
+
+    width: int
+    depth: int
+
+    def setup(self):
+        self.inp, self.out = nn.Dense(self.width), nn.Dense(10)
+        self.blocks = [LinenSetupBlock(self.width) for _ in range(self.depth)]
+
+    def __call__(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+MODELS = {"nnx": _deep, "linen": LinenDeep, "linen_setup": LinenSetupDeep}
+BLOCK_CLASS = {"nnx": "Block", "linen": "LinenBlock", "linen_setup": "LinenSetupBlock"}
+
+
+def _model(kind: str, width: int, depth: int):
+    return MODELS[kind](width, depth)
+
+
 def _batch(width: int, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     return {"inputs": rng.normal(size=(ROWS, width)).astype(np.float32),
             "targets": rng.integers(0, 10, size=(ROWS,)).astype(np.int32)}
 
 
-def _trainer(width, depth, stage, engine, optimizer=None):
-    return zj.Trainer(_deep(width, depth), optimizer or optax.sgd(1e-2), mesh=zj.make_mesh(fsdp=DEVICES),
-                      stage=stage, engine=engine, precision="fp32")
+def _trainer(width, depth, stage, engine, optimizer=None, kind="nnx", precision="fp32"):
+    return zj.Trainer(_model(kind, width, depth), optimizer or optax.sgd(1e-2), mesh=zj.make_mesh(fsdp=DEVICES),
+                      stage=stage, engine=engine, precision=precision)
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(width, depth, stage, engine):
-    trainer = _trainer(width, depth, stage, engine)
+def _compiled(width, depth, stage, engine, kind="nnx", precision="fp32"):
+    trainer = _trainer(width, depth, stage, engine, kind=kind, precision=precision)
     batch = _batch(width)
     state = trainer.init(jax.random.key(0), batch)
     compiled, hlo = compile_partitioned(trainer.lower(state, trainer.shard_batch(batch)),
@@ -73,25 +137,45 @@ def _compiled(width, depth, stage, engine):
             "report": trainer.gather_report()}
 
 
-def _block_bytes(width: int) -> int:
-    return 4 * 2 * (width * width + width)  # fp32, two Linear layers
+def _block_bytes(width: int, itemsize: int = 4) -> int:
+    return itemsize * 2 * (width * width + width)  # two Linear layers
 
 
-@pytest.mark.parametrize("engine", ["shard_map", "gspmd"])
-def test_stage_3_temp_memory_does_not_grow_with_depth(engine):
-    width = 256
-    shallow, deep = _compiled(width, 4, 3, engine), _compiled(width, 8, 3, engine)
-    assert deep["report"].route == "units" and deep["report"].description.startswith("FSDP units: 8 x Block")
-    activations = 4 * (ROWS // DEVICES) * width * 4
-    allowance = 0.15 * 4 * _block_bytes(width) + activations
-    grown = deep["temp"] - shallow["temp"]
+def _grown_and_allowance(kind, engine, precision, width):
+    """temp(8 blocks) - temp(4 blocks) per device, and what the module docstring allows it."""
+    shallow = _compiled(width, 4, 3, engine, kind, precision)
+    deep = _compiled(width, 8, 3, engine, kind, precision)
+    assert deep["report"].route == "units"
+    assert deep["report"].description.startswith(f"FSDP units: 8 x {BLOCK_CLASS[kind]}") or \
+        f", 8 x {BLOCK_CLASS[kind]}" in deep["report"].description, deep["report"].description
+    compute = _block_bytes(width, 2 if precision == "bf16" else 4)
+    updated = _block_bytes(width) / DEVICES  # a block's new fp32 master shard (see the module docstring)
+    activations = (ROWS // DEVICES) * width * 4  # each extra unit saves its fp32 input
+    allowance = 4 * (updated + 0.025 * compute + activations)  # fp32: 0.15 x 4 blocks + activations
+    return deep["temp"] - shallow["temp"], allowance
+
+
+# (model, engine, precision, width): each model, precision and engine once in the default suite
+_DEPTH_CASES = [("nnx", "shard_map", "fp32", 256), ("nnx", "gspmd", "fp32", 256), ("linen", "shard_map", "bf16", 256)]
+_SLOW_DEPTH_CASES = [(k, e, p, w) for k in ("nnx", "linen") for e in ("shard_map", "gspmd") for p in ("fp32", "bf16")
+                     for w in (256, 512) if (k, e, p, w) not in _DEPTH_CASES]
+_SLOW_DEPTH_CASES += [("linen_setup", e, "fp32", 256) for e in ("shard_map", "gspmd")]
+
+
+@pytest.mark.parametrize("kind,engine,precision,width", _DEPTH_CASES + [
+    pytest.param(*case, marks=pytest.mark.slow) for case in _SLOW_DEPTH_CASES])
+def test_stage_3_temp_memory_does_not_grow_with_depth(kind, engine, precision, width):
+    grown, allowance = _grown_and_allowance(kind, engine, precision, width)
     assert grown <= allowance, (grown, allowance)
 
 
-@pytest.mark.parametrize("engine", ["shard_map", "gspmd"])
-def test_stage_3_peak_below_stage_2(engine):
+@pytest.mark.parametrize("kind,engine", [("nnx", "shard_map"), ("nnx", "gspmd")] + [
+    pytest.param("linen", e, marks=pytest.mark.slow) for e in ("shard_map", "gspmd")])
+def test_stage_3_peak_below_stage_2(kind, engine):
+    precision = "bf16" if (kind, engine) == ("linen", "shard_map") else "fp32"  # the temp test's compiles
     for depth in (4, 8):
-        assert _compiled(256, depth, 3, engine)["peak"] < _compiled(256, depth, 2, engine)["peak"]
+        stage_3 = _compiled(256, depth, 3, engine, kind, precision)["peak"]
+        assert stage_3 < _compiled(256, depth, 2, engine, kind, precision)["peak"]
 
 
 def test_shard_map_traffic_is_textbook():
@@ -106,12 +190,14 @@ def test_shard_map_traffic_is_textbook():
     assert abs(traffic["reduce-scatter"] + traffic["all-reduce"] - unit) <= 0.02 * unit
 
 
-@pytest.mark.parametrize("engine", ["shard_map", "gspmd"])
-def test_units_train_like_stage_0(engine):
+@pytest.mark.parametrize("kind,engine", [("nnx", "shard_map"), ("nnx", "gspmd"), ("linen", "gspmd")] + [
+    pytest.param(k, e, marks=pytest.mark.slow) for k, e in [("linen", "shard_map"), ("linen_setup", "shard_map"),
+                                                            ("linen_setup", "gspmd")]])
+def test_units_train_like_stage_0(kind, engine):
     width, depth, steps = 64, 4, 4
 
     def losses(stage, engine):
-        trainer = _trainer(width, depth, stage, engine, optax.adamw(3e-3))
+        trainer = _trainer(width, depth, stage, engine, optax.adamw(3e-3), kind=kind)
         state = trainer.init(jax.random.key(0), _batch(width))
         out = []
         for step in range(steps):
@@ -120,6 +206,90 @@ def test_units_train_like_stage_0(engine):
         return np.array(out)
 
     np.testing.assert_allclose(losses(3, engine), losses(0, "gspmd"), rtol=1e-5, atol=0)
+
+
+class LinenStatefulBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        h = nn.BatchNorm(use_running_average=not train, momentum=0.9)(nn.Dense(43)(x))
+        h = nn.Dropout(0.3, deterministic=not train)(jax.nn.relu(h))
+        return x + nn.Dense(x.shape[-1])(h)
+
+
+class LinenStatefulNet(nn.Module):
+    """Units (the blocks) that update batch_stats and draw dropout masks inside their call."""
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        for _ in range(2):
+            x = LinenStatefulBlock()(x, train)
+        return nn.Dense(10)(x)
+
+
+@pytest.mark.parametrize("engine", ["shard_map", pytest.param("gspmd", marks=pytest.mark.slow)])
+def test_linen_units_with_batchnorm_and_dropout_train_like_stage_0(engine):
+    """The unit's RNG counters advance once (the same masks as a plain call) and its new batch_stats
+    reach the model state."""
+    batch = classification_batch(0)
+    runs = {}
+    for stage in (0, 3):
+        trainer = zj.Trainer(LinenStatefulNet(), optax.adam(1e-2), stage=stage, engine=engine,
+                             mesh=zj.make_mesh(fsdp=DEVICES))
+        state = trainer.init(jax.random.key(0), batch)
+        first_stats = None
+        losses = []
+        for _ in range(4):
+            state, metrics = trainer.step(state, batch)
+            losses.append(float(metrics["loss"]))
+            first_stats = first_stats or jax.tree.map(np.asarray, state.model_state)
+        runs[stage] = losses, first_stats, trainer
+    assert "2 x LinenStatefulBlock" in runs[3][2].gather_report().description
+    np.testing.assert_allclose(runs[3][0], runs[0][0], rtol=1e-5, atol=1e-5)
+    assert len(set(runs[3][0])) == 4
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), runs[3][1], runs[0][1])
+    moved = jax.tree.map(lambda a, b: not np.allclose(a, b), runs[3][1],
+                         jax.tree.map(np.asarray, runs[3][2].init(jax.random.key(0), batch).model_state))
+    assert all(jax.tree.leaves(moved))  # every unit's running mean and variance was updated
+
+
+class LinenSharedNet(nn.Module):
+    """A unit called twice (once with a keyword argument) and a unit with Dense units inside it."""
+
+    def setup(self):
+        self.inp, self.out = nn.Dense(32), nn.Dense(10)
+        self.first, self.second = LinenScaledBlock(), LinenScaledBlock()
+
+    def __call__(self, x):
+        x = self.first(self.inp(x))
+        x = self.first(x, scale=0.5)
+        return self.out(self.second(x))
+
+
+class LinenScaledBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, *, scale=1.0):
+        return x + scale * nn.Dense(32)(jax.nn.gelu(nn.Dense(32)(x)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["shard_map", "gspmd"])
+@pytest.mark.parametrize("wrap,units", [("auto", "2 x Dense, 2 x LinenScaledBlock"),
+                                        (WrapRule(reshard_after_forward=False), "2 x Dense, 2 x LinenScaledBlock"),
+                                        ((LinenScaledBlock, nn.Dense), "6 x Dense, 2 x LinenScaledBlock")])
+def test_linen_shared_and_nested_units_train_like_stage_0(engine, wrap, units):
+    def run(stage):
+        trainer = zj.Trainer(LinenSharedNet(), optax.adamw(3e-3), mesh=zj.make_mesh(fsdp=DEVICES), stage=stage,
+                             engine=engine, engine_options={"wrap": wrap})
+        state = trainer.init(jax.random.key(0), _batch(32))
+        losses = []
+        for step in range(3):
+            state, metrics = trainer.step(state, _batch(32, step))
+            losses.append(float(metrics["loss"]))
+        return losses + [float(trainer.evaluate(state, _batch(32, 5)))], trainer.gather_report().description
+
+    got, description = run(3)
+    assert description.startswith(f"FSDP units: {units}"), description
+    np.testing.assert_allclose(got, run(0)[0], rtol=1e-5, atol=0)
 
 
 # ---- evaluation goes through the engine: one gather of the parameters, no partitioned matmuls -------

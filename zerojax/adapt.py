@@ -24,7 +24,7 @@ from flax import linen as nn
 from flax import nnx
 
 from zerojax import stacked as stacked_lib
-from zerojax import wrap
+from zerojax import wrap, wrap_linen
 
 
 @dataclass(frozen=True)
@@ -187,7 +187,7 @@ def _linen_functions(module: nn.Module, rng_streams: tuple[str, ...]) -> Functio
             contexts.enter_context(_linen_sync(sync))
         if around is not None:
             contexts.enter_context(around(module))
-            mutable = [*mutable, "params"]  # units write their gathered params into the scope
+            mutable = [*mutable, "params"]  # the root writes its gathered params into its scope
         with contexts:
             out = module.apply({"params": params, **model_state}, inputs, rngs=rngs, mutable=mutable or False,
                                **mode(train))
@@ -197,13 +197,13 @@ def _linen_functions(module: nn.Module, rng_streams: tuple[str, ...]) -> Functio
         return out, {**model_state, **{k: v for k, v in updates.items() if k in model_state}}
 
     def unit_around(units, materialize, param_paths, reshard_after_forward=True, wait_for_grads=False):
-        del reshard_after_forward, wait_for_grads  # a Linen unit's gathered params stay in its scope for the backward
-        return wrap.linen_around(units, materialize, param_paths)
+        return wrap_linen.linen_around(units, materialize, param_paths, reshard_after_forward, wait_for_grads)
 
-    return FunctionalModel(init, apply, False, type(module),
-                           modules=lambda params, model_state, inputs: wrap.linen_modules(module, params, model_state, inputs,
-                                                                                       **mode(False)),
-                           unit_around=unit_around, sync_batch_stats=lambda m, axes: _linen_sync(axes))
+    def modules(params, model_state, inputs):
+        return wrap_linen.linen_modules(module, params, model_state, inputs, **mode(False))
+
+    return FunctionalModel(init, apply, False, type(module), modules=modules, unit_around=unit_around,
+                           sync_batch_stats=lambda m, axes: _linen_sync(axes))
 
 
 def _linen_sync(axes):

@@ -1,7 +1,7 @@
 """FSDP units for user models: which submodules gather their own parameters when they are called.
 
 Like PyTorch FSDP's auto-wrap policy, a `WrapRule` picks submodules by class. A unit's parameters
-are gathered right before its call and (with `reshard_after_forward`, NNX only) dropped after it:
+are gathered right before its call and (with `reshard_after_forward`) dropped after it:
 the backward pass recomputes the unit, gathering the weights again, and the gather's transpose
 reduce-scatters the gradient. Each gather's operand depends on the unit's input (forward) or its
 incoming cotangent (backward), so no scheduler can hoist it and no CSE can merge the two (see
@@ -10,6 +10,7 @@ Parameters outside every unit belong to the root and are gathered once, before t
 
 The default rule, `WrapRule()`, needs no configuration: every module class that is used more than
 once and holds parameters is a unit, outermost first (a transformer's blocks, an MLP's layers).
+NNX units are made here; Linen units in `zerojax.wrap_linen`, through the same `rematerialized`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from flax import linen as nn
 from flax import nnx
 
 Path = tuple[str, ...]
@@ -31,7 +31,7 @@ Materialize = Callable[[str, Any], Any]  # ("a/b/kernel", stored value) -> compu
 @dataclass(frozen=True)
 class WrapRule:
     classes: tuple[type, ...] | None = None  # units by class; None: classes used more than once
-    reshard_after_forward: bool = True  # NNX: re-gather in backward instead of keeping weights
+    reshard_after_forward: bool = True  # re-gather in backward instead of keeping the weights
 
 
 def as_rule(wrap) -> WrapRule | None:
@@ -212,59 +212,3 @@ def _unit_class(cls: type, materialize: Materialize, reshard: bool, wait_for_gra
         return out
 
     return type(f"FSDPUnit_{cls.__name__}", (cls,), {"__call__": __call__})
-
-
-# ---- Linen: a method interceptor writes a unit's gathered params into its scope on first call ------
-
-
-def linen_modules(module: nn.Module, params, model_state, inputs, **call_kwargs) -> list[tuple[Path, type, int]]:
-    """Every submodule the model calls, found by tracing it once on abstract values."""
-    seen: dict[Path, type] = {}
-
-    def record(next_fun, args, kwargs, context):
-        scope = context.module.scope
-        if scope is not None:
-            seen.setdefault(tuple(scope.path), type(context.module))
-        return next_fun(*args, **kwargs)
-
-    with nn.intercept_methods(record):
-        jax.eval_shape(lambda p, ms, x: module.apply({"params": p, **ms}, x, **call_kwargs), params, model_state, inputs)
-    leaves = [tuple(str(k) for k in p) for p in nnx.traversals.flatten_mapping(params)]
-    return [(p, c, sum(q[: len(p)] == p for q in leaves)) for p, c in seen.items() if p]
-
-
-def linen_around(units: list[Path], materialize: Materialize, params_paths: list[Path]):
-    """`around(module)` for a Linen model: the root's params are written into its scope when it is
-    first entered, each unit's when the unit is first entered (before its setup or call)."""
-    owners = {p: owner(p, units) for p in params_paths}
-
-    def around(module: nn.Module):
-        done: set[Path] = set()
-
-        def interceptor(next_fun, args, kwargs, context):
-            m = context.module
-            path = tuple(m.scope.path) if m.scope is not None else None
-            if path is not None and path not in done and (not path or path in units):
-                done.add(path)
-                _put_gathered(m, path, [p for p, o in owners.items() if o == (path or None)], materialize)
-            return next_fun(*args, **kwargs)
-
-        return nn.intercept_methods(interceptor)
-
-    return around
-
-
-def _put_gathered(m: nn.Module, path: Path, leaves: list[Path], materialize: Materialize) -> None:
-    tree = nnx.traversals.flatten_mapping(_as_dict(m.variables.get("params", {})))
-    for leaf in leaves:
-        rel = leaf[len(path):]
-        tree[rel] = materialize(_key(leaf), tree[rel])
-    nested = nnx.traversals.unflatten_mapping(tree)
-    for name in {leaf[len(path)] for leaf in leaves}:
-        m.put_variable("params", name, nested[name])
-
-
-def _as_dict(tree):
-    if hasattr(tree, "items") and not hasattr(tree, "shape"):
-        return {k: _as_dict(v) for k, v in tree.items()}
-    return tree

@@ -1,0 +1,154 @@
+"""FSDP units for Linen models: a unit's call runs as a Flax lifted transform around `rematerialized`.
+
+A method interceptor sees every call of a bound module. The root's own params (outside every unit)
+are written, gathered, into its scope when it is first entered. A unit's method (not its `setup`)
+runs through `_unit_transform`, a lifted transform in the manner of `flax.core.lift.checkpoint`:
+the unit's variables and RNG streams are packed into a pure function of arrays, which runs inside
+`wrap.rematerialized`, so its gathers are tied to the unit's input (forward) and to the incoming
+cotangent (backward, recomputing the unit) exactly as for NNX units. The pure function is traced
+once, so the RNG counters advance once (dropout masks are those of a plain call), and the mutable
+collections it updates (BatchNorm's `batch_stats`) are written back into the calling scope.
+
+Limits: a unit's own `setup` still runs once outside the transform, on its stored (sharded) params,
+so it may create submodules and read params but not compute with them; modules passed into a unit
+as arguments or attributes are gathered by their own owner (the root, or the unit they belong to).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax import nnx
+from flax.core import DenyList, lift
+from flax.linen.transforms import decorator_lift_transform, get_module_scopes
+
+from zerojax.wrap import Materialize, Path, _key, owner, rematerialized, tie
+
+
+def linen_modules(module: nn.Module, params, model_state, inputs, **call_kwargs) -> list[tuple[Path, type, int]]:
+    """Every submodule the model calls, found by tracing it once on abstract values."""
+    seen: dict[Path, type] = {}
+
+    def record(next_fun, args, kwargs, context):
+        scope = context.module.scope
+        if scope is not None:
+            seen.setdefault(tuple(scope.path), type(context.module))
+        return next_fun(*args, **kwargs)
+
+    def run(p, ms, x):
+        return module.apply({"params": p, **ms}, x, **call_kwargs)
+
+    with nn.intercept_methods(record):
+        jax.eval_shape(run, params, model_state, inputs)
+    leaves = [tuple(str(k) for k in p) for p in nnx.traversals.flatten_mapping(params)]
+    return [(p, c, sum(q[: len(p)] == p for q in leaves)) for p, c in seen.items() if p]
+
+
+def linen_around(units: list[Path], materialize: Materialize, params_paths: list[Path],
+                 reshard_after_forward: bool = True, wait_for_grads: bool = False):
+    """`around(module)` for a Linen model: the root's params are written, gathered, into its scope when
+    it is first entered; each call of a unit's method gathers the unit's params inside the call."""
+    root_leaves = [p for p in params_paths if owner(p, units) is None]
+    unit_set = set(units)
+
+    def around(module: nn.Module):
+        done, inside = [False], []  # inside: the scopes `_unit_transform` runs units in
+
+        def interceptor(next_fun, args, kwargs, context):
+            m = context.module
+            scope = m.scope
+            if scope is None or any(scope is s for s in inside):
+                return next_fun(*args, **kwargs)
+            path = tuple(scope.path)
+            if not path and not done[0]:
+                done[0] = True
+                _put_gathered(m, path, root_leaves, materialize)
+            if path not in unit_set or context.method_name == "setup":
+                return next_fun(*args, **kwargs)
+            gather = _unit_gather(m, args, kwargs, path, units, materialize)
+            lifted = decorator_lift_transform(_unit_transform, context.orig_method.func, gather=gather, inside=inside,
+                                              reshard=reshard_after_forward, wait_for_grads=wait_for_grads)
+            return lifted(m, *args, **kwargs)
+
+        return nn.intercept_methods(interceptor)
+
+    return around
+
+
+def _unit_gather(m: nn.Module, args, kwargs, unit: Path, units: list[Path], materialize: Materialize):
+    """`gather(params per lifted scope, token)`: the leaves `unit` owns materialised, tied to `token`.
+    The lifted scopes are `get_module_scopes`' list without those nested in another of them (the order
+    and the deduplication `flax.core.lift.pack` uses)."""
+    scopes = get_module_scopes(m, args, kwargs)[0]
+    kept = []
+    for s in scopes:
+        if s not in kept and not any(a in scopes for a in _ancestors(s)):
+            kept.append(s)
+    roots = [tuple(s.path) for s in kept]
+
+    def gather(groups, token):
+        out = []
+        for root, group in zip(roots, groups):
+            flat = nnx.traversals.flatten_mapping(_as_dict(group.get("params", {})))
+            for rel, x in flat.items():
+                leaf = root + tuple(str(k) for k in rel)
+                if owner(leaf, units) == unit:
+                    flat[rel] = materialize(_key(leaf), tie(x, token))
+            out.append({**group, "params": nnx.traversals.unflatten_mapping(flat)} if flat else group)
+        return tuple(out)
+
+    return gather
+
+
+def _ancestors(scope):
+    scope = scope.parent
+    while scope is not None:
+        yield scope
+        scope = scope.parent
+
+
+def _unit_transform(fn, gather, inside: list, reshard: bool, wait_for_grads: bool):
+    """A lifted transform (see `flax.core.lift.pack`): `fn(scope, *args)` run on the unit's gathered
+    params inside `wrap.rematerialized`; returns what it updated in the other mutable collections."""
+
+    def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args, **kwargs):
+        params, rest = variable_groups  # ("params" per scope, every other collection per scope)
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        dynamic = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+
+        def run(params, dynamic_args, rest, rng_groups, token):
+            call = list(leaves)
+            for i, x in zip(dynamic, dynamic_args):
+                call[i] = x
+            a, k = jax.tree.unflatten(treedef, call)
+            scope = scope_fn((gather(params, token), rest), rng_groups)
+            inside.extend(jax.tree.leaves(scope))
+            y = fn(scope, *a, **k)
+            return y, repack_fn(scope)
+
+        operands = (params, [leaves[i] for i in dynamic], rest, rng_groups)
+        if reshard:  # the gathered weights are not kept for the backward pass: gathered again there
+            return rematerialized(run, *operands, wait_for_grads=wait_for_grads)
+        return run(*operands, jnp.zeros((), jnp.float32))
+
+    return lift.pack(inner, ("params", True), (False, DenyList("params")), (True,), name="fsdp_unit",
+                     enable_kwargs=True)
+
+
+def _put_gathered(m: nn.Module, path: Path, leaves: list[Path], materialize: Materialize) -> None:
+    tree = nnx.traversals.flatten_mapping(_as_dict(m.variables.get("params", {})))
+    for leaf in leaves:
+        rel = leaf[len(path):]
+        tree[rel] = materialize(_key(leaf), tree[rel])
+    nested = nnx.traversals.unflatten_mapping(tree)
+    for name in {leaf[len(path)] for leaf in leaves}:
+        m.put_variable("params", name, nested[name])
+
+
+def _as_dict(tree: Any):
+    if hasattr(tree, "items") and not hasattr(tree, "shape"):
+        return {k: _as_dict(v) for k, v in tree.items()}
+    return tree
