@@ -125,7 +125,13 @@ def search(stage: int, a, budget: int, small: tuple[int, int]) -> list[dict]:
     """Calibrate on two small depths, predict the largest, then step until the edge is found."""
     rows = [attempt(stage, small[0], a, budget), attempt(stage, small[1], a, budget)]
     r0, r1 = rows
-    if not (r0["trained"] and r1["trained"]):
+    if not r0["trained"]:
+        return rows
+    if not r1["trained"]:  # the edge lies between the two: step down from the larger
+        for layers in range(small[1] - 1, small[0], -1):
+            rows.append(attempt(stage, layers, a, budget))
+            if rows[-1]["trained"]:
+                break
         return rows
     per_layer = max(1, (r1["peak_rss_bytes"] - r0["peak_rss_bytes"]) / (small[1] - small[0]))
     guess = int(small[0] + (0.98 * budget - r0["peak_rss_bytes"]) / per_layer)
