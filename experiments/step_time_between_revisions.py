@@ -22,7 +22,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-CONFIGS = [("gspmd", 0), ("gspmd", 3), ("shard_map", 0), ("shard_map", 3)]
+CONFIGS = ["gspmd:0", "gspmd:3", "shard_map:0", "shard_map:3"]
 
 CHILD = r"""
 import functools, json, os, sys, time
@@ -35,7 +35,8 @@ cfg = gpt_config(preset, n_layers=layers)
 tokens = np.random.default_rng(0).integers(0, 256, size=(rows, cfg.seq_len + 1)).astype(np.int32)
 batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 out = {}
-for engine, stage in json.loads(sys.argv[6]):
+for engine, stage in (c.split(":") for c in json.loads(sys.argv[6])):
+    stage = int(stage)
     trainer = zj.Trainer(functools.partial(GPT, cfg), optax.adamw(1e-4), mesh=zj.make_mesh(fsdp=8), stage=stage,
                          engine=engine, precision=precision)
     state = trainer.init(jax.random.key(0), batch)
@@ -59,7 +60,7 @@ def worktree(rev: str) -> str:
 def run_child(path: str, a) -> dict:
     env = {**os.environ, "PYTHONPATH": path}
     argv = [sys.executable, "-c", CHILD, a.preset, str(a.layers), str(a.rows), str(a.steps), a.precision,
-            json.dumps(CONFIGS)]
+            json.dumps(a.configs)]
     proc = subprocess.run(argv, cwd=path, env=env, capture_output=True, text=True, check=True)
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
@@ -75,6 +76,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--precision", default="bf16")
+    p.add_argument("--configs", nargs="+", default=CONFIGS, help="engine:stage pairs")
     a = p.parse_args()
     paths = {rev: worktree(rev) for rev in (a.rev_a, a.rev_b)}
     try:
