@@ -1,0 +1,220 @@
+"""Host offload (`zero.offload`): the fp32 master and optimizer state in host memory between steps.
+
+Device-space bytes drop by exactly what host space gains (12 bytes per parameter over p at stage 3
+with AdamW), in the live arrays and in the compiled step's argument layout; losses equal the
+device-resident run; checkpoints resume bit-exactly and restore across offload settings, stages
+and device counts; export reads an offloaded run's checkpoint unchanged."""
+
+import functools
+import os
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from tests.models import UnevenMLP, classification_batch
+from zerojax import Trainer, load_params, make_mesh
+from zerojax.accounting.params import count_params
+from zerojax.checkpoint import CheckpointWriter, restore, run_metadata
+from zerojax.config import load_config
+from zerojax.data import BatchStream, load_corpus
+from zerojax.errors import UserError
+from zerojax.export import export_params
+from zerojax.models.gpt import GPT, gpt_config
+from zerojax import offload as offload_lib
+
+KEY = jax.random.key(0)
+# Every dimension divides 8, so no leaf is padded; leaves under 2 KiB stay replicated by default,
+# which the byte test turns off so that every leaf is sharded and the figure is exactly 12 psi / p.
+CFG = gpt_config("tiny", d_model=32, n_heads=4, d_ff=64, n_layers=2, seq_len=16, remat="none")
+
+
+def _tx():
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=0.1))
+
+
+def _gpt(stage, offload="none", devices=8, **kw) -> Trainer:
+    mesh = make_mesh(devices=jax.devices()[:devices])
+    return Trainer(functools.partial(GPT, CFG), _tx(), mesh=mesh, stage=stage, offload=offload, **kw)
+
+
+@pytest.fixture(scope="module")
+def stream():
+    return BatchStream(load_corpus(None, 200_000), seq_len=CFG.seq_len, global_batch=8, seed=0)
+
+
+def _steps(trainer, state, stream, steps):
+    losses = []
+    for i in steps:
+        state, metrics = trainer.step(state, stream.host_batch(i))
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+def _kinds(tree) -> set:
+    return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
+
+
+# ---- bytes ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_stage3_device_bytes_drop_by_master_and_moments(stream, precision):
+    batch = stream.host_batch(0)
+    measured = {}
+    for mode in ("none", "optimizer"):
+        trainer = _gpt(3, mode, precision=precision, replicate_below_bytes=0)
+        state = trainer.init(KEY, batch)
+        compiled = offload_lib.compiled_argument_bytes(trainer.compile(state, batch))
+        measured[mode] = (trainer.persistent_bytes_per_device(state),
+                          trainer.host_persistent_bytes_per_device(state), compiled, state)
+    psi, p = count_params(trainer.layout.leaves), 8
+    (dev0, host0, args0, s0), (dev1, host1, args1, s1) = measured["none"], measured["optimizer"]
+    assert host0 == 0 and args0["host"] == 0
+    assert dev0 - dev1 == host1  # moved, not copied
+    assert dev0 - dev1 == pytest.approx(12 * psi / p, rel=0.01)  # fp32 master 4 + Adam moments 8
+    # The compiled program agrees: its host-space arguments (memory space S(5)) are those bytes.
+    assert args1["host"] == host1 and args0["device"] - args1["device"] == host1
+    assert _kinds(s1.params) == _kinds(s1.opt_state) == {"pinned_host"}
+    assert _kinds(s0.params) == {"device"} and _kinds(s1.step) == {"device"}
+
+
+def test_bf16_stage1_optimizer_params_also_moves_the_compute_copy(stream):
+    batch = stream.host_batch(0)
+    sizes = {}
+    for mode in ("none", "optimizer", "optimizer+params"):
+        trainer = _gpt(1, mode, precision="bf16")
+        state = trainer.init(KEY, batch)
+        sizes[mode] = (trainer.persistent_bytes_per_device(state), trainer.host_persistent_bytes_per_device(state))
+        assert trainer.layout.keeps_compute_copy
+    psi = count_params(trainer.layout.leaves)
+    compute = 2 * psi  # the replicated bf16 copy stages 0-2 keep for the forward
+    assert _kinds(state.compute) == {"pinned_host"}
+    assert sizes["optimizer"][0] - sizes["optimizer+params"][0] == compute
+    assert sizes["optimizer+params"][1] - sizes["optimizer"][1] == compute
+    assert sizes["none"][0] - sizes["optimizer"][0] == sizes["optimizer"][1]
+
+
+# ---- losses --------------------------------------------------------------------------------------
+
+
+def _mlp_losses(stage, engine, offload, steps=20, **kw):
+    trainer = Trainer(UnevenMLP, optax.adamw(1e-2), stage=stage, engine=engine, offload=offload, **kw)
+    state = trainer.init(KEY, classification_batch(0))
+    losses = []
+    for i in range(steps):
+        state, metrics = trainer.step(state, classification_batch(i))
+        losses.append(float(metrics["loss"]))
+    return losses, trainer, state
+
+
+@pytest.mark.parametrize("engine", ["gspmd", "shard_map"])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_losses_equal_the_device_resident_run(stage, engine):
+    want, ref, ref_state = _mlp_losses(stage, engine, "none")
+    got, trainer, state = _mlp_losses(stage, engine, "optimizer")
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    assert want[-1] < want[0]
+    assert _kinds(state.opt_state) == {"pinned_host"}  # still there after 20 steps
+    # eval streams the master in as the step does
+    batch = classification_batch(0)
+    assert float(trainer.evaluate(state, batch)) == pytest.approx(float(ref.evaluate(ref_state, batch)), abs=1e-6)
+
+
+def test_bf16_optimizer_params_losses_equal(stream):
+    want, _, _ = _mlp_losses(2, "gspmd", "none", steps=5, precision="bf16")
+    got, _, state = _mlp_losses(2, "gspmd", "optimizer+params", steps=5, precision="bf16")
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    assert _kinds(state.compute) == {"pinned_host"}
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, stream):
+    """Per offload mode, stage 3 on 8 devices: 2 steps, save, 2 more (the uninterrupted losses)."""
+    root = tmp_path_factory.mktemp("offload_ckpt")
+    out = {}
+    for mode in ("none", "optimizer"):
+        trainer = _gpt(3, mode)
+        state, _ = _steps(trainer, trainer.init(KEY, stream.host_batch(0)), stream, range(2))
+        writer = CheckpointWriter(str(root / mode), keep=1, run_meta=run_metadata(trainer, seed=0))
+        writer.save(2, state)
+        params = jax.tree.map(np.asarray, state.params)
+        _, losses = _steps(trainer, state, stream, range(2, 4))
+        writer.close()
+        out[mode] = (trainer, str(root / mode / "2"), losses, params)
+    return out
+
+
+def test_resume_with_offload_is_bit_exact(saved, stream):
+    trainer, step_dir, losses, _ = saved["optimizer"]
+    state, _ = restore(trainer, step_dir, KEY, stream.host_batch(2))
+    assert _kinds(state.params) == _kinds(state.opt_state) == {"pinned_host"}
+    for x, want in zip(jax.tree.leaves(state), jax.tree.leaves(trainer.state_shardings)):
+        assert x.sharding == want
+    _, got = _steps(trainer, state, stream, range(2, 4))
+    assert got == losses  # bit-exact
+
+
+@pytest.mark.parametrize("source,target", [("optimizer", "none"), ("none", "optimizer")])
+def test_restore_across_offload_settings(saved, stream, source, target):
+    _, step_dir, losses, params = saved[source]
+    into = saved[target][0]
+    state, _ = restore(into, step_dir, KEY, stream.host_batch(2))
+    assert _kinds(state.opt_state) == ({"pinned_host"} if target == "optimizer" else {"device"})
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.params), params)
+    _, got = _steps(into, state, stream, range(2, 4))
+    np.testing.assert_allclose(got, losses, rtol=0, atol=1e-6)
+
+
+def test_reshard_offloaded_checkpoint_to_another_stage_and_device_count(saved, stream):
+    _, step_dir, losses, _ = saved["optimizer"]
+    for target in (_gpt(1, "optimizer", devices=4), _gpt(0, "none", devices=1)):
+        state, _ = restore(target, step_dir, KEY, stream.host_batch(2))
+        _, got = _steps(target, state, stream, range(2, 4))
+        rel = np.abs(np.array(got) / np.array(losses) - 1)
+        assert rel.max() < 1e-4, (target.stage.index, got, losses)
+
+
+def test_export_of_an_offloaded_checkpoint(saved, tmp_path):
+    _, step_dir, _, params = saved["optimizer"]
+    export_params(os.path.dirname(step_dir), str(tmp_path / "params.npz"))
+    loaded = load_params(str(tmp_path / "params.npz"))
+    for got, want in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(got, want[tuple(slice(0, s) for s in got.shape)])
+
+
+# ---- configuration -------------------------------------------------------------------------------
+
+
+def test_config_key_and_errors():
+    assert load_config(None, ["zero.offload=optimizer+params"]).zero.offload == "optimizer+params"
+    assert load_config(None).zero.offload == "none"
+    with pytest.raises(UserError, match="zero.offload must be one of none, optimizer, optimizer\\+params"):
+        load_config(None, ["zero.offload=params"])
+    with pytest.raises(UserError, match="zero.offload"):
+        Trainer(UnevenMLP, optax.adamw(1e-2), offload="gpu")
+
+
+def test_backend_without_host_memory_is_a_user_error():
+    class Memory:
+        def __init__(self, kind):
+            self.kind = kind
+
+    class Device:
+        platform = "fake"
+
+        def addressable_memories(self):
+            return [Memory("device")]
+
+        def __str__(self):
+            return "fake:0"
+
+    offload_lib.check_backend("none", [Device()])
+    with pytest.raises(UserError, match="needs the memory kind 'pinned_host'.*has device"):
+        offload_lib.check_backend("optimizer", [Device()])
+    kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+    assert "pinned_host" in kinds  # the CPU backend of jax 0.10.2 and 0.12 has it
