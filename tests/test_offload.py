@@ -59,7 +59,7 @@ def _kinds(tree) -> set:
 # ---- bytes ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_stage3_device_bytes_drop_by_master_and_moments(stream, precision):
     batch = stream.host_batch(0)
     measured = {}
@@ -80,6 +80,7 @@ def test_stage3_device_bytes_drop_by_master_and_moments(stream, precision):
     assert _kinds(s0.params) == {"device"} and _kinds(s1.step) == {"device"}
 
 
+@pytest.mark.slow
 def test_bf16_stage1_optimizer_params_also_moves_the_compute_copy(stream):
     batch = stream.host_batch(0)
     sizes = {}
@@ -109,8 +110,9 @@ def _mlp_losses(stage, engine, offload, steps=20, **kw):
     return losses, trainer, state
 
 
-@pytest.mark.parametrize("engine", ["gspmd", "shard_map"])
-@pytest.mark.parametrize("stage", [1, 3])
+# Two of the four run by default; the other two under -m slow.
+@pytest.mark.parametrize("stage,engine", [(1, "gspmd"), (3, "shard_map"), pytest.param(3, "gspmd", marks=pytest.mark.slow),
+                                          pytest.param(1, "shard_map", marks=pytest.mark.slow)])
 def test_losses_equal_the_device_resident_run(stage, engine):
     want, ref, ref_state = _mlp_losses(stage, engine, "none")
     got, trainer, state = _mlp_losses(stage, engine, "optimizer")
@@ -122,7 +124,8 @@ def test_losses_equal_the_device_resident_run(stage, engine):
     assert float(trainer.evaluate(state, batch)) == pytest.approx(float(ref.evaluate(ref_state, batch)), abs=1e-6)
 
 
-def test_bf16_optimizer_params_losses_equal(stream):
+@pytest.mark.slow
+def test_bf16_optimizer_params_losses_equal():
     want, _, _ = _mlp_losses(2, "gspmd", "none", steps=5, precision="bf16")
     got, _, state = _mlp_losses(2, "gspmd", "optimizer+params", steps=5, precision="bf16")
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
@@ -170,13 +173,15 @@ def test_restore_across_offload_settings(saved, stream, source, target):
     np.testing.assert_allclose(got, losses, rtol=0, atol=1e-6)
 
 
-def test_reshard_offloaded_checkpoint_to_another_stage_and_device_count(saved, stream):
+@pytest.mark.parametrize("stage,offload,devices", [(1, "optimizer", 4),
+                                                   pytest.param(0, "none", 1, marks=pytest.mark.slow)])
+def test_reshard_offloaded_checkpoint_to_another_stage_and_device_count(saved, stream, stage, offload, devices):
     _, step_dir, losses, _ = saved["optimizer"]
-    for target in (_gpt(1, "optimizer", devices=4), _gpt(0, "none", devices=1)):
-        state, _ = restore(target, step_dir, KEY, stream.host_batch(2))
-        _, got = _steps(target, state, stream, range(2, 4))
-        rel = np.abs(np.array(got) / np.array(losses) - 1)
-        assert rel.max() < 1e-4, (target.stage.index, got, losses)
+    target = _gpt(stage, offload, devices=devices)
+    state, _ = restore(target, step_dir, KEY, stream.host_batch(2))
+    _, got = _steps(target, state, stream, range(2, 4))
+    rel = np.abs(np.array(got) / np.array(losses) - 1)
+    assert rel.max() < 1e-4, (stage, devices, got, losses)
 
 
 def test_export_of_an_offloaded_checkpoint(saved, tmp_path):
