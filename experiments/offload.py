@@ -111,8 +111,8 @@ def update_rows(n: int, repeats: int) -> list[dict]:
 
         try:
             wrap = compute_on("device_host")
-        except TypeError:  # newer jax: compute_on(compute_type=..., out_memory_spaces=...)
-            return None
+        except TypeError:  # jax 0.12: compute_on(compute_type=..., out_memory_spaces=...)
+            wrap = compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
         return wrap(jax.jit(update))(params, opt_state, jax.device_put(grads, host))
 
     params = jnp.zeros((n,), jnp.float32)
@@ -124,12 +124,7 @@ def update_rows(n: int, repeats: int) -> list[dict]:
                          tx.init(params))
         try:
             jitted = jax.jit(fn, donate_argnums=(0, 1))
-            out = jitted(p, s, grads)
-            if out is None:
-                rows.append({"update": name, "error": f"compute_on('device_host') has another signature in jax "
-                                                      f"{jax.__version__}"})
-                continue
-            jax.block_until_ready(out)
+            out = jax.block_until_ready(jitted(p, s, grads))
             p, s = out
             times = []
             for _ in range(repeats):
