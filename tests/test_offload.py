@@ -7,6 +7,7 @@ and device counts; export reads an offloaded run's checkpoint unchanged."""
 
 import functools
 import os
+from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -25,8 +26,8 @@ from zerojax.models.gpt import GPT, gpt_config
 from zerojax import offload as offload_lib
 
 KEY = jax.random.key(0)
-# Every dimension divides 8, so no leaf is padded; leaves under 2 KiB stay replicated by default,
-# which the byte test turns off so that every leaf is sharded and the figure is exactly 12 psi / p.
+# Every dimension divides 8, so no leaf is padded; leaves under 2 KiB would stay replicated by
+# default, so these trainers shard every leaf (`replicate_below_bytes=0`): exactly 12 psi / p at stage 3.
 CFG = gpt_config("tiny", d_model=32, n_heads=4, d_ff=64, n_layers=2, seq_len=16, remat="none")
 
 
@@ -35,6 +36,7 @@ def _tx():
 
 
 def _gpt(stage, offload="none", devices=8, **kw) -> Trainer:
+    kw.setdefault("replicate_below_bytes", 0)
     mesh = make_mesh(devices=jax.devices()[:devices])
     return Trainer(functools.partial(GPT, CFG), _tx(), mesh=mesh, stage=stage, offload=offload, **kw)
 
@@ -53,31 +55,43 @@ def _steps(trainer, state, stream, steps):
 
 
 def _kinds(tree) -> set:
-    return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
+    """Memory kinds of a tree of arrays (or of shardings)."""
+    return {getattr(x, "sharding", x).memory_kind for x in jax.tree.leaves(tree)}
 
 
 # ---- bytes ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
-def test_stage3_device_bytes_drop_by_master_and_moments(stream, precision):
+def _bytes(trainer, state, compiled) -> dict:
+    return {"device": trainer.persistent_bytes_per_device(state), "host": trainer.host_persistent_bytes_per_device(state),
+            "args": offload_lib.compiled_argument_bytes(compiled), "state": state}
+
+
+def _check_bytes(none, off, psi, p=8):
+    assert none["host"] == 0 and none["args"]["host"] == 0
+    assert none["device"] - off["device"] == off["host"]  # moved, not copied
+    assert none["device"] - off["device"] == pytest.approx(12 * psi / p, rel=0.01)  # fp32 master 4 + moments 8
+    # The compiled program agrees: its host-space arguments (memory space S(5)) are those bytes.
+    assert off["args"]["host"] == off["host"] and none["args"]["device"] - off["args"]["device"] == off["host"]
+    s0, s1 = none["state"], off["state"]
+    assert _kinds(s1.params) == _kinds(s1.opt_state) == {"pinned_host"}
+    assert _kinds(s0.params) == {"device"} and _kinds(s1.step) == {"device"}
+
+
+def test_stage3_device_bytes_drop_by_master_and_moments(saved):
+    none, off = saved["none"], saved["optimizer"]
+    _check_bytes(none.bytes, off.bytes, count_params(off.trainer.layout.leaves))
+
+
+@pytest.mark.slow
+def test_stage3_bf16_device_bytes_drop_by_master_and_moments(stream):
     batch = stream.host_batch(0)
     measured = {}
     for mode in ("none", "optimizer"):
-        trainer = _gpt(3, mode, precision=precision, replicate_below_bytes=0)
+        trainer = _gpt(3, mode, precision="bf16")
         state = trainer.init(KEY, batch)
-        compiled = offload_lib.compiled_argument_bytes(trainer.compile(state, batch))
-        measured[mode] = (trainer.persistent_bytes_per_device(state),
-                          trainer.host_persistent_bytes_per_device(state), compiled, state)
-    psi, p = count_params(trainer.layout.leaves), 8
-    (dev0, host0, args0, s0), (dev1, host1, args1, s1) = measured["none"], measured["optimizer"]
-    assert host0 == 0 and args0["host"] == 0
-    assert dev0 - dev1 == host1  # moved, not copied
-    assert dev0 - dev1 == pytest.approx(12 * psi / p, rel=0.01)  # fp32 master 4 + Adam moments 8
-    # The compiled program agrees: its host-space arguments (memory space S(5)) are those bytes.
-    assert args1["host"] == host1 and args0["device"] - args1["device"] == host1
-    assert _kinds(s1.params) == _kinds(s1.opt_state) == {"pinned_host"}
-    assert _kinds(s0.params) == {"device"} and _kinds(s1.step) == {"device"}
+        measured[mode] = _bytes(trainer, state, trainer.compile(state, batch))
+    _check_bytes(measured["none"], measured["optimizer"], count_params(trainer.layout.leaves))
 
 
 @pytest.mark.slow
@@ -135,25 +149,38 @@ def test_bf16_optimizer_params_losses_equal():
 # ---- checkpoints ---------------------------------------------------------------------------------
 
 
+@dataclass
+class Saved:
+    trainer: Trainer
+    step_dir: str
+    losses: list  # the uninterrupted run's losses after the save
+    params: dict  # host copies of the saved master params
+    bytes: dict  # `_bytes` at init
+
+
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory, stream):
-    """Per offload mode, stage 3 on 8 devices: 2 steps, save, 2 more (the uninterrupted losses)."""
+def saved(tmp_path_factory, stream) -> dict[str, Saved]:
+    """Per offload mode, stage 3 on 8 devices: compile, 2 steps, save, 2 more (the uninterrupted losses)."""
     root = tmp_path_factory.mktemp("offload_ckpt")
     out = {}
     for mode in ("none", "optimizer"):
         trainer = _gpt(3, mode)
-        state, _ = _steps(trainer, trainer.init(KEY, stream.host_batch(0)), stream, range(2))
+        state = trainer.init(KEY, stream.host_batch(0))
+        measured = _bytes(trainer, state, trainer.compile(state, stream.host_batch(0)))  # `step` reuses it
+        measured["state"] = jax.tree.map(lambda x: x.sharding, state)
+        state, _ = _steps(trainer, state, stream, range(2))
         writer = CheckpointWriter(str(root / mode), keep=1, run_meta=run_metadata(trainer, seed=0))
         writer.save(2, state)
         params = jax.tree.map(np.asarray, state.params)
         _, losses = _steps(trainer, state, stream, range(2, 4))
         writer.close()
-        out[mode] = (trainer, str(root / mode / "2"), losses, params)
+        out[mode] = Saved(trainer, str(root / mode / "2"), losses, params, measured)
     return out
 
 
 def test_resume_with_offload_is_bit_exact(saved, stream):
-    trainer, step_dir, losses, _ = saved["optimizer"]
+    src = saved["optimizer"]
+    trainer, step_dir, losses = src.trainer, src.step_dir, src.losses
     state, _ = restore(trainer, step_dir, KEY, stream.host_batch(2))
     assert _kinds(state.params) == _kinds(state.opt_state) == {"pinned_host"}
     for x, want in zip(jax.tree.leaves(state), jax.tree.leaves(trainer.state_shardings)):
@@ -164,8 +191,8 @@ def test_resume_with_offload_is_bit_exact(saved, stream):
 
 @pytest.mark.parametrize("source,target", [("optimizer", "none"), ("none", "optimizer")])
 def test_restore_across_offload_settings(saved, stream, source, target):
-    _, step_dir, losses, params = saved[source]
-    into = saved[target][0]
+    step_dir, losses, params = saved[source].step_dir, saved[source].losses, saved[source].params
+    into = saved[target].trainer
     state, _ = restore(into, step_dir, KEY, stream.host_batch(2))
     assert _kinds(state.opt_state) == ({"pinned_host"} if target == "optimizer" else {"device"})
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.params), params)
@@ -176,7 +203,7 @@ def test_restore_across_offload_settings(saved, stream, source, target):
 @pytest.mark.parametrize("stage,offload,devices", [(1, "optimizer", 4),
                                                    pytest.param(0, "none", 1, marks=pytest.mark.slow)])
 def test_reshard_offloaded_checkpoint_to_another_stage_and_device_count(saved, stream, stage, offload, devices):
-    _, step_dir, losses, _ = saved["optimizer"]
+    step_dir, losses = saved["optimizer"].step_dir, saved["optimizer"].losses
     target = _gpt(stage, offload, devices=devices)
     state, _ = restore(target, step_dir, KEY, stream.host_batch(2))
     _, got = _steps(target, state, stream, range(2, 4))
@@ -185,7 +212,7 @@ def test_reshard_offloaded_checkpoint_to_another_stage_and_device_count(saved, s
 
 
 def test_export_of_an_offloaded_checkpoint(saved, tmp_path):
-    _, step_dir, _, params = saved["optimizer"]
+    step_dir, params = saved["optimizer"].step_dir, saved["optimizer"].params
     export_params(os.path.dirname(step_dir), str(tmp_path / "params.npz"))
     loaded = load_params(str(tmp_path / "params.npz"))
     for got, want in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
@@ -223,3 +250,20 @@ def test_backend_without_host_memory_is_a_user_error():
         offload_lib.check_backend("optimizer", [Device()])
     kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
     assert "pinned_host" in kinds  # the CPU backend of jax 0.10.2 and 0.12 has it
+
+
+# ---- compare -------------------------------------------------------------------------------------
+
+
+def test_compare_row_reports_device_and_host_space():
+    """`zerojax compare --set zero.offload=optimizer`: one row, as the command builds it."""
+    from zerojax.accounting.compare import run_row
+
+    sets = ["zero.stage=3", "zero.offload=optimizer", "train.batch_size=8", "train.steps=1", "model.seq_len=16",
+            "data.max_bytes=200000"]
+    row, params, devices = run_row(load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.yaml"),
+                                               sets), steps=1)
+    assert row["persistent_bytes_per_device"] == 12  # the step counter and the RNG key
+    assert row["host_persistent_bytes_per_device"] == row["host_argument_bytes_per_device"]
+    assert row["host_persistent_bytes_per_device"] == pytest.approx(12 * params / devices, rel=0.01)
+    assert row["persistent_ratio"] == pytest.approx(1.0, rel=0.01)
