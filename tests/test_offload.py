@@ -139,6 +139,14 @@ def test_losses_equal_the_device_resident_run(stage, engine):
 
 
 @pytest.mark.slow
+def test_with_gradient_accumulation_losses_equal():
+    want, _, _ = _mlp_losses(2, "shard_map", "none", steps=5, grad_accum=2)
+    got, _, state = _mlp_losses(2, "shard_map", "optimizer", steps=5, grad_accum=2)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    assert _kinds(state.opt_state) == {"pinned_host"}
+
+
+@pytest.mark.slow
 def test_bf16_optimizer_params_losses_equal():
     want, _, _ = _mlp_losses(2, "gspmd", "none", steps=5, precision="bf16")
     got, _, state = _mlp_losses(2, "gspmd", "optimizer+params", steps=5, precision="bf16")

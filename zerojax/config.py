@@ -222,14 +222,13 @@ def validate(c: Config) -> None:
     from zerojax.engines import ENGINES
     from zerojax.engines.accum import check_accum_batch
     from zerojax.mesh import check_batch, check_sizes
+    from zerojax.offload import check_mode
     from zerojax.optim import get_optimizer
     from zerojax.precision import get_precision
     from zerojax.stages import get_stage
 
     get_precision(c.precision, c.zero.reduce_dtype)
     get_stage(c.zero.stage)
-    from zerojax.offload import check_mode
-
     check_mode(c.zero.offload)
     if c.zero.engine not in ENGINES:
         raise UserError(f"zero.engine must be one of {', '.join(ENGINES)}, got {c.zero.engine!r}.")

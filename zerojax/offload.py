@@ -24,6 +24,7 @@ import re
 import jax
 
 from zerojax.errors import UserError
+from zerojax.state import TrainState
 
 MODES = ("none", "optimizer", "optimizer+params")
 HOST = "pinned_host"
@@ -90,9 +91,9 @@ def streamed(fn, shardings, names):
 
     def run(state, *rest):
         out = fn(place(state, shardings, names, DEVICE), *rest)
-        if isinstance(out, tuple) and hasattr(out[0], "saved"):
+        if isinstance(out, tuple) and isinstance(out[0], TrainState):
             return (place(out[0], shardings, names, HOST), *out[1:])
-        return place(out, shardings, names, HOST) if hasattr(out, "saved") else out
+        return place(out, shardings, names, HOST) if isinstance(out, TrainState) else out
 
     return run
 
