@@ -57,6 +57,7 @@ class ZeroConfig(_Section):
     reduce_dtype: Optional[str] = None
     prefetch: StrictBool = False  # shard_map stage 3: gather layer i+1 while layer i computes
     reshard_after_forward: StrictBool = True  # stage 3, False: gather once per step, keep across micro-batches
+    offload: str = "none"  # "optimizer": fp32 master + optimizer state in host memory; "optimizer+params"
 
 
 class MeshConfig(_Section):
@@ -221,12 +222,14 @@ def validate(c: Config) -> None:
     from zerojax.engines import ENGINES
     from zerojax.engines.accum import check_accum_batch
     from zerojax.mesh import check_batch, check_sizes
+    from zerojax.offload import check_mode
     from zerojax.optim import get_optimizer
     from zerojax.precision import get_precision
     from zerojax.stages import get_stage
 
     get_precision(c.precision, c.zero.reduce_dtype)
     get_stage(c.zero.stage)
+    check_mode(c.zero.offload)
     if c.zero.engine not in ENGINES:
         raise UserError(f"zero.engine must be one of {', '.join(ENGINES)}, got {c.zero.engine!r}.")
     get_optimizer(c.optimizer.name)

@@ -89,5 +89,6 @@ def build_experiment(c: Config, devices=None) -> Experiment:
         reduce_dtype=c.zero.reduce_dtype,
         engine_options=EngineOptions(prefetch=c.zero.prefetch, reshard_after_forward=c.zero.reshard_after_forward),
         grad_accum=c.train.grad_accum,
+        offload=c.zero.offload,
     )
     return Experiment(c, gpt, trainer, train_data, eval_data, meta)

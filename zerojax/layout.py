@@ -15,6 +15,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from zerojax import offload as offload_lib
 from zerojax.precision import Precision, cast_tree
 from zerojax.stages import FSDP_AXIS, LeafLayout, Stage, fit_to, leaf_layout, path_str
 from zerojax.stacked import under
@@ -32,6 +33,8 @@ class StateLayout:
     # The optimizer group's own leaves where they differ: padded leaves replicated in their logical
     # shape, for optimizers whose update is not elementwise (see `zerojax.optim.pads_exactly`).
     opt_leaves: Any = None
+    # `zero.offload`: which groups live in host memory between steps (see `zerojax.offload`)
+    offload: str = "none"
 
     @property
     def fsdp_size(self) -> int:
@@ -60,6 +63,11 @@ class StateLayout:
     def keeps_compute_copy(self) -> bool:
         """Stage 3 keeps none: it casts the fp32 shard right before gathering it."""
         return self.precision.separate_compute_copy and not self.stage.compute_params
+
+    @property
+    def host_groups(self) -> tuple[str, ...]:
+        """The state groups kept in host memory ("pinned_host") between steps."""
+        return offload_lib.groups(self.offload, self.keeps_compute_copy)
 
     @property
     def replicated(self) -> NamedSharding:
@@ -123,12 +131,15 @@ class StateLayout:
         return jax.eval_shape(tx.init, params)
 
     def state_shardings(self, tx, opt_state_shapes) -> TrainState:
-        return TrainState(
+        """Each group's shardings; the `host_groups` in memory kind "pinned_host"."""
+        shardings = TrainState(
             step=self.replicated,
             params=self.shardings(self.master_sharded),
             opt_state=self.opt_state_shardings(tx, opt_state_shapes),
             compute=self.shardings(False) if self.keeps_compute_copy else None,
         )
+        host = {g: jax.tree.map(offload_lib.to_host, getattr(shardings, g)) for g in self.host_groups}
+        return shardings.replace(**host)
 
     def abstract_state(self, tx, opt_state_shapes) -> TrainState:
         """The state as `jax.ShapeDtypeStruct`s carrying their shardings; traces nothing."""
@@ -168,7 +179,7 @@ class StateLayout:
 
 def make_layout(mesh, stage: Stage, precision: Precision, param_shapes, *, layer_stacks=("blocks",),
                 replicate_below_bytes: int = 2048, pad_free_optimizer: bool = False,
-                stack_paths: tuple = ()) -> StateLayout:
+                stack_paths: tuple = (), offload: str = "none") -> StateLayout:
     """One `LeafLayout` per parameter; leaves under a `layer_stacks` name, or under one of the
     `stack_paths` (param paths of `zj.Stacked` layer stacks), keep axis 0 whole.
 
@@ -191,4 +202,4 @@ def make_layout(mesh, stage: Stage, precision: Precision, param_shapes, *, layer
         opt_leaves = jax.tree.map(
             lambda l: LeafLayout(l.path, l.shape, l.shape, None, "replicated in the optimizer: padding would "
                                  "change a non-elementwise update") if l.padded else l, leaves, is_leaf=_is_layout)
-    return StateLayout(mesh, stage, precision, leaves, opt_leaves)
+    return StateLayout(mesh, stage, precision, leaves, opt_leaves, offload)

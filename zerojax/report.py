@@ -54,7 +54,9 @@ def summary_table(summary: dict, out_dir: str) -> None:
         ("loss first -> final", f"{_loss(summary['first_loss'])} -> {_loss(summary['final_loss'])}"),
         ("eval loss", "-" if summary["eval_loss"] is None else _loss(summary["eval_loss"])),
         ("bad steps (skipped)", f"{summary.get('bad_steps', 0)}"),
-        ("state per device", _bytes(summary["persistent_bytes_per_device"])),
+        ("state per device", _bytes(summary["persistent_bytes_per_device"])
+         + (f" (+ {_bytes(summary['host_persistent_bytes_per_device'])} in host memory)"
+            if summary.get("host_persistent_bytes_per_device") else "")),
         ("compile", f"{summary['compile_s']:.1f} s"),
         ("median step", f"{summary['median_step_time_s'] * 1e3:.1f} ms ({summary['tokens_per_s']:,.0f} tok/s)"),
         ("output", out_dir),

@@ -344,6 +344,7 @@ def _summary(trainer, o: FitOptions, run: _Run, all_records: list[dict], compile
         "median_step_time_s": float(np.median(steady)),
         "tokens_per_s": run.items_per_step / float(np.median(steady)),
         "persistent_bytes_per_device": trainer.persistent_bytes_per_device(run.state),
+        "host_persistent_bytes_per_device": trainer.host_persistent_bytes_per_device(run.state),
     }
 
 

@@ -1,7 +1,8 @@
 """`Trainer`: init straight into shards, compile, step.
 
     trainer = zj.Trainer(model, optax.adamw(3e-4), mesh=mesh, stage=3, engine="gspmd", precision="bf16",
-                         grad_accum=1)  # k > 1: k micro-batches of batch/k rows per step, one update
+                         grad_accum=1,  # k > 1: k micro-batches of batch/k rows per step, one update
+                         offload="none")  # "optimizer": fp32 master + optimizer state in host memory
     state = trainer.init(jax.random.key(0), batch)
     state, metrics = trainer.step(state, batch)
 
@@ -26,6 +27,7 @@ from zerojax.engines import EngineOptions, GatherReport, get_engine
 from zerojax.engines.accum import check_accum_batch, check_grad_accum
 from zerojax.engines.common import compute_params, cross_entropy, global_loss
 from zerojax.errors import UserError
+from zerojax import offload as offload_lib
 from zerojax.layout import StateLayout, make_layout
 from zerojax.optim import pads_exactly
 from zerojax.mesh import BATCH_AXES, check_batch, data_parallel_size, make_mesh
@@ -76,6 +78,7 @@ class Trainer:
         engine_options: EngineOptions | dict | None = None,
         rng_streams: tuple[str, ...] = ("dropout",),
         grad_accum: int = 1,
+        offload: str = "none",
     ):
         self._engine = get_engine(engine)
         self.engine = engine
@@ -84,10 +87,12 @@ class Trainer:
         self.grad_accum = check_grad_accum(grad_accum)
         if self.grad_accum > 1 and "grad_accum" not in self._engine.supports:
             raise UserError(f"the {engine} engine does not support gradient accumulation (train.grad_accum).")
+        self.offload = offload_lib.check_mode(offload)
         self.model = functional(model, rng_streams)
         self.tx = optimizer
         self.mesh = mesh if mesh is not None else make_mesh()
         self.stage = get_stage(stage)
+        offload_lib.check_backend(self.offload, self.mesh.devices.flat)
         self.precision = get_precision(precision, reduce_dtype)
         self.loss_fn = loss_fn or cross_entropy
         self.replicate_below_bytes = replicate_below_bytes
@@ -125,7 +130,8 @@ class Trainer:
         param_shapes, model_state_shapes, static_shapes = jax.eval_shape(self.model.init, key, inputs)  # one trace
         layout = make_layout(self.mesh, self.stage, self.precision, param_shapes,
                              layer_stacks=self.options.layer_stacks, replicate_below_bytes=self.replicate_below_bytes,
-                             pad_free_optimizer=not self._pads_exactly, stack_paths=self.model.stacks)
+                             pad_free_optimizer=not self._pads_exactly, stack_paths=self.model.stacks,
+                             offload=self.offload)
         opt_state_shapes = layout.opt_state_shapes(self.tx)
         has_model_state = bool(jax.tree.leaves(model_state_shapes))
         model_state_shapes = model_state_shapes if has_model_state else None
@@ -139,7 +145,9 @@ class Trainer:
         accumulate = {"grad_accum": self.grad_accum} if self.grad_accum > 1 else {}
         built = self._engine.build(layout, self.model, static, self.loss_fn, self.tx, self.options, inputs,
                                    model_state=model_state_shapes, **accumulate)
-        step_fn = jax.jit(built.step, in_shardings=(shardings, self.batch_sharding),
+        # Host-offloaded groups stream into device memory at the step's start and back out at its end.
+        step = offload_lib.streamed(built.step, shardings, layout.host_groups)
+        step_fn = jax.jit(step, in_shardings=(shardings, self.batch_sharding),
                           out_shardings=(shardings, layout.replicated), donate_argnums=0)
         model = self.model
 
@@ -150,7 +158,7 @@ class Trainer:
             out, _ = model.apply(params, state.model_state or {}, static, batch["inputs"], train=False)
             return global_loss(loss_fn(out, batch))
 
-        eval_fn = jax.jit(eval_loss, static_argnums=2, in_shardings=(shardings, self.batch_sharding),
+        eval_fn = jax.jit(offload_lib.streamed(eval_loss, shardings, layout.host_groups), static_argnums=2, in_shardings=(shardings, self.batch_sharding),
                           out_shardings=layout.replicated)
         return Prepared(inputs, layout, param_shapes, shardings, abstract, static, step_fn, eval_fn, built.report)
 
@@ -221,7 +229,8 @@ class Trainer:
         def init_state(key, inputs, params=None):
             fresh, model_state, _ = model.init(key, inputs)
             state = layout.fresh_state(tx, fresh if params is None else params)  # XLA drops an unused init
-            return state.replace(rng=_run_key(key), model_state=model_state if has_model_state else None)
+            state = state.replace(rng=_run_key(key), model_state=model_state if has_model_state else None)
+            return offload_lib.place(state, prep.state_shardings, layout.host_groups, offload_lib.HOST)
 
         inputs = jnp.zeros(prep.inputs.shape, prep.inputs.dtype)
         state = jax.jit(init_state, out_shardings=prep.state_shardings)(key, inputs, params)
@@ -240,8 +249,15 @@ class Trainer:
         state = TrainState.from_saved(saved)
         layout = prep.layout
         if layout.keeps_compute_copy:
-            derive = jax.jit(layout.derive_compute, out_shardings=prep.state_shardings.compute)
-            state = state.replace(compute=derive(state.params))
+            shardings, host = prep.state_shardings, layout.host_groups
+
+            def derive(state):  # the master streamed in from host memory where it is kept there
+                state = offload_lib.place(state, shardings, host, offload_lib.DEVICE)
+                compute = layout.derive_compute(state.params)
+                return compute if "compute" not in host else offload_lib.place(
+                    state.replace(compute=compute), shardings, ("compute",), offload_lib.HOST).compute
+
+            state = state.replace(compute=jax.jit(derive, out_shardings=shardings.compute)(state))
         self._activate(prep)
         return state
 
@@ -284,11 +300,10 @@ class Trainer:
         return self.prepared.eval_fn(state, self.shard_batch(batch), loss_fn or self.loss_fn)
 
     def persistent_bytes_per_device(self, state: TrainState) -> int:
-        """Bytes of the state's shards that live on the first local device."""
-        device = self.mesh.devices.flat[0]
-        total = 0
-        for leaf in jax.tree.leaves(state):
-            for shard in leaf.addressable_shards:
-                if shard.device == device:
-                    total += shard.data.nbytes
-        return total
+        """Bytes of the state's shards of the first local device that live in its device memory
+        (host-offloaded groups are counted by `host_persistent_bytes_per_device`)."""
+        return offload_lib.split_bytes(state, self.mesh.devices.flat[0])["device"]
+
+    def host_persistent_bytes_per_device(self, state: TrainState) -> int:
+        """Bytes of the state's shards of the first local device kept in host memory (`offload`)."""
+        return offload_lib.split_bytes(state, self.mesh.devices.flat[0])["host"]

@@ -2,6 +2,7 @@
 
   persistent bytes   the live state's shards on one device, against `kept_state_bytes` (what zerojax
                      keeps: no gradients, no stage-3 compute copy), not the textbook 16-byte figure;
+                     device space and host space (`zero.offload`) apart, the ideal being the sum;
   peak / temp bytes  `memory_analysis()` of the compiled step (peak = arguments + outputs - aliased
                      + temporaries), against the kept state plus `step_temp_bytes`;
   collective bytes   per step, counted on the HLO right after SPMD partitioning, against
@@ -12,7 +13,6 @@
 
 from __future__ import annotations
 
-import math
 import tempfile
 from dataclasses import dataclass, field
 
@@ -24,6 +24,7 @@ from zerojax.accounting import analytic
 from zerojax.accounting.hlo import collective_bytes, compile_partitioned
 from zerojax.accounting.params import count_params
 from zerojax.mesh import data_parallel_size
+from zerojax.offload import compiled_argument_bytes, split_bytes
 from zerojax.stages import LeafLayout
 
 
@@ -61,6 +62,8 @@ class Measurement:
     collective_counts: dict = field(default_factory=dict)
     final_hlo_collective_bytes: float = 0.0  # the CPU's final HLO (bf16 collectives upcast to f32)
     unknown_trip_counts: int = 0
+    host_persistent_bytes: int = 0  # the state's shards on that device kept in host memory (offload)
+    host_argument_bytes: int = 0  # the compiled step's arguments in host memory space (S(5))
 
     @property
     def peak_bytes(self) -> int:
@@ -76,7 +79,8 @@ class Measurement:
 
     @property
     def persistent_ratio(self) -> float:
-        return self.persistent_bytes / self.ideal.persistent_bytes
+        """Device and host space together against the ideal (which does not say where state lives)."""
+        return (self.persistent_bytes + self.host_persistent_bytes) / self.ideal.persistent_bytes
 
     @property
     def collective_ratio(self) -> float | None:
@@ -98,6 +102,8 @@ class Measurement:
             "engine": self.engine,
             "precision": self.precision,
             "persistent_bytes_per_device": self.persistent_bytes,
+            "host_persistent_bytes_per_device": self.host_persistent_bytes,
+            "host_argument_bytes_per_device": self.host_argument_bytes,
             "ideal_persistent_bytes_per_device": self.ideal.persistent_bytes,
             "persistent_ratio": self.persistent_ratio,
             "peak_bytes_per_device": self.peak_bytes,
@@ -144,22 +150,16 @@ def ideal(trainer, optimizer: str = "adamw", shape: analytic.GPTShape | None = N
     return Ideal(psi, p, kept["total"], kept, traffic["param_allgather"], traffic["grad_reduce"], temp, act)
 
 
-def _abstract(tree):
-    return all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
-
-
 def lower_step(trainer, state, batch):
     """The trainer's jitted step lowered for `state` (arrays, or ShapeDtypeStructs with shardings)."""
     # Trainer.compile lowers the same function; the Lowered object is needed here for the dump.
     return trainer.lower(state, batch)
 
 
-def persistent_bytes(trainer, state) -> int:
-    """Bytes of the state's shards on the first device: from the live arrays or, for an abstract
-    state, from each leaf's sharding (what `init` would place there)."""
-    if not _abstract(state):
-        return trainer.persistent_bytes_per_device(state)
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state))
+def persistent_bytes(trainer, state, space: str = "device") -> int:
+    """Bytes of the state's shards of the first device in its device (or "host") memory: from the
+    live arrays or, for an abstract state, from each leaf's sharding (what `init` would place there)."""
+    return split_bytes(state, trainer.mesh.devices.flat[0])[space]
 
 
 def measure_step(trainer, state, batch, *, optimizer: str = "adamw", shape: analytic.GPTShape | None = None,
@@ -184,6 +184,8 @@ def measure_step(trainer, state, batch, *, optimizer: str = "adamw", shape: anal
         precision=trainer.precision.name,
         ideal=ideal(trainer, optimizer, shape, seq_len or batch["inputs"].shape[-1], micro, remat),
         persistent_bytes=persistent_bytes(trainer, state),
+        host_persistent_bytes=persistent_bytes(trainer, state, "host"),
+        host_argument_bytes=compiled_argument_bytes(compiled)["host"],
         argument_bytes=int(ma.argument_size_in_bytes),
         output_bytes=int(ma.output_size_in_bytes),
         alias_bytes=int(ma.alias_size_in_bytes),

@@ -102,19 +102,21 @@ def print_table(result: dict) -> None:
               f"{result['steps']} steps each",
         caption=(
             "Per device. kept: what zerojax keeps between steps (analytic; no gradients, no stage-3 compute "
-            "copy), beside the live arrays' shards. peak: memory_analysis() arguments + outputs - aliased + "
+            "copy), beside the live arrays' shards in device memory (persistent) and host memory (host: "
+            "zero.offload); ratio: both against kept. peak: memory_analysis() arguments + outputs - aliased + "
             "temporaries; est.: kept + activations + gradients + one fp32 update buffer (a rough sum). collective: bytes sent per step, counted on the HLO after SPMD partitioning; ideal: "
             "ring collectives, 2 x params x bytes x (p-1)/p at stages 0-2, 3 x at stage 3. (XLA:CPU's final "
             "HLO upcasts bf16 collectives to f32, doubling them: not counted.)"
         ),
     )
-    for col in ("stage", "engine", "persistent", "kept (ideal)", "ratio", "peak", "peak est.", "ratio",
+    for col in ("stage", "engine", "persistent", "host", "kept (ideal)", "ratio", "peak", "peak est.", "ratio",
                 "collective/step", "ideal", "ratio", "step", "final loss", "vs stage 0"):
         table.add_column(col, justify="left" if col == "engine" else "right")
     for r in rows:
         diff = r["final_loss_diff_vs_stage0"]
         table.add_row(
             str(r["stage"]), r["engine"], b(r["persistent_bytes_per_device"]),
+            b(r.get("host_persistent_bytes_per_device", 0)),
             b(r["ideal_persistent_bytes_per_device"]), _ratio(r["persistent_ratio"]),
             b(r["peak_bytes_per_device"]), b(r["ideal_peak_bytes_per_device"]), _ratio(r["peak_ratio"]),
             b(r["collective_bytes_per_device_per_step"]),

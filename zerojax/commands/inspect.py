@@ -86,6 +86,7 @@ def layout_report(c) -> dict:
         "groups_sharded": {"compute": layout.compute_sharded, "master": layout.master_sharded,
                            "optimizer": layout.optimizer_sharded, "grads": layout.grads_sharded},
         "leaves": leaves, "other_state": other, "persistent_bytes_per_device": totals,
+        "host_groups": list(layout.host_groups),  # zero.offload: these groups' bytes are in host memory
     }
 
 
