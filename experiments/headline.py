@@ -87,20 +87,21 @@ def attempt(stage: int, layers: int, a, budget: int) -> dict:
         argv = [sys.executable, "-m", "zerojax.cli", *[out if c == "OUT" else c for c in cmd[1:]]]
         t0 = time.time()
         proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        killed = {"at": 0}
+        killed, reaped = {"at": 0}, threading.Event()
 
-        def watchdog():
-            while proc.poll() is None:
+        def watchdog():  # never reaps the child (poll() would, racing the wait4 below for its rusage)
+            while not reaped.is_set():
                 rss = _rss(proc.pid)
                 if rss > budget:
                     killed["at"] = rss
-                    proc.kill()  # this child only, by its pid
+                    os.kill(proc.pid, 9)  # this child only, by its pid; not yet reaped, so still ours
                     return
                 time.sleep(0.05)
 
         threading.Thread(target=watchdog, daemon=True).start()
         err = proc.stderr.read()
         _, status, usage = os.wait4(proc.pid, 0)
+        reaped.set()
         proc.returncode = os.waitstatus_to_exitcode(status)
         summary = {}
         if proc.returncode == 0 and os.path.exists(os.path.join(out, "summary.json")):
