@@ -51,12 +51,18 @@ def add_parser(subparsers) -> None:
     p.add_argument("--optimizer", help=f"{', '.join(OPTIMIZERS)} (default: CONFIG's, else adamw)")
     p.add_argument("--precision", help=f"{' or '.join(DTYPES)}, bf16 with an fp32 master (default: CONFIG's, else bf16)")
     p.add_argument("--mfu", type=float, default=1.0, help="assumed fraction of peak FLOP/s (default 1.0)")
+    p.add_argument("--memory", help="device memory budget per device, e.g. 80GB, 24GiB or 8e9 bytes (default: "
+                                    "--hardware's); combinations are ranked against it")
+    p.add_argument("--top", type=int, default=8, help="combinations to print, best first (default 8)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from zerojax.accounting import analytic
+    from zerojax.accounting import picks as picks_lib
     from zerojax.accounting.hardware import get_hardware
     from zerojax.optim import get_optimizer
     from zerojax.precision import get_precision
@@ -69,7 +75,11 @@ def _run(args: argparse.Namespace) -> int:
         value = getattr(args, key)
         if value is not None and value < 1:
             raise UserError(f"--{key.replace('_', '-')} must be a positive integer, got {value}.")
+    if args.top < 1:
+        raise UserError(f"--top must be a positive integer, got {args.top}.")
     hardware = get_hardware(args.hardware)
+    if args.memory is not None:
+        hardware = dataclasses.replace(hardware, hbm_bytes=picks_lib.parse_bytes(args.memory))
     if args.config is not None:
         inputs = _from_config(args)
     else:
@@ -82,6 +92,7 @@ def _run(args: argparse.Namespace) -> int:
                   "micro_batch": args.micro_batch or 1, "precision": args.precision or "bf16",
                   "optimizer": args.optimizer or "adamw", "shape": None, "remat": "full", "replicas": 1,
                   "grad_accum": args.grad_accum or 1, "reshard_after_forward": True}
+        inputs["rows_per_device"] = inputs["micro_batch"] * inputs["grad_accum"]
     result = analytic.plan(
         inputs["params"],
         inputs["devices"],
@@ -96,8 +107,19 @@ def _run(args: argparse.Namespace) -> int:
         grad_accum=inputs["grad_accum"],
         reshard_after_forward=inputs["reshard_after_forward"],
     )
+    ranked = picks_lib.rank(
+        result.params, result.devices, hardware, rows_per_device=inputs["rows_per_device"], seq_len=result.seq_len,
+        precision=result.precision, optimizer=result.optimizer, shape=result.shape, mfu=args.mfu,
+        reshard_after_forward=result.reshard_after_forward,
+    )
     if args.json:
         out = analytic.plan_dict(result)
+        out["memory_bytes"] = hardware.hbm_bytes
+        out["rows_per_device"] = inputs["rows_per_device"]
+        out["picks"] = [p.as_dict() for p in ranked]
+        best = ranked[0] if ranked and ranked[0].fits else None
+        out["best"] = None if best is None else {"overrides": best.overrides(),
+                                                 "set_args": " ".join(f"--set {o}" for o in best.overrides())}
         if args.config is not None:
             out["config"] = {"path": args.config, "overrides": list(args.overrides), "remat": inputs["remat"],
                              "replicas": inputs["replicas"],
@@ -105,6 +127,7 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         _print_table(result, args.config, inputs["remat"], inputs["replicas"])
+        _print_picks(ranked, args.top, hardware, inputs["rows_per_device"], result.seq_len)
     return 0
 
 
@@ -137,12 +160,15 @@ def _from_config(args: argparse.Namespace) -> dict:
     else:
         raise UserError(f"--devices is required: {args.config} leaves mesh.fsdp to the device count.")
     dp = c.mesh.data * fsdp
+    accum = args.grad_accum or c.train.grad_accum
+    micro = args.micro_batch or max(1, c.train.batch_size // dp // accum)
     return {
+        "rows_per_device": micro * accum if args.micro_batch else max(1, c.train.batch_size // dp),
         "params": counted["params"],
         "devices": fsdp,
         "seq_len": counted["seq_len"],
-        "micro_batch": args.micro_batch or max(1, c.train.batch_size // dp // (args.grad_accum or c.train.grad_accum)),
-        "grad_accum": args.grad_accum or c.train.grad_accum,
+        "micro_batch": micro,
+        "grad_accum": accum,
         "reshard_after_forward": c.zero.reshard_after_forward,
         "precision": args.precision or c.precision,
         "optimizer": args.optimizer or c.optimizer.name,
@@ -234,3 +260,33 @@ def _print_table(p, config: str | None = None, remat: str = "full", replicas: in
         f"{rec.comm_bound_below_tokens:,.0f} tokens per device per step "
         f"(micro-batch >= {rec.min_micro_batch} at seq {p.seq_len})."
     )
+
+
+def _print_picks(ranked, top: int, hw, rows: int, seq_len: int) -> None:
+    """The best `top` combinations of stage x accumulation x offload x remat, and the best one's
+    config overrides."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if Console().is_terminal else 140)
+    fitting = sum(p.fits for p in ranked)
+    table = Table(
+        title=(f"Combinations: {fitting} of {len(ranked)} fit in {hw.hbm_bytes / 1e9:,.2f} GB per device "
+               f"({rows} x {seq_len} tokens per device per step); best {min(top, len(ranked))}"),
+        caption=("device GB: kept device state + the step's temporaries (activations of one micro-batch, "
+                 "gradients, the update; offloaded state comes back for the update); host GB: offloaded state + "
+                 "offloaded activations. Step: max(compute incl. recompute, collectives, host link "
+                 f"{hw.host_bytes_per_s / 1e9:.0f} GB/s per direction), a lower bound."),
+    )
+    for col in ("#", "stage", "accum x rows", "offload", "remat", "device GB", "host GB", "step", "bound", "fits"):
+        table.add_column(col, justify="left" if col in ("offload", "remat", "bound", "fits") else "right")
+    for i, p in enumerate(ranked[:top], 1):
+        table.add_row(str(i), str(p.stage), f"{p.grad_accum} x {p.micro_batch}", p.offload, p.remat,
+                      _gb(p.device_peak_bytes), _gb(p.host_bytes), _time(p.step_s), p.bound,
+                      "yes" if p.fits else "[red]no[/red]")
+    console.print(table)
+    best = ranked[0] if ranked and ranked[0].fits else None
+    if best is None:
+        console.print(f"[bold red]No combination fits[/bold red] in {hw.hbm_bytes / 1e9:,.2f} GB per device.")
+        return
+    console.print("[bold]Best combination:[/bold] " + " ".join(f"--set {o}" for o in best.overrides()))
