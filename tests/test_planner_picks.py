@@ -116,10 +116,12 @@ def test_accumulation_splits_the_rows_and_stage_3_pays_per_micro_batch():
 
 
 def test_plan_cli_ranks_and_prints_the_overrides_of_the_best():
-    r = run_cli("plan", "configs/tiny.yaml", "--devices", "8", "--memory", "2MB", "--json", timeout=120)
+    r = run_cli("plan", "configs/tiny.yaml", "--devices", "8", "--memory", "2MB", "--headroom", "0", "--json",
+                timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
     assert out["memory_bytes"] == 2e6 and out["rows_per_device"] == 2
+    assert all(p["memory_bytes"] == 2e6 for p in out["picks"])
     ranked = out["picks"]
     assert {(p["offload"], p["remat"]) for p in ranked} >= {("optimizer", "offload"), ("none", "none")}
     assert all(p["fits"] for p in ranked[:1]) and not ranked[-1]["fits"]
@@ -132,8 +134,20 @@ def test_plan_cli_ranks_and_prints_the_overrides_of_the_best():
             ranked[0]["stage"], ranked[0]["grad_accum"], ranked[0]["remat"])
     table = run_cli("plan", "configs/tiny.yaml", "--devices", "8", "--memory", "2MB", timeout=120)
     assert "Best combination: --set zero.stage=" in table.stdout, table.stdout[-2000:]
+    assert "less 10% headroom" in table.stdout
 
 
-@pytest.mark.parametrize("value", ["lots", "-3GB", "0"])
-def test_bad_memory_is_a_one_line_error(value):
-    assert_one_line_error(run_cli("plan", "--params", "7e9", "--devices", "8", "--memory", value), "--memory")
+@pytest.mark.parametrize("flag, value", [("--memory", "lots"), ("--memory", "-3GB"), ("--memory", "0"),
+                                         ("--host-memory", "x"), ("--headroom", "1.5")])
+def test_bad_budgets_are_one_line_errors(flag, value):
+    assert_one_line_error(run_cli("plan", "--params", "7e9", "--devices", "8", flag, value), flag)
+
+
+def test_host_memory_rules_out_offload_that_does_not_fit_on_the_host():
+    cfg = gpt_config("7b")
+    kw = dict(rows_per_device=4, seq_len=2048, precision=get_precision("bf16"), optimizer=ADAMW,
+              shape=GPTShape.of(cfg))
+    free = picks.rank(cfg.num_params(), 8, get_hardware("h100"), **kw)
+    tight = picks.rank(cfg.num_params(), 8, get_hardware("h100"), host_memory=5e9, **kw)
+    assert any(p.fits and p.host_bytes > 5e9 for p in free)
+    assert not any(p.fits and p.host_bytes > 5e9 for p in tight)

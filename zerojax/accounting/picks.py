@@ -90,6 +90,7 @@ class Pick:
     comm_s: float
     host_s: float
     memory_bytes: float  # the device budget it is checked against
+    host_memory_bytes: float = math.inf  # the host budget per device
 
     @property
     def host_bytes(self) -> float:
@@ -97,7 +98,7 @@ class Pick:
 
     @property
     def fits(self) -> bool:
-        return self.device_peak_bytes <= self.memory_bytes
+        return self.device_peak_bytes <= self.memory_bytes and self.host_bytes <= self.host_memory_bytes
 
     @property
     def step_s(self) -> float:
@@ -120,9 +121,9 @@ class Pick:
 def evaluate(params: float, devices: int, hardware: Hardware, *, stage: int, grad_accum: int, micro_batch: int,
              offload: str, remat: str, seq_len: int, precision: Precision, optimizer: Optimizer,
              shape: GPTShape | None = None, mfu: float = 1.0, reshard_after_forward: bool = True,
-             memory: float | None = None) -> Pick:
+             memory: float | None = None, host_memory: float = math.inf) -> Pick:
     """One combination's memory and time per device (`memory`: the device budget, default the
-    hardware's)."""
+    hardware's; `host_memory`: the host budget per device, default unbounded)."""
     b = precision.param_bytes
     act = host_act = 0.0
     if shape is not None:
@@ -146,7 +147,7 @@ def evaluate(params: float, devices: int, hardware: Hardware, *, stage: int, gra
         host_link_bytes=host_link,
         compute_s=base.compute_s + recompute_flops(params, tokens, remat, shape, seq_len) / (hardware.peak_flops * mfu),
         comm_s=base.comm_s, host_s=host_link / hardware.host_bytes_per_s,
-        memory_bytes=hardware.hbm_bytes if memory is None else memory,
+        memory_bytes=hardware.hbm_bytes if memory is None else memory, host_memory_bytes=host_memory,
     )
 
 
@@ -157,8 +158,8 @@ def accum_choices(rows_per_device: int) -> list[int]:
 
 def rank(params: float, devices: int, hardware: Hardware, *, rows_per_device: int, seq_len: int,
          precision: Precision, optimizer: Optimizer, shape: GPTShape | None = None, mfu: float = 1.0,
-         reshard_after_forward: bool = True, memory: float | None = None, remats=None, offloads=None
-         ) -> list[Pick]:
+         reshard_after_forward: bool = True, memory: float | None = None, host_memory: float = math.inf,
+         remats=None, offloads=None) -> list[Pick]:
     """Every combination for a per-device batch of `rows_per_device` sequences per step, fitting ones
     first, fastest first (ties: least traffic, then fewest micro-batches, whose larger matmuls the
     roofline does not reward, then least device memory). Without a model shape the
@@ -179,12 +180,13 @@ def rank(params: float, devices: int, hardware: Hardware, *, rows_per_device: in
                     out.append(evaluate(params, devices, hardware, stage=st.index, grad_accum=k,
                                         micro_batch=rows_per_device // k, offload=offload, remat=remat,
                                         seq_len=seq_len, precision=precision, optimizer=optimizer, shape=shape,
-                                        mfu=mfu, reshard_after_forward=reshard_after_forward, memory=memory))
+                                        mfu=mfu, reshard_after_forward=reshard_after_forward, memory=memory,
+                                        host_memory=host_memory))
     return sorted(out, key=lambda p: (not p.fits, p.step_s, p.collective_bytes + p.host_link_bytes, p.grad_accum,
                                       p.device_peak_bytes))
 
 
-def parse_bytes(text: str) -> float:
+def parse_bytes(text: str, flag: str = "--memory") -> float:
     """'80GB', '80e9', '24GiB', '512MiB', '1.5T' -> bytes (decimal units, binary with an 'i')."""
     import re
 
@@ -192,5 +194,5 @@ def parse_bytes(text: str) -> float:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]i?)?b?\s*", text.lower())
     value = float(m.group(1)) * units[m.group(2) or ""] if m else 0.0
     if not value > 0 or not math.isfinite(value):
-        raise UserError(f"--memory must be a positive size such as 80GB, 24GiB or 8e9, got {text!r}.")
+        raise UserError(f"{flag} must be a positive size such as 80GB, 24GiB or 8e9, got {text!r}.")
     return value

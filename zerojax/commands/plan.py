@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 
 from zerojax.errors import UserError
@@ -53,6 +54,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--mfu", type=float, default=1.0, help="assumed fraction of peak FLOP/s (default 1.0)")
     p.add_argument("--memory", help="device memory budget per device, e.g. 80GB, 24GiB or 8e9 bytes (default: "
                                     "--hardware's); combinations are ranked against it")
+    p.add_argument("--headroom", type=float, default=0.1,
+                   help="fraction of the device memory left free for the estimate's error and the allocator "
+                        "(default 0.1): combinations must fit in (1 - headroom) x memory")
+    p.add_argument("--host-memory", help="host memory per device for offloaded state and activations, e.g. 250GB "
+                                         "(default: unbounded, only reported)")
     p.add_argument("--top", type=int, default=8, help="combinations to print, best first (default 8)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=_run)
@@ -77,9 +83,12 @@ def _run(args: argparse.Namespace) -> int:
             raise UserError(f"--{key.replace('_', '-')} must be a positive integer, got {value}.")
     if args.top < 1:
         raise UserError(f"--top must be a positive integer, got {args.top}.")
+    if not 0 <= args.headroom < 1:
+        raise UserError(f"--headroom must be a fraction in [0, 1), got {args.headroom}.")
     hardware = get_hardware(args.hardware)
     if args.memory is not None:
         hardware = dataclasses.replace(hardware, hbm_bytes=picks_lib.parse_bytes(args.memory))
+    host_memory = math.inf if args.host_memory is None else picks_lib.parse_bytes(args.host_memory, "--host-memory")
     if args.config is not None:
         inputs = _from_config(args)
     else:
@@ -110,11 +119,14 @@ def _run(args: argparse.Namespace) -> int:
     ranked = picks_lib.rank(
         result.params, result.devices, hardware, rows_per_device=inputs["rows_per_device"], seq_len=result.seq_len,
         precision=result.precision, optimizer=result.optimizer, shape=result.shape, mfu=args.mfu,
-        reshard_after_forward=result.reshard_after_forward,
+        reshard_after_forward=result.reshard_after_forward, memory=hardware.hbm_bytes * (1 - args.headroom),
+        host_memory=host_memory,
     )
     if args.json:
         out = analytic.plan_dict(result)
         out["memory_bytes"] = hardware.hbm_bytes
+        out["headroom"] = args.headroom
+        out["host_memory_bytes"] = None if math.isinf(host_memory) else host_memory
         out["rows_per_device"] = inputs["rows_per_device"]
         out["picks"] = [p.as_dict() for p in ranked]
         best = ranked[0] if ranked and ranked[0].fits else None
@@ -127,7 +139,7 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         _print_table(result, args.config, inputs["remat"], inputs["replicas"])
-        _print_picks(ranked, args.top, hardware, inputs["rows_per_device"], result.seq_len)
+        _print_picks(ranked, args.top, hardware, inputs["rows_per_device"], result.seq_len, args.headroom)
     return 0
 
 
@@ -262,7 +274,7 @@ def _print_table(p, config: str | None = None, remat: str = "full", replicas: in
     )
 
 
-def _print_picks(ranked, top: int, hw, rows: int, seq_len: int) -> None:
+def _print_picks(ranked, top: int, hw, rows: int, seq_len: int, headroom: float) -> None:
     """The best `top` combinations of stage x accumulation x offload x remat, and the best one's
     config overrides."""
     from rich.console import Console
@@ -271,7 +283,8 @@ def _print_picks(ranked, top: int, hw, rows: int, seq_len: int) -> None:
     console = Console(width=None if Console().is_terminal else 140)
     fitting = sum(p.fits for p in ranked)
     table = Table(
-        title=(f"Combinations: {fitting} of {len(ranked)} fit in {hw.hbm_bytes / 1e9:,.2f} GB per device "
+        title=(f"Combinations: {fitting} of {len(ranked)} fit in {hw.hbm_bytes * (1 - headroom) / 1e9:,.2f} GB per "
+               f"device ({hw.hbm_bytes / 1e9:,.2f} GB less {headroom:.0%} headroom) "
                f"({rows} x {seq_len} tokens per device per step); best {min(top, len(ranked))}"),
         caption=("device GB: kept device state + the step's temporaries (activations of one micro-batch, "
                  "gradients, the update; offloaded state comes back for the update); host GB: offloaded state + "
@@ -287,6 +300,7 @@ def _print_picks(ranked, top: int, hw, rows: int, seq_len: int) -> None:
     console.print(table)
     best = ranked[0] if ranked and ranked[0].fits else None
     if best is None:
-        console.print(f"[bold red]No combination fits[/bold red] in {hw.hbm_bytes / 1e9:,.2f} GB per device.")
+        console.print(f"[bold red]No combination fits[/bold red] in {hw.hbm_bytes * (1 - headroom) / 1e9:,.2f} GB "
+                      "per device: shard over more devices (mesh.fsdp) or shorten the sequences.")
         return
     console.print("[bold]Best combination:[/bold] " + " ".join(f"--set {o}" for o in best.overrides()))
