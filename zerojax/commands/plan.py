@@ -4,6 +4,11 @@
 CONFIG` counts the config's model parameters with `jax.eval_shape` (nothing is allocated, so a 70B
 config plans in seconds) and takes the shape, sequence length, per-device micro-batch, precision and
 optimizer from the config; flags given explicitly override it.
+
+Below the stage table, every combination of stage x `train.grad_accum` x `zero.offload` x `model.remat`
+is ranked against the device budget (`--memory`, default the hardware's, less `--headroom`), with
+device and host bytes apart, and the best one's `--set` overrides are printed
+(`zerojax.accounting.picks`; docs/planner.md).
 """
 
 from __future__ import annotations
@@ -216,6 +221,8 @@ def _gb(x: float) -> str:
 
 
 def _time(s: float) -> str:
+    if s < 1e-3:
+        return f"{s * 1e6:,.1f} us"
     return f"{s * 1e3:,.1f} ms" if s < 10 else f"{s:,.1f} s"
 
 
@@ -282,20 +289,22 @@ def _print_picks(ranked, top: int, hw, rows: int, seq_len: int, headroom: float)
 
     console = Console(width=None if Console().is_terminal else 140)
     fitting = sum(p.fits for p in ranked)
+    unit, scale = ("GB", 1e9) if hw.hbm_bytes >= 1e9 else ("MB", 1e6)
     table = Table(
         title=(f"Combinations: {fitting} of {len(ranked)} fit in {hw.hbm_bytes * (1 - headroom) / 1e9:,.2f} GB per "
                f"device ({hw.hbm_bytes / 1e9:,.2f} GB less {headroom:.0%} headroom) "
                f"({rows} x {seq_len} tokens per device per step); best {min(top, len(ranked))}"),
-        caption=("device GB: kept device state + the step's temporaries (activations of one micro-batch, "
-                 "gradients, the update; offloaded state comes back for the update); host GB: offloaded state + "
+        caption=(f"device {unit}: kept device state + the step's temporaries (activations of one micro-batch, "
+                 f"gradients, the update; offloaded state comes back for the update); host {unit}: offloaded state + "
                  "offloaded activations. Step: max(compute incl. recompute, collectives, host link "
                  f"{hw.host_bytes_per_s / 1e9:.0f} GB/s per direction), a lower bound."),
     )
-    for col in ("#", "stage", "accum x rows", "offload", "remat", "device GB", "host GB", "step", "bound", "fits"):
+    for col in ("#", "stage", "accum x rows", "offload", "remat", f"device {unit}", f"host {unit}", "step", "bound",
+                "fits"):
         table.add_column(col, justify="left" if col in ("offload", "remat", "bound", "fits") else "right")
     for i, p in enumerate(ranked[:top], 1):
         table.add_row(str(i), str(p.stage), f"{p.grad_accum} x {p.micro_batch}", p.offload, p.remat,
-                      _gb(p.device_peak_bytes), _gb(p.host_bytes), _time(p.step_s), p.bound,
+                      f"{p.device_peak_bytes / scale:,.2f}", f"{p.host_bytes / scale:,.2f}", _time(p.step_s), p.bound,
                       "yes" if p.fits else "[red]no[/red]")
     console.print(table)
     best = ranked[0] if ranked and ranked[0].fits else None
