@@ -139,7 +139,8 @@ def test_layer_hook_is_rematerialised_in_backward(policy, runs):
 def test_remat_policies_give_same_loss_and_grads():
     tokens = _tokens(3, batch=2, length=16)
     results = {}
-    for policy in REMAT_POLICIES:
+    assert set(REMAT_POLICIES) == {"none", "full", "dots", "offload"}  # offload: GPU/TPU only, tests/test_remat.py
+    for policy in ("none", "full", "dots"):
         graphdef, params, rest = _functional(gpt_config("tiny", remat=policy))
         results[policy] = jax.jit(jax.value_and_grad(functools.partial(_loss, graphdef, rest)))(params, tokens)
     loss0, grads0 = results["none"]

@@ -30,7 +30,8 @@ another `Stacked`'s block is scanned as part of its outer layer.
 
 `remat`: "full" (default) saves only each layer's input, "dots" also saves the weight matmuls'
 outputs, "none" saves everything the block computes (at stage 3 that includes each layer's
-gathered weights, so memory then grows with depth again).
+gathered weights, so memory then grows with depth again), "offload" keeps what "dots" saves in host
+memory (GPU and TPU only; see `zerojax.remat`).
 """
 
 from __future__ import annotations
@@ -42,9 +43,8 @@ from typing import Any, Callable, Mapping
 import jax
 from flax import nnx
 
+from zerojax import remat as remat_lib
 from zerojax.errors import UserError
-
-REMAT_POLICIES = ("full", "dots", "none")
 LAYERS = "layers"  # the attribute holding the stacked blocks: stack params live under <path>/layers
 
 # id(Stacked) -> (layer hook or None, layer loop or None), set by `hooks_installed` for one call.
@@ -58,8 +58,7 @@ class Stacked(nnx.Module):
                  **kwargs):
         if not isinstance(n, int) or n < 1:
             raise UserError(f"Stacked needs a positive number of blocks, got n={n!r}.")
-        if remat not in REMAT_POLICIES:
-            raise UserError(f"Stacked remat must be one of {REMAT_POLICIES}, got {remat!r}.")
+        remat_lib.check(remat, "Stacked remat")
         self.n = n
         self.remat = remat
 
@@ -89,7 +88,7 @@ class Stacked(nnx.Module):
             _check_same(x, y)
             return y, nnx.state(block, nnx.Not(nnx.Param))  # RNG counters, BatchNorm statistics
 
-        x, rest = jax.lax.scan(_remat(body, self.remat), x, (params, rest))
+        x, rest = jax.lax.scan(remat_lib.remat(body, self.remat), x, (params, rest))
         if jax.tree.leaves(rest):
             nnx.update(layers, rest)
         return x
@@ -103,13 +102,6 @@ def _check_same(x, y) -> None:
     if spec(x) != spec(y):
         raise UserError(f"each block of a Stacked must map x to a value of the same structure, shape and dtype "
                         f"(it is scanned): got {spec(x)[1]} in and {spec(y)[1]} out.")
-
-
-def _remat(body: Callable, policy: str) -> Callable:
-    if policy == "none":
-        return body
-    saveable = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if policy == "dots" else None
-    return jax.checkpoint(body, policy=saveable, prevent_cse=False)  # the scan already blocks CSE
 
 
 def stack_paths(module: nnx.Module) -> tuple[tuple, ...]:

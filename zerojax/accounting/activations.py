@@ -35,10 +35,14 @@ class LayerTerms:
 class ActivationModel:
     """Coefficients of `activation_bytes_gpt`, for the SwiGLU / RoPE decoder in `models/gpt.py`.
 
-    Saved per layer across the whole backward, by remat policy:
+    Saved per layer across the whole backward, by remat policy (`zerojax.remat`):
       full: the layer input only (B*L*D).
       dots: weight-matmul outputs; q, k, v, o, gate, up, down would be 5D + 2F, XLA keeps ~3D + 2F.
       none: every internal (norms, q/k/v, attention output, 3-4 SwiGLU tensors, fp32 softmax).
+      offload: on the device what `full` keeps (the scan's saved layer inputs); in host memory the
+        weight-matmul outputs (`host_saved`: 4D + 2F, counted on the program lowered for a GPU,
+        tests/test_remat.py), copied out in the forward and back in the backward. Device side not
+        calibrated: XLA:CPU cannot place host memory (see `zerojax.remat`).
     Working set: one layer recomputed plus its cotangents during its backward (~2x its internals).
     Logits: B*L*V in fp32 kept for the softmax backward, their fp32 gradient largely written in
     place (6 bytes per element fits better than 4 + 4).
@@ -51,6 +55,7 @@ class ActivationModel:
     saved: dict[str, LayerTerms]
     working_set: LayerTerms
     logits_bytes: float  # per B * L * V element
+    host_saved: dict[str, LayerTerms]  # per layer, in host memory (remat policies that offload)
 
 
 ACTIVATION_MODEL = ActivationModel(
@@ -58,10 +63,19 @@ ACTIVATION_MODEL = ActivationModel(
         "full": LayerTerms(d=1, f=0, score_bytes=0),
         "dots": LayerTerms(d=3, f=2, score_bytes=0),
         "none": LayerTerms(d=12, f=5, score_bytes=7),
+        "offload": LayerTerms(d=1, f=0, score_bytes=0),
     },
     working_set=LayerTerms(d=14, f=8, score_bytes=8),
     logits_bytes=6,
+    host_saved={"offload": LayerTerms(d=4, f=2, score_bytes=0)},  # q, k, v, attention out; gate, up
 )
+
+
+def _layer_bytes(t: LayerTerms, d_model: int, n_heads: int, d_ff: int, seq_len: int, micro_batch: int,
+                 compute_bytes: float) -> float:
+    tokens = micro_batch * seq_len
+    scores = micro_batch * n_heads * seq_len * seq_len
+    return tokens * (t.d * d_model + t.f * d_ff) * compute_bytes + scores * t.score_bytes
 
 
 def activation_bytes_gpt(
@@ -76,14 +90,34 @@ def activation_bytes_gpt(
     remat: str = "full",
     model: ActivationModel = ACTIVATION_MODEL,
 ) -> int:
-    """Peak activation and temporary bytes per device for one micro-batch of a scanned decoder."""
+    """Peak activation and temporary bytes per device (device memory) for one micro-batch of a
+    scanned decoder."""
     if remat not in model.saved:
         raise UserError(f"remat must be one of {', '.join(model.saved)}, got {remat!r}.")
-    tokens = micro_batch * seq_len
-    scores = micro_batch * n_heads * seq_len * seq_len
 
     def layer(t: LayerTerms) -> float:
-        return tokens * (t.d * d_model + t.f * d_ff) * compute_bytes + scores * t.score_bytes
+        return _layer_bytes(t, d_model, n_heads, d_ff, seq_len, micro_batch, compute_bytes)
 
     peak = n_layers * layer(model.saved[remat]) + layer(model.working_set)
-    return int(round(peak + tokens * vocab * model.logits_bytes))
+    return int(round(peak + micro_batch * seq_len * vocab * model.logits_bytes))
+
+
+def host_activation_bytes_gpt(
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    d_ff: int,
+    seq_len: int,
+    micro_batch: int,
+    compute_bytes: float,
+    remat: str = "full",
+    model: ActivationModel = ACTIVATION_MODEL,
+) -> int:
+    """Saved activations one micro-batch keeps in host memory per device (0 unless `remat` offloads);
+    each crosses the host link twice per micro-batch (out in the forward, back in the backward)."""
+    if remat not in model.saved:
+        raise UserError(f"remat must be one of {', '.join(model.saved)}, got {remat!r}.")
+    terms = model.host_saved.get(remat)
+    if terms is None:
+        return 0
+    return int(round(n_layers * _layer_bytes(terms, d_model, n_heads, d_ff, seq_len, micro_batch, compute_bytes)))

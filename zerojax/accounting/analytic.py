@@ -163,10 +163,20 @@ def traffic_bytes(
 # --- temporaries and peak ---------------------------------------------------------------
 
 
-def step_temp_bytes(params: float, devices: int, stage: int, policy: Precision, activations: float) -> float:
+def step_temp_bytes(params: float, devices: int, stage: int, policy: Precision, activations: float,
+                    streamed: float = 0.0, grad_accum: int = 1, reshard_after_forward: bool = True) -> float:
     """Temporaries of one train step per device (beside the kept state): the activations, the
     gradients (whole at stages 0-1, only this device's shard at 2-3) and one fp32 update-sized buffer
     on the optimizer's layout (whole at stage 0, sharded from stage 1).
+
+    `streamed`: kept bytes that live in host memory between steps (`zero.offload`) and are brought
+    into device memory for the update, at most all at once. The update runs after the backward has
+    freed the activations, so the larger of the two counts, not their sum.
+
+    `grad_accum` > 1 (docs/engines.md, "Gradient accumulation"): stages 0-2 reduce once after the
+    micro-batch loop, so each device holds its whole unreduced micro-batch gradient and a whole fp32
+    accumulator through the step; stage 3 reduces per micro-batch, so both are shards, unless
+    `reshard_after_forward=False`, which also keeps the whole compute-dtype weights gathered.
 
     A rough sum, not a schedule: XLA overlaps some of these (activations are freed before the update)
     and keeps others this does not model (the scan's stacked gradient accumulators; bf16 matmul
@@ -175,7 +185,14 @@ def step_temp_bytes(params: float, devices: int, stage: int, policy: Precision, 
     st = get_stage(stage)
     grads = policy.grad_bytes * params / (devices if st.gradients else 1)
     update = 4.0 * params / (devices if st.optimizer else 1)
-    return activations + grads + update
+    accumulate = 0.0
+    if grad_accum > 1:
+        per_micro_batch = st.compute_params and reshard_after_forward  # reduced inside the loop
+        grads = policy.grad_bytes * params / (devices if per_micro_batch else 1)
+        accumulate = 4.0 * params / (devices if per_micro_batch else 1)
+        if st.compute_params and not reshard_after_forward:
+            accumulate += policy.param_bytes * params  # the gathered weights, kept across micro-batches
+    return max(activations, streamed) + grads + update + accumulate
 
 
 def peak_bytes(arguments: float, outputs: float, aliased: float, temporaries: float) -> float:

@@ -8,6 +8,12 @@ of these; the planner's times are lower bounds, not predictions.
 Interconnect: vendors quote bidirectional bandwidth (bytes in + out). A ring collective sends and
 receives at once, so its time is bytes *sent* per device over the per-direction rate: half the
 bidirectional figure. `link_bytes_per_s` is that half; the published number is kept beside it.
+
+Host link: the bus between a chip and its host's memory (PCIe), which host offload (`zero.offload`,
+`model.remat: offload`) copies over. GPU datasheets quote PCIe bidirectional; `host_bytes_per_s`
+is one direction (a step's copies out and back in run in opposite directions, at once). TPU docs
+publish no per-chip PCIe figure; "How to Scale Your Model" (chapter "All About TPUs") works its
+problems with 1.5e10 bytes/s host to chip, taken here for every TPU generation as an estimate.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ class Hardware:
     hbm_bytes: float  # memory capacity per chip
     interconnect_bidirectional_bytes_per_s: float  # as published, per chip
     interconnect: str  # which fabric the figure describes
+    host_bytes_per_s: float  # chip <-> host memory, one direction
 
     @property
     def link_bytes_per_s(self) -> float:
@@ -34,28 +41,30 @@ class Hardware:
         return self.interconnect_bidirectional_bytes_per_s / 2
 
 
+_TPU_HOST = 15 * GB  # an estimate: see the module doc
+
 HARDWARE: dict[str, Hardware] = {
     # NVIDIA A100 Tensor Core GPU datasheet (SXM 80GB): 312 TFLOPS bf16 dense, 80GB HBM2e,
-    # third-generation NVLink 600 GB/s.
-    "a100": Hardware("a100", 312e12, 80 * GB, 600 * GB, "NVLink 3 (intra-node)"),
+    # third-generation NVLink 600 GB/s; PCIe Gen4 64 GB/s (bidirectional).
+    "a100": Hardware("a100", 312e12, 80 * GB, 600 * GB, "NVLink 3 (intra-node)", 32 * GB),
     # NVIDIA H100 Tensor Core GPU datasheet (SXM): 1,979 TFLOPS bf16 *with sparsity*, so 989.5 dense;
-    # 80GB HBM3; fourth-generation NVLink 900 GB/s.
-    "h100": Hardware("h100", 989.5e12, 80 * GB, 900 * GB, "NVLink 4 (intra-node)"),
+    # 80GB HBM3; fourth-generation NVLink 900 GB/s; PCIe Gen5 128 GB/s (bidirectional).
+    "h100": Hardware("h100", 989.5e12, 80 * GB, 900 * GB, "NVLink 4 (intra-node)", 64 * GB),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): same compute as H100 SXM, 141GB HBM3e,
-    # NVLink 900 GB/s.
-    "h200": Hardware("h200", 989.5e12, 141 * GB, 900 * GB, "NVLink 4 (intra-node)"),
+    # NVLink 900 GB/s, PCIe Gen5 128 GB/s (bidirectional).
+    "h200": Hardware("h200", 989.5e12, 141 * GB, 900 * GB, "NVLink 4 (intra-node)", 64 * GB),
     # Cloud TPU docs, "TPU v4" system architecture: 275 TFLOPs bf16, 32 GiB HBM2. That page gives no
     # per-chip ICI figure; 6 ICI links x 90 GB/s bidirectional (45 GB/s each way) per chip is taken
     # from "How to Scale Your Model" (JAX ML scaling book), chapter "All About TPUs".
-    "tpu-v4": Hardware("tpu-v4", 275e12, 32 * GIB, 6 * 90 * GB, "ICI (3D torus)"),
+    "tpu-v4": Hardware("tpu-v4", 275e12, 32 * GIB, 6 * 90 * GB, "ICI (3D torus)", _TPU_HOST),
     # Cloud TPU docs, "TPU v5e": 197 TFLOPs bf16, 16 GB HBM2, bidirectional ICI 400 GBps per chip.
-    "tpu-v5e": Hardware("tpu-v5e", 197e12, 16 * GB, 400 * GB, "ICI (2D torus)"),
+    "tpu-v5e": Hardware("tpu-v5e", 197e12, 16 * GB, 400 * GB, "ICI (2D torus)", _TPU_HOST),
     # Cloud TPU docs, "TPU v5p": 459 TFLOPs bf16, 95 GB HBM2e (newer revisions print 95 GiB; the
     # smaller reading is kept), bidirectional ICI 1200 GBps per chip.
-    "tpu-v5p": Hardware("tpu-v5p", 459e12, 95 * GB, 1200 * GB, "ICI (3D torus)"),
+    "tpu-v5p": Hardware("tpu-v5p", 459e12, 95 * GB, 1200 * GB, "ICI (3D torus)", _TPU_HOST),
     # Cloud TPU docs, "TPU v6e" (Trillium): 918 TFLOPs bf16, 32 GB HBM, bidirectional ICI 800 GBps
     # per chip.
-    "tpu-v6e": Hardware("tpu-v6e", 918e12, 32 * GB, 800 * GB, "ICI (2D torus)"),
+    "tpu-v6e": Hardware("tpu-v6e", 918e12, 32 * GB, 800 * GB, "ICI (2D torus)", _TPU_HOST),
 }
 
 

@@ -141,12 +141,13 @@ def ideal(trainer, optimizer: str = "adamw", shape: analytic.GPTShape | None = N
     are not modelled); activations need the model's shape."""
     psi, p, stage, prec = param_count(trainer), trainer.layout.fsdp_size, trainer.stage.index, trainer.precision
     kept = analytic.kept_state_bytes(psi, p, stage, prec, analytic.get_optimizer(optimizer))
-    traffic = analytic.traffic_bytes(psi, p, stage, prec.param_bytes, prec.reduce_bytes)
+    k, reshard = trainer.grad_accum, trainer.options.reshard_after_forward
+    traffic = analytic.traffic_bytes(psi, p, stage, prec.param_bytes, prec.reduce_bytes, k, reshard)
     act = temp = None
     if shape is not None and seq_len and micro_batch:
         act = float(analytic.activation_bytes_gpt(shape.d_model, shape.n_layers, shape.n_heads, shape.d_ff,
                                                   shape.vocab_size, seq_len, micro_batch, prec.param_bytes, remat))
-        temp = analytic.step_temp_bytes(psi, p, stage, prec, act)
+        temp = analytic.step_temp_bytes(psi, p, stage, prec, act, grad_accum=k, reshard_after_forward=reshard)
     return Ideal(psi, p, kept["total"], kept, traffic["param_allgather"], traffic["grad_reduce"], temp, act)
 
 
@@ -177,7 +178,7 @@ def measure_step(trainer, state, batch, *, optimizer: str = "adamw", shape: anal
     final = collective_bytes(compiled.as_text())
     ma = compiled.memory_analysis()
     rows = batch["inputs"].shape[0]
-    micro = rows // data_parallel_size(trainer.mesh)
+    micro = rows // data_parallel_size(trainer.mesh) // trainer.grad_accum  # activations are one micro-batch's
     m = Measurement(
         stage=trainer.stage.index,
         engine=trainer.engine,

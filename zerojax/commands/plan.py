@@ -4,12 +4,18 @@
 CONFIG` counts the config's model parameters with `jax.eval_shape` (nothing is allocated, so a 70B
 config plans in seconds) and takes the shape, sequence length, per-device micro-batch, precision and
 optimizer from the config; flags given explicitly override it.
+
+Below the stage table, every combination of stage x `train.grad_accum` x `zero.offload` x `model.remat`
+is ranked against the device budget (`--memory`, default the hardware's, less `--headroom`), with
+device and host bytes apart, and the best one's `--set` overrides are printed
+(`zerojax.accounting.picks`; docs/planner.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 
 from zerojax.errors import UserError
@@ -51,12 +57,23 @@ def add_parser(subparsers) -> None:
     p.add_argument("--optimizer", help=f"{', '.join(OPTIMIZERS)} (default: CONFIG's, else adamw)")
     p.add_argument("--precision", help=f"{' or '.join(DTYPES)}, bf16 with an fp32 master (default: CONFIG's, else bf16)")
     p.add_argument("--mfu", type=float, default=1.0, help="assumed fraction of peak FLOP/s (default 1.0)")
+    p.add_argument("--memory", help="device memory budget per device, e.g. 80GB, 24GiB or 8e9 bytes (default: "
+                                    "--hardware's); combinations are ranked against it")
+    p.add_argument("--headroom", type=float, default=0.1,
+                   help="fraction of the device memory left free for the estimate's error and the allocator "
+                        "(default 0.1): combinations must fit in (1 - headroom) x memory")
+    p.add_argument("--host-memory", help="host memory per device for offloaded state and activations, e.g. 250GB "
+                                         "(default: unbounded, only reported)")
+    p.add_argument("--top", type=int, default=8, help="combinations to print, best first (default 8)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from zerojax.accounting import analytic
+    from zerojax.accounting import picks as picks_lib
     from zerojax.accounting.hardware import get_hardware
     from zerojax.optim import get_optimizer
     from zerojax.precision import get_precision
@@ -69,7 +86,14 @@ def _run(args: argparse.Namespace) -> int:
         value = getattr(args, key)
         if value is not None and value < 1:
             raise UserError(f"--{key.replace('_', '-')} must be a positive integer, got {value}.")
+    if args.top < 1:
+        raise UserError(f"--top must be a positive integer, got {args.top}.")
+    if not 0 <= args.headroom < 1:
+        raise UserError(f"--headroom must be a fraction in [0, 1), got {args.headroom}.")
     hardware = get_hardware(args.hardware)
+    if args.memory is not None:
+        hardware = dataclasses.replace(hardware, hbm_bytes=picks_lib.parse_bytes(args.memory))
+    host_memory = math.inf if args.host_memory is None else picks_lib.parse_bytes(args.host_memory, "--host-memory")
     if args.config is not None:
         inputs = _from_config(args)
     else:
@@ -82,6 +106,7 @@ def _run(args: argparse.Namespace) -> int:
                   "micro_batch": args.micro_batch or 1, "precision": args.precision or "bf16",
                   "optimizer": args.optimizer or "adamw", "shape": None, "remat": "full", "replicas": 1,
                   "grad_accum": args.grad_accum or 1, "reshard_after_forward": True}
+        inputs["rows_per_device"] = inputs["micro_batch"] * inputs["grad_accum"]
     result = analytic.plan(
         inputs["params"],
         inputs["devices"],
@@ -96,8 +121,22 @@ def _run(args: argparse.Namespace) -> int:
         grad_accum=inputs["grad_accum"],
         reshard_after_forward=inputs["reshard_after_forward"],
     )
+    ranked = picks_lib.rank(
+        result.params, result.devices, hardware, rows_per_device=inputs["rows_per_device"], seq_len=result.seq_len,
+        precision=result.precision, optimizer=result.optimizer, shape=result.shape, mfu=args.mfu,
+        reshard_after_forward=result.reshard_after_forward, memory=hardware.hbm_bytes * (1 - args.headroom),
+        host_memory=host_memory,
+    )
     if args.json:
         out = analytic.plan_dict(result)
+        out["memory_bytes"] = hardware.hbm_bytes
+        out["headroom"] = args.headroom
+        out["host_memory_bytes"] = None if math.isinf(host_memory) else host_memory
+        out["rows_per_device"] = inputs["rows_per_device"]
+        out["picks"] = [p.as_dict() for p in ranked]
+        best = ranked[0] if ranked and ranked[0].fits else None
+        out["best"] = None if best is None else {"overrides": best.overrides(),
+                                                 "set_args": " ".join(f"--set {o}" for o in best.overrides())}
         if args.config is not None:
             out["config"] = {"path": args.config, "overrides": list(args.overrides), "remat": inputs["remat"],
                              "replicas": inputs["replicas"],
@@ -105,6 +144,7 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         _print_table(result, args.config, inputs["remat"], inputs["replicas"])
+        _print_picks(ranked, args.top, hardware, inputs["rows_per_device"], result.seq_len, args.headroom)
     return 0
 
 
@@ -137,12 +177,15 @@ def _from_config(args: argparse.Namespace) -> dict:
     else:
         raise UserError(f"--devices is required: {args.config} leaves mesh.fsdp to the device count.")
     dp = c.mesh.data * fsdp
+    accum = args.grad_accum or c.train.grad_accum
+    micro = args.micro_batch or max(1, c.train.batch_size // dp // accum)
     return {
+        "rows_per_device": micro * accum if args.micro_batch else max(1, c.train.batch_size // dp),
         "params": counted["params"],
         "devices": fsdp,
         "seq_len": counted["seq_len"],
-        "micro_batch": args.micro_batch or max(1, c.train.batch_size // dp // (args.grad_accum or c.train.grad_accum)),
-        "grad_accum": args.grad_accum or c.train.grad_accum,
+        "micro_batch": micro,
+        "grad_accum": accum,
         "reshard_after_forward": c.zero.reshard_after_forward,
         "precision": args.precision or c.precision,
         "optimizer": args.optimizer or c.optimizer.name,
@@ -178,6 +221,8 @@ def _gb(x: float) -> str:
 
 
 def _time(s: float) -> str:
+    if s < 1e-3:
+        return f"{s * 1e6:,.1f} us"
     return f"{s * 1e3:,.1f} ms" if s < 10 else f"{s:,.1f} s"
 
 
@@ -234,3 +279,37 @@ def _print_table(p, config: str | None = None, remat: str = "full", replicas: in
         f"{rec.comm_bound_below_tokens:,.0f} tokens per device per step "
         f"(micro-batch >= {rec.min_micro_batch} at seq {p.seq_len})."
     )
+
+
+def _print_picks(ranked, top: int, hw, rows: int, seq_len: int, headroom: float) -> None:
+    """The best `top` combinations of stage x accumulation x offload x remat, and the best one's
+    config overrides."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if Console().is_terminal else 140)
+    fitting = sum(p.fits for p in ranked)
+    unit, scale = ("GB", 1e9) if hw.hbm_bytes >= 1e9 else ("MB", 1e6)
+    table = Table(
+        title=(f"Combinations: {fitting} of {len(ranked)} fit in {hw.hbm_bytes * (1 - headroom) / 1e9:,.2f} GB per "
+               f"device ({hw.hbm_bytes / 1e9:,.2f} GB less {headroom:.0%} headroom) "
+               f"({rows} x {seq_len} tokens per device per step); best {min(top, len(ranked))}"),
+        caption=(f"device {unit}: kept device state + the step's temporaries (activations of one micro-batch, "
+                 f"gradients, the update; offloaded state comes back for the update); host {unit}: offloaded state + "
+                 "offloaded activations. Step: max(compute incl. recompute, collectives, host link "
+                 f"{hw.host_bytes_per_s / 1e9:.0f} GB/s per direction), a lower bound."),
+    )
+    for col in ("#", "stage", "accum x rows", "offload", "remat", f"device {unit}", f"host {unit}", "step", "bound",
+                "fits"):
+        table.add_column(col, justify="left" if col in ("offload", "remat", "bound", "fits") else "right")
+    for i, p in enumerate(ranked[:top], 1):
+        table.add_row(str(i), str(p.stage), f"{p.grad_accum} x {p.micro_batch}", p.offload, p.remat,
+                      f"{p.device_peak_bytes / scale:,.2f}", f"{p.host_bytes / scale:,.2f}", _time(p.step_s), p.bound,
+                      "yes" if p.fits else "[red]no[/red]")
+    console.print(table)
+    best = ranked[0] if ranked and ranked[0].fits else None
+    if best is None:
+        console.print(f"[bold red]No combination fits[/bold red] in {hw.hbm_bytes * (1 - headroom) / 1e9:,.2f} GB "
+                      "per device: shard over more devices (mesh.fsdp) or shorten the sequences.")
+        return
+    console.print("[bold]Best combination:[/bold] " + " ".join(f"--set {o}" for o in best.overrides()))

@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zerojax import remat as remat_lib
 from zerojax.errors import UserError
-
-REMAT_POLICIES = ("full", "dots", "none")
+from zerojax.remat import REMAT_POLICIES  # noqa: F401  (re-exported by zerojax.models)
 _NORM_EPS = 1e-6
 
 
@@ -39,7 +39,7 @@ class GPTConfig:
     d_ff: int
     seq_len: int  # longest sequence the model accepts
     vocab_size: int = 256
-    remat: str = "full"  # "full" saves nothing, "dots" saves weight matmuls, "none" no remat
+    remat: str = "full"  # see `zerojax.remat`: full, dots, none, or offload (dots' residuals on the host)
     rope_base: float = 10000.0
 
     def __post_init__(self) -> None:
@@ -51,8 +51,7 @@ class GPTConfig:
                 f"model.d_model={self.d_model} must split into model.n_heads={self.n_heads} heads "
                 "of even size (rotary embeddings rotate pairs)."
             )
-        if self.remat not in REMAT_POLICIES:
-            raise UserError(f"model.remat must be one of {REMAT_POLICIES}, got {self.remat!r}.")
+        remat_lib.check(self.remat)
 
     @property
     def head_dim(self) -> int:
@@ -147,13 +146,6 @@ class Block(nnx.Module):
         return x_BxLxD + (gate_BxLxF * (h_BxLxD @ self.w_up[...])) @ self.w_down[...]
 
 
-def _remat(body: Callable, policy: str) -> Callable:
-    if policy == "none":
-        return body
-    saveable = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if policy == "dots" else None
-    return jax.checkpoint(body, policy=saveable, prevent_cse=False)  # scan already blocks CSE
-
-
 class GPT(nnx.Module):
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -190,6 +182,6 @@ class GPT(nnx.Module):
             x_BxLxD = layer_loop(lambda x, layer_state: nnx.merge(graphdef, layer_state)(x, cos, sin),
                                  x_BxLxD, stacked)
         else:
-            x_BxLxD, _ = jax.lax.scan(_remat(body, cfg.remat), x_BxLxD, stacked)
+            x_BxLxD, _ = jax.lax.scan(remat_lib.remat(body, cfg.remat), x_BxLxD, stacked)
         h_BxLxD = _rms_norm(x_BxLxD, self.final_norm[...])
         return jnp.einsum("bld,dv->blv", h_BxLxD, self.head[...], preferred_element_type=jnp.float32)
