@@ -5,6 +5,7 @@ import math
 import pytest
 
 from zerojax.accounting import analytic as A
+from zerojax.accounting import planning
 from zerojax.accounting.hardware import HARDWARE, get_hardware
 from zerojax.errors import UserError
 
@@ -112,23 +113,23 @@ def test_activation_formula_terms():
 
 def test_plan_recommends_lowest_traffic_stage_that_fits():
     hw = get_hardware("h100")  # 80 GB: stage 0 (112 GB) does not fit, 1-3 do
-    p = A.plan(PSI, P, hw, seq_len=2048, micro_batch=4)
+    p = planning.plan(PSI, P, hw, seq_len=2048, micro_batch=4)
     assert [r.fits for r in p.stages] == [False, True, True, True]
     assert p.recommendation.stage == 1  # ties with stage 2 on traffic; the lower stage wins
     t_star = A.comm_bound_tokens_per_device(hw, 1, 2, P)
     assert p.recommendation.comm_bound_below_tokens == pytest.approx(t_star)
     assert p.recommendation.min_micro_batch == math.ceil(t_star / 2048)
     # 16 GB (v5e) only holds stage 3 (14 GB); 70B on 8 fits nowhere and says how many devices would.
-    assert A.plan(PSI, P, get_hardware("tpu-v5e"), 2048, 1).recommendation.stage == 3
-    none = A.plan(70e9, P, hw, 2048, 1).recommendation
+    assert planning.plan(PSI, P, get_hardware("tpu-v5e"), 2048, 1).recommendation.stage == 3
+    none = planning.plan(70e9, P, hw, 2048, 1).recommendation
     assert none.stage is None and "14 devices" in none.reason
 
 
 def test_plan_counts_activations_when_given_a_shape():
     shape = A.GPTShape(d_model=4096, n_layers=32, n_heads=32, d_ff=11008, vocab_size=32000)
     hw = get_hardware("h100")
-    small = A.plan(PSI, P, hw, 2048, 1, shape=shape)
-    big = A.plan(PSI, P, hw, 2048, 64, shape=shape)
+    small = planning.plan(PSI, P, hw, 2048, 1, shape=shape)
+    big = planning.plan(PSI, P, hw, 2048, 64, shape=shape)
     assert small.stages[3].activation_bytes > 0 and small.stages[3].fits
     assert not big.stages[3].fits  # 64 x 2048 tokens of activations no longer fit in 80 GB
 

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from zerojax import cli
-from zerojax.accounting import analytic
+from zerojax.accounting import analytic, planning
 from zerojax.accounting.hardware import get_hardware
 from zerojax.config import load_config
 from zerojax.experiment import model_config
@@ -60,7 +60,7 @@ def test_pod_config_validates_and_its_stage_fits(name, capsys):
     assert stages[c.zero.stage]["fits"]
 
     # Stricter: with this model's activations at this micro-batch and remat policy.
-    plan = analytic.plan(params, c.mesh.fsdp, get_hardware(hardware), gpt.seq_len, micro_batch,
+    plan = planning.plan(params, c.mesh.fsdp, get_hardware(hardware), gpt.seq_len, micro_batch,
                          precision=analytic.get_precision(c.precision),
                          optimizer=analytic.get_optimizer(c.optimizer.name),
                          shape=analytic.GPTShape(gpt.d_model, gpt.n_layers, gpt.n_heads, gpt.d_ff, gpt.vocab_size),

@@ -1,6 +1,6 @@
 """Accounting: the analytic memory / traffic model and measurement from compiled programs.
 
-`analytic`, `activations` and `hardware` are pure arithmetic (no JAX import); `params` is the one
+`analytic`, `planning`, `activations` and `hardware` are pure arithmetic (no JAX import); `params` is the one
 parameter count; `hlo` counts collective bytes in HLO text and compiles a lowered program to get the
 post-partitioning HLO; `measure` sets a built trainer beside the analytic model and `compare.run_row`
 trains and measures one stage x engine.
@@ -9,7 +9,6 @@ trains and measures one stage x engine.
 from zerojax.accounting.analytic import (
     ACTIVATION_MODEL,
     GPTShape,
-    Plan,
     activation_bytes_gpt,
     comm_bound_tokens_per_device,
     flops_per_step,
@@ -18,11 +17,10 @@ from zerojax.accounting.analytic import (
     kept_state_bytes,
     model_state_bytes,
     peak_bytes,
-    plan,
-    plan_dict,
     step_time_estimate,
     traffic_bytes,
 )
+from zerojax.accounting.planning import Plan, plan, plan_dict
 from zerojax.accounting.hardware import HARDWARE, Hardware, get_hardware
 from zerojax.accounting.hlo import collective_bytes, compile_partitioned, partitioned_hlo_text, shape_bytes
 

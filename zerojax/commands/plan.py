@@ -72,24 +72,13 @@ def add_parser(subparsers) -> None:
 def _run(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from zerojax.accounting import analytic
+    from zerojax.accounting import planning
     from zerojax.accounting import picks as picks_lib
     from zerojax.accounting.hardware import get_hardware
     from zerojax.optim import get_optimizer
     from zerojax.precision import get_precision
 
-    if args.config is not None and args.params is not None:
-        raise UserError("give either CONFIG or --params, not both.")
-    if args.overrides and args.config is None:
-        raise UserError("--set needs a CONFIG to override; pass CONFIG or plan with --params alone.")
-    for key in ("devices", "seq", "micro_batch", "grad_accum"):
-        value = getattr(args, key)
-        if value is not None and value < 1:
-            raise UserError(f"--{key.replace('_', '-')} must be a positive integer, got {value}.")
-    if args.top < 1:
-        raise UserError(f"--top must be a positive integer, got {args.top}.")
-    if not 0 <= args.headroom < 1:
-        raise UserError(f"--headroom must be a fraction in [0, 1), got {args.headroom}.")
+    _check_args(args)
     hardware = get_hardware(args.hardware)
     if args.memory is not None:
         hardware = dataclasses.replace(hardware, hbm_bytes=picks_lib.parse_bytes(args.memory))
@@ -107,7 +96,7 @@ def _run(args: argparse.Namespace) -> int:
                   "optimizer": args.optimizer or "adamw", "shape": None, "remat": "full", "replicas": 1,
                   "grad_accum": args.grad_accum or 1, "reshard_after_forward": True}
         inputs["rows_per_device"] = inputs["micro_batch"] * inputs["grad_accum"]
-    result = analytic.plan(
+    result = planning.plan(
         inputs["params"],
         inputs["devices"],
         hardware,
@@ -128,24 +117,45 @@ def _run(args: argparse.Namespace) -> int:
         host_memory=host_memory,
     )
     if args.json:
-        out = analytic.plan_dict(result)
-        out["memory_bytes"] = hardware.hbm_bytes
-        out["headroom"] = args.headroom
-        out["host_memory_bytes"] = None if math.isinf(host_memory) else host_memory
-        out["rows_per_device"] = inputs["rows_per_device"]
-        out["picks"] = [p.as_dict() for p in ranked]
-        best = ranked[0] if ranked and ranked[0].fits else None
-        out["best"] = None if best is None else {"overrides": best.overrides(),
-                                                 "set_args": " ".join(f"--set {o}" for o in best.overrides())}
-        if args.config is not None:
-            out["config"] = {"path": args.config, "overrides": list(args.overrides), "remat": inputs["remat"],
-                             "replicas": inputs["replicas"],
-                             "model": vars(inputs["shape"]) if inputs["shape"] else None, "params_counted_with": "jax.eval_shape"}
-        print(json.dumps(out, indent=2))
+        print(json.dumps(_json_out(args, result, ranked, inputs, hardware, host_memory), indent=2))
     else:
         _print_table(result, args.config, inputs["remat"], inputs["replicas"])
         _print_picks(ranked, args.top, hardware, inputs["rows_per_device"], result.seq_len, args.headroom)
     return 0
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.config is not None and args.params is not None:
+        raise UserError("give either CONFIG or --params, not both.")
+    if args.overrides and args.config is None:
+        raise UserError("--set needs a CONFIG to override; pass CONFIG or plan with --params alone.")
+    for key in ("devices", "seq", "micro_batch", "grad_accum"):
+        value = getattr(args, key)
+        if value is not None and value < 1:
+            raise UserError(f"--{key.replace('_', '-')} must be a positive integer, got {value}.")
+    if args.top < 1:
+        raise UserError(f"--top must be a positive integer, got {args.top}.")
+    if not 0 <= args.headroom < 1:
+        raise UserError(f"--headroom must be a fraction in [0, 1), got {args.headroom}.")
+
+
+def _json_out(args, result, ranked, inputs: dict, hardware, host_memory: float) -> dict:
+    from zerojax.accounting import planning
+
+    out = planning.plan_dict(result)
+    out["memory_bytes"] = hardware.hbm_bytes
+    out["headroom"] = args.headroom
+    out["host_memory_bytes"] = None if math.isinf(host_memory) else host_memory
+    out["rows_per_device"] = inputs["rows_per_device"]
+    out["picks"] = [p.as_dict() for p in ranked]
+    best = ranked[0] if ranked and ranked[0].fits else None
+    out["best"] = None if best is None else {"overrides": best.overrides(),
+                                             "set_args": " ".join(f"--set {o}" for o in best.overrides())}
+    if args.config is not None:
+        out["config"] = {"path": args.config, "overrides": list(args.overrides), "remat": inputs["remat"],
+                         "replicas": inputs["replicas"],
+                         "model": vars(inputs["shape"]) if inputs["shape"] else None, "params_counted_with": "jax.eval_shape"}
+    return out
 
 
 def _from_config(args: argparse.Namespace) -> dict:
