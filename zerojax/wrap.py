@@ -5,7 +5,8 @@ are gathered right before its call and (with `reshard_after_forward`) dropped af
 the backward pass recomputes the unit, gathering the weights again, and the gather's transpose
 reduce-scatters the gradient. Each gather's operand depends on the unit's input (forward) or its
 incoming cotangent (backward), so no scheduler can hoist it and no CSE can merge the two (see
-`rematerialized` and docs/engines.md).
+`rematerialized` and docs/engines.md). With prefetch, each is tied one unit ahead instead: to the
+previous unit's input and to the next unit's incoming cotangent (`Prefetch`).
 Parameters outside every unit belong to the root and are gathered once, before the model runs.
 
 The default rule, `WrapRule()`, needs no configuration: every module class that is used more than
