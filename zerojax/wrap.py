@@ -128,6 +128,9 @@ class Prefetch:
     cotangent's zero as the argument's cotangent, which is what unit i's backward receives.
     One record per traced model call: a token from another trace (a unit inside a unit, or inside a
     transform of the user's) is not used, and that unit ties its forward gather to its own input.
+    A unit whose token no later unit took (the last one) ties its re-gather to its own cotangent. One
+    whose token was taken by a unit off the loss's path (whose backward never runs) receives a constant
+    zero instead: its re-gather is then free to move (values unchanged; memory as without units).
     """
 
     def __init__(self):
