@@ -130,7 +130,8 @@ class Prefetch:
     transform of the user's) is not used, and that unit ties its forward gather to its own input.
     A unit whose token no later unit took (the last one) ties its re-gather to its own cotangent. One
     whose token was taken by a unit off the loss's path (whose backward never runs) receives a constant
-    zero instead: its re-gather is then free to move (values unchanged; memory as without units).
+    zero instead: its re-gather is then free to move, and that unit's weights may be held longer
+    (values are unchanged).
     """
 
     def __init__(self):
