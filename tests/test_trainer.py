@@ -56,8 +56,19 @@ def test_step_refuses_other_shapes_instead_of_retracing():
 
 
 def test_options_an_engine_does_not_support_are_refused():
-    with pytest.raises(zj.UserError, match="gspmd engine does not support the option prefetch=True.*shard_map"):
-        _trainer(engine="gspmd", engine_options={"prefetch": True})
+    from zerojax import engines
+
+    engines.register("plain", lambda *a, **k: None, supports=("wrap",))
+    try:
+        with pytest.raises(zj.UserError, match="plain engine does not support the option prefetch=True; "
+                                               "engines that do: gspmd, shard_map"):
+            _trainer(engine="plain", engine_options={"prefetch": True})
+    finally:
+        del engines._REGISTRY["plain"]
+    gpt, _ = tiny_gpt()
+    with pytest.raises(zj.UserError, match="gspmd engine prefetches FSDP units only.*shard_map"):
+        _trainer(gpt, engine="gspmd", stage=3, engine_options={"prefetch": True}).init(jax.random.key(0),
+                                                                                        token_batch(0))
     with pytest.raises(zj.UserError, match="unknown engine option 'prefech'"):
         _trainer(engine="shard_map", engine_options={"prefech": True})
     with pytest.raises(zj.UserError, match="zero.engine must be one of gspmd, shard_map"):

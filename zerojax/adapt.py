@@ -38,7 +38,7 @@ class FunctionalModel:
     accepts_layer_loop: bool = False  # the model hands its layer loop to a `layer_loop` (prefetch)
     # (logical params, static, abstract inputs) -> [(path, class, parameter leaves)] of its submodules
     modules: Callable[[Any, Any, Any], list] | None = None
-    # (unit paths, materialize, param paths, reshard_after_forward, wait_for_grads) -> around(module)
+    # (unit paths, materialize, param paths, reshard_after_forward, wait_for_grads, prefetch) -> around(module)
     unit_around: Callable[..., Callable] | None = None
     # (module, axis names) -> context in which the model's BatchNorms average over those mesh axes
     sync_batch_stats: Callable[..., Any] | None = None
@@ -136,9 +136,10 @@ def _nnx_functions(make: Callable[[Any], nnx.Module], concrete: nnx.Module | Non
             out = module(inputs, **kwargs)
         return out, _nnx_split(module)[3] if model_state else model_state
 
-    def unit_around(units, materialize, param_paths, reshard_after_forward=True, wait_for_grads=False):
+    def unit_around(units, materialize, param_paths, reshard_after_forward=True, wait_for_grads=False,
+                    prefetch=False):
         del param_paths  # an NNX module finds its params itself
-        return wrap.nnx_around(units, materialize, reshard_after_forward, wait_for_grads)
+        return wrap.nnx_around(units, materialize, reshard_after_forward, wait_for_grads, prefetch)
 
     def sync_batch_stats(module, axes):
         for _, node in nnx.iter_graph(module):
@@ -196,8 +197,10 @@ def _linen_functions(module: nn.Module, rng_streams: tuple[str, ...]) -> Functio
         out, updates = out
         return out, {**model_state, **{k: v for k, v in updates.items() if k in model_state}}
 
-    def unit_around(units, materialize, param_paths, reshard_after_forward=True, wait_for_grads=False):
-        return wrap_linen.linen_around(units, materialize, param_paths, reshard_after_forward, wait_for_grads)
+    def unit_around(units, materialize, param_paths, reshard_after_forward=True, wait_for_grads=False,
+                    prefetch=False):
+        return wrap_linen.linen_around(units, materialize, param_paths, reshard_after_forward, wait_for_grads,
+                                       prefetch)
 
     def modules(params, model_state, inputs):
         return wrap_linen.linen_modules(module, params, model_state, inputs, **mode(False))

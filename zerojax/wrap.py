@@ -5,7 +5,8 @@ are gathered right before its call and (with `reshard_after_forward`) dropped af
 the backward pass recomputes the unit, gathering the weights again, and the gather's transpose
 reduce-scatters the gradient. Each gather's operand depends on the unit's input (forward) or its
 incoming cotangent (backward), so no scheduler can hoist it and no CSE can merge the two (see
-`rematerialized` and docs/engines.md).
+`rematerialized` and docs/engines.md). With prefetch, each is tied one unit ahead instead: to the
+previous unit's input and to the next unit's incoming cotangent (`Prefetch`).
 Parameters outside every unit belong to the root and are gathered once, before the model runs.
 
 The default rule, `WrapRule()`, needs no configuration: every module class that is used more than
@@ -116,34 +117,84 @@ def tie_tree(tree, token):
     return jax.tree.map(lambda x: tie(x, token), tree)
 
 
-def rematerialized(run, params, *args, wait_for_grads: bool = False):
+class Prefetch:
+    """One-unit-ahead prefetch: a per-trace record of the token of the unit called last.
+
+    With it, unit i's forward gather is tied to the token of the *previous* unit's input (so it may
+    start while unit i-1 computes: at most two units' weights gathered at once), and unit i's backward
+    re-gather to the token of the incoming cotangent of the unit called after it (so it may start
+    while unit i+1's backward runs). The token travels as a scalar: each unit also returns its own
+    input's zero, which the next unit takes as an argument; that unit's backward returns its incoming
+    cotangent's zero as the argument's cotangent, which is what unit i's backward receives.
+    One record per traced model call: a token from another trace (a unit inside a unit, or inside a
+    transform of the user's) is not used, and that unit ties its forward gather to its own input.
+    A unit whose token no later unit took (the last one) ties its re-gather to its own cotangent. One
+    whose token was taken by a unit off the loss's path (whose backward never runs) receives a constant
+    zero instead: its re-gather is then free to move, and that unit's weights may be held longer
+    (values are unchanged).
+    """
+
+    def __init__(self):
+        self._last = None  # (trace state, token, followed flag of the unit that made it)
+
+    def take(self):
+        """(token of the previous unit in this trace, or None)"""
+        if self._last is None:
+            return None
+        trace, token, followed = self._last
+        if trace != _current_trace():
+            return None
+        followed[0] = True
+        return token
+
+    def put(self, token, followed: list) -> None:
+        self._last = (_current_trace(), token, followed)
+
+
+def _current_trace():
+    from flax.core.tracers import current_trace
+    return current_trace()
+
+
+def rematerialized(run, params, *args, wait_for_grads: bool = False, prefetch: Prefetch | None = None):
     """`run(params, *args, token)` with its gathers tied to `args` (the unit's inputs) in the forward
-    pass and, recomputed in the backward pass, to the incoming cotangent. Only the inputs are kept."""
+    pass and, recomputed in the backward pass, to the incoming cotangent. Only the inputs are kept.
+    With `prefetch`, tied one unit ahead instead (see `Prefetch`)."""
     args = (params, *args)
     fn, consts = jax.closure_convert(lambda *a: run(*a[:-1], a[-1]), *args, jnp.zeros((), jnp.float32))
+    prev = prefetch.take() if prefetch is not None else None
+    followed = [False]  # set when a later unit in this trace takes this unit's token
 
     @jax.custom_vjp
-    def call(args, consts):
-        return fn(*args, zero_from(args[1:]), *consts)  # args[0]: the unit's params
+    def call(args, consts, prev):
+        mine = zero_from(args[1:])  # args[0]: the unit's params
+        return fn(*args, mine if prev is None else prev, *consts), mine
 
-    def fwd(args, consts):
-        return call(args, consts), (args, consts)
+    def fwd(args, consts, prev):
+        return call(args, consts, prev), (args, consts)
 
-    def bwd(res, ct):
+    def bwd(res, cts):
         args, consts = res
-        token = zero_from(ct)
+        ct, ct_next = cts
+        own = zero_from(ct)
+        # `followed` is read when the backward pass is traced, after the whole forward: the next
+        # unit's backward then hands its incoming cotangent's zero to this one as `ct_next`.
+        token = ct_next if followed[0] else own
         _, vjp = jax.vjp(lambda a, c: fn(*a, token, *c), args, consts)
         d_args, d_consts = vjp(ct)
-        if not wait_for_grads:
-            return d_args, d_consts
-        # The unit's input gradient waits for its reduced parameter gradients, so the next unit's
-        # backward cannot start while this unit's full-size gradients are alive (GSPMD's gradient
-        # all-reduces are otherwise combined into one at the end of the backward pass).
-        params_done = sum((zero_from(g) for g in jax.tree.leaves(d_args[0])), jnp.zeros((), jnp.float32))
-        return (d_args[0], *tie_tree(tuple(d_args[1:]), params_done)), d_consts
+        if wait_for_grads:
+            # The unit's input gradient waits for its reduced parameter gradients, so the next unit's
+            # backward cannot start while this unit's full-size gradients are alive (GSPMD's gradient
+            # all-reduces are otherwise combined into one at the end of the backward pass).
+            params_done = sum((zero_from(g) for g in jax.tree.leaves(d_args[0])), jnp.zeros((), jnp.float32))
+            d_args = (d_args[0], *tie_tree(tuple(d_args[1:]), params_done))
+        return d_args, d_consts, (None if prev is None else own)
 
     call.defvjp(fwd, bwd)
-    return call(tuple(args), consts)
+    out, mine = call(tuple(args), consts, prev)
+    if prefetch is not None:
+        prefetch.put(mine, followed)
+    return out
 
 
 # ---- NNX: a unit is the same module object with a subclass whose __call__ gathers first ------------
@@ -158,10 +209,12 @@ def nnx_modules(module: nnx.Module) -> list[tuple[Path, type, int]]:
 
 
 def nnx_around(units: list[Path], materialize: Materialize, reshard_after_forward: bool = True,
-               wait_for_grads: bool = False):
-    """`around(module)` for `FunctionalModel.apply`: makes the submodules at `units` FSDP units."""
+               wait_for_grads: bool = False, prefetch: bool = False):
+    """`around(module)` for `FunctionalModel.apply`: makes the submodules at `units` FSDP units;
+    `prefetch`: each unit's gathers one unit ahead (see `Prefetch`)."""
 
     def around(module: nnx.Module):
+        record = Prefetch() if prefetch and reshard_after_forward else None  # one per traced call
         nodes = [(tuple(str(k) for k in p), n) for p, n in nnx.iter_graph(module)]
         by_path = dict(nodes)
         for p, n in nodes:  # the root's own params: gathered once, now
@@ -171,6 +224,7 @@ def nnx_around(units: list[Path], materialize: Materialize, reshard_after_forwar
             sub = by_path[u]
             sub.__class__ = _unit_class(type(sub), materialize, reshard_after_forward, wait_for_grads)
             sub._fsdp_path = u
+            sub._fsdp_prefetch = record
         return contextlib.nullcontext()
 
     return around
@@ -205,7 +259,7 @@ def _unit_class(cls: type, materialize: Materialize, reshard: bool, wait_for_gra
 
         args = ([flat[p] for p in names], [leaves[i] for i in dynamic], rest_leaves)
         if reshard:  # the gathered weights are not kept for the backward pass: gathered again there
-            out, updated = rematerialized(run, *args, wait_for_grads=wait_for_grads)
+            out, updated = rematerialized(run, *args, wait_for_grads=wait_for_grads, prefetch=self._fsdp_prefetch)
         else:
             out, updated = run(*args, jnp.zeros((), jnp.float32))
         nnx.update(self, updated)

@@ -25,7 +25,7 @@ from flax import nnx
 from flax.core import DenyList, lift
 from flax.linen.transforms import decorator_lift_transform, get_module_scopes
 
-from zerojax.wrap import Materialize, Path, _key, owner, rematerialized, tie
+from zerojax.wrap import Materialize, Path, Prefetch, _key, owner, rematerialized, tie
 
 
 def linen_modules(module: nn.Module, params, model_state, inputs, **call_kwargs) -> list[tuple[Path, type, int]]:
@@ -48,14 +48,16 @@ def linen_modules(module: nn.Module, params, model_state, inputs, **call_kwargs)
 
 
 def linen_around(units: list[Path], materialize: Materialize, params_paths: list[Path],
-                 reshard_after_forward: bool = True, wait_for_grads: bool = False):
+                 reshard_after_forward: bool = True, wait_for_grads: bool = False, prefetch: bool = False):
     """`around(module)` for a Linen model: the root's params are written, gathered, into its scope when
-    it is first entered; each call of a unit's method gathers the unit's params inside the call."""
+    it is first entered; each call of a unit's method gathers the unit's params inside the call
+    (`prefetch`: one unit ahead, see `zerojax.wrap.Prefetch`)."""
     root_leaves = [p for p in params_paths if owner(p, units) is None]
     unit_set = set(units)
 
     def around(module: nn.Module):
         done, inside = [False], []  # inside: the scopes `_unit_transform` runs units in
+        record = Prefetch() if prefetch and reshard_after_forward else None  # one per traced call
 
         def interceptor(next_fun, args, kwargs, context):
             m = context.module
@@ -70,7 +72,8 @@ def linen_around(units: list[Path], materialize: Materialize, params_paths: list
                 return next_fun(*args, **kwargs)
             gather = _unit_gather(m, args, kwargs, path, units, materialize)
             lifted = decorator_lift_transform(_unit_transform, context.orig_method.func, gather=gather, inside=inside,
-                                              reshard=reshard_after_forward, wait_for_grads=wait_for_grads)
+                                              reshard=reshard_after_forward, wait_for_grads=wait_for_grads,
+                                              prefetch=record)
             return lifted(m, *args, **kwargs)
 
         return nn.intercept_methods(interceptor)
@@ -110,7 +113,7 @@ def _ancestors(scope):
         scope = scope.parent
 
 
-def _unit_transform(fn, gather, inside: list, reshard: bool, wait_for_grads: bool):
+def _unit_transform(fn, gather, inside: list, reshard: bool, wait_for_grads: bool, prefetch: Prefetch | None = None):
     """A lifted transform (see `flax.core.lift.pack`): `fn(scope, *args)` run on the unit's gathered
     params inside `wrap.rematerialized`; returns what it updated in the other mutable collections."""
 
@@ -131,7 +134,7 @@ def _unit_transform(fn, gather, inside: list, reshard: bool, wait_for_grads: boo
 
         operands = (params, [leaves[i] for i in dynamic], rest, rng_groups)
         if reshard:  # the gathered weights are not kept for the backward pass: gathered again there
-            return rematerialized(run, *operands, wait_for_grads=wait_for_grads)
+            return rematerialized(run, *operands, wait_for_grads=wait_for_grads, prefetch=prefetch)
         return run(*operands, jnp.zeros((), jnp.float32))
 
     return lift.pack(inner, ("params", True), (False, DenyList("params")), (True,), name="fsdp_unit",

@@ -32,7 +32,7 @@ class EngineOptions:
     """Every engine option; each engine supports some of them (see `Engine.supports`)."""
 
     layer_stacks: tuple[str, ...] = ("blocks",)  # top-level param names stacking layers on axis 0
-    prefetch: bool = False  # stage 3, layer-hook model: gather layer i+1 while layer i computes
+    prefetch: bool = False  # stage 3: gather layer (or FSDP unit) i+1 while layer i computes
     wrap: Any = "auto"  # FSDP units for models without a layer hook: "auto", "none", classes, a WrapRule
     # stage 3: False keeps the gathered weights for the whole step (every micro-batch of a gradient
     # accumulation, forward and backward): one gather and one reduce-scatter per step, full-size weights

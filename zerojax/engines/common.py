@@ -100,10 +100,12 @@ def apply_update(layout: StateLayout, tx: optax.GradientTransformation, state: T
     return state.replace(**new_state, step=state.step + 1), {"grad_norm": grad_norm, "bad_step": (~finite).astype(jnp.int32)}
 
 
-def unit_around(layout: StateLayout, model, rule, materialize, inputs, model_state, wait_for_grads=False):
+def unit_around(layout: StateLayout, model, rule, materialize, inputs, model_state, wait_for_grads=False,
+                prefetch=False):
     """(GatherReport, around) for a model whose submodules the wrap `rule` makes FSDP units:
     `materialize(path, stored value)` turns a leaf into the whole compute-dtype weight;
-    `wait_for_grads`: a unit's input gradient waits for its reduced parameter gradients."""
+    `wait_for_grads`: a unit's input gradient waits for its reduced parameter gradients;
+    `prefetch`: each unit gathers one unit ahead (`zerojax.wrap.Prefetch`)."""
     from zerojax.engines import GatherReport
     from zerojax.stages import LeafLayout
 
@@ -114,8 +116,13 @@ def unit_around(layout: StateLayout, model, rule, materialize, inputs, model_sta
     modules = model.modules(logical, model_state, inputs)
     units = wrap_lib.choose_units(modules, rule)
     text = wrap_lib.describe(units, {p: c for p, c, _ in modules}, rule)
-    report = GatherReport("whole" if text.startswith("whole") else "units", text)
+    prefetch = prefetch and bool(units) and rule.reshard_after_forward
+    report = GatherReport("whole" if text.startswith("whole") else "units",
+                          text + (", next unit prefetched" if prefetch else ""))
     paths = [tuple(l.path.split("/")) for l in leaves]
+    if prefetch:
+        return report, model.unit_around(units, materialize, paths, rule.reshard_after_forward, wait_for_grads,
+                                         prefetch=True)
     return report, model.unit_around(units, materialize, paths, rule.reshard_after_forward, wait_for_grads)
 
 

@@ -12,8 +12,9 @@ from zerojax import wrap as wrap_lib
 from zerojax.engines.common import (apply_update, compute_params, constrain, describe_stacks, global_loss,
                                      keep_model_state, outside_stacks, stack_paths, step_key, unit_around)
 from zerojax.engines.gspmd_accum import accumulated_grads
+from zerojax.errors import UserError
 
-SUPPORTS = ("layer_stacks", "wrap", "reshard_after_forward", "grad_accum")
+SUPPORTS = ("layer_stacks", "prefetch", "wrap", "reshard_after_forward", "grad_accum")
 
 
 def _replicated(layout, tree):
@@ -70,7 +71,8 @@ def _units(layout, model, options, inputs, model_state):
         # The gradient's transpose is the same pair, so each unit's gradient is reduced inside its backward.
         return jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(x, sharded[path]), layout.replicated)
 
-    report, around = unit_around(layout, model, rule, materialize, inputs, model_state, wait_for_grads=True)
+    report, around = unit_around(layout, model, rule, materialize, inputs, model_state, wait_for_grads=True,
+                                 prefetch=options.prefetch)
     return (report, around) if report.route == "units" else None
 
 
@@ -78,6 +80,9 @@ def build(layout, model, static, loss_fn, tx, options: EngineOptions, inputs=Non
           grad_accum: int = 1) -> BuiltStep:
     units = _units(layout, model, options, inputs, model_state or {})
     around = units[1] if units else None
+    if options.prefetch and layout.compute_sharded and model.accepts_layer_hook:
+        raise UserError("the gspmd engine prefetches FSDP units only (user models without zj.Stacked or a layer "
+                        "hook); for a model's layer stack, prefetch=True needs engine shard_map.")
 
     def run(params, model_state, batch, key, train):
         hook = None

@@ -142,7 +142,7 @@ def _route(layout: StateLayout, model, static, options: EngineOptions, materiali
         return report, lambda raw, ms, x, key, train=True: model.apply(_gather_all(materialize, leaves, raw), ms,
                                                                        static, x, rng=key, train=train,
                                                                        sync=BATCH_AXES)
-    return _unit_route(layout, model, static, rule, materialize, inputs, model_state)
+    return _unit_route(layout, model, static, rule, materialize, inputs, model_state, options.prefetch and stage == 3)
 
 
 def _layer_route(layout, model, static, stacks, materialize, prefetch: bool):
@@ -163,11 +163,12 @@ def _layer_route(layout, model, static, stacks, materialize, prefetch: bool):
     return report, run
 
 
-def _unit_route(layout, model, static, rule, materialize, inputs, model_state):
-    """Submodules chosen by the wrap rule gather their own params (see `zerojax.wrap`)."""
+def _unit_route(layout, model, static, rule, materialize, inputs, model_state, prefetch=False):
+    """Submodules chosen by the wrap rule gather their own params (see `zerojax.wrap`); with `prefetch`,
+    one unit ahead (`zerojax.wrap.Prefetch`)."""
     by_path = {l.path: l for l in jax.tree.leaves(layout.leaves, is_leaf=_is_layout)}
     report, around = unit_around(layout, model, rule, lambda path, x: materialize(by_path[path], x), inputs,
-                                 model_state)
+                                 model_state, prefetch=prefetch)
     return report, lambda raw, ms, x, key, train=True: model.apply(raw, ms, static, x, rng=key, train=train,
                                                                  around=around, sync=BATCH_AXES)
 
@@ -290,7 +291,8 @@ def build(layout: StateLayout, model, static, loss_fn, tx, options: EngineOption
     """`step(state, batch) -> (state, metrics)` and how it gathers params (`inputs`: the abstract
     model inputs, for finding a model's submodules before it is traced).
 
-    options.prefetch      stage 3 with a layer-hook model: gather layer i+1 while layer i computes.
+    options.prefetch      stage 3: gather layer i+1 while layer i computes (layers route), or unit i+1's
+                          weights while unit i computes, forward and backward (units route).
     options.wrap          FSDP units for models without a layer hook: "auto", "none", classes or a WrapRule.
     options.layer_stacks  top-level param names whose leaves stack layers on axis 0 and go through the hook.
     options.reshard_after_forward  stage 3: False gathers the whole model once per step and keeps it.
