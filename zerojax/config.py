@@ -55,7 +55,7 @@ class ZeroConfig(_Section):
     stage: Int = 3
     engine: str = "gspmd"
     reduce_dtype: Optional[str] = None
-    prefetch: StrictBool = False  # shard_map stage 3: gather layer i+1 while layer i computes
+    prefetch: StrictBool = False  # stage 3: gather the next layer (shard_map) or FSDP unit (both engines) one ahead
     reshard_after_forward: StrictBool = True  # stage 3, False: gather once per step, keep across micro-batches
     offload: str = "none"  # "optimizer": fp32 master + optimizer state in host memory; "optimizer+params"
 
