@@ -9,7 +9,7 @@ dotted key, the value and what is valid.
 from __future__ import annotations
 
 import os
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationError
@@ -57,6 +57,9 @@ class ZeroConfig(_Section):
     reduce_dtype: Optional[str] = None
     prefetch: StrictBool = False  # shard_map stage 3: gather layer i+1 while layer i computes
     reshard_after_forward: StrictBool = True  # stage 3, False: gather once per step, keep across micro-batches
+    quantize_weights: Optional[Literal["int8", "fp8"]] = None  # ZeRO++ qwZ, shard_map stage 3
+    quantize_grads: Optional[Literal["int8"]] = None  # ZeRO++ qgZ, shard_map stages 1-3
+    quantize_block: PositiveInt = 256  # elements per quantization scale
 
 
 class MeshConfig(_Section):

@@ -2,7 +2,8 @@
 
 `Reduce` gathers a leaf (cast first, so the gather moves compute-dtype bytes), reduce-scatters or
 all-reduces its gradient in the reduce dtype, summing over the pure-replica batch axes too
-(hybrid sharding); `Resident` is stage 2's view of a leaf.
+(hybrid sharding); `Resident` is stage 2's view of a leaf. With ZeRO++'s qwZ / qgZ the stage-3
+gathers and the reduce-scatters over fsdp move block-quantized values (`zerojax.engines.quantize`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from zerojax.engines import quantize
 from zerojax.stages import FSDP_AXIS, LeafLayout, fit_to
 
 
@@ -43,13 +45,19 @@ class Reduce:
     compute_dtype: Any
     reduce_dtype: Any
     master_dtype: Any
+    weights: quantize.Quantizer | None = None  # qwZ: stage-3 gathers move block-quantized weights
+    grads: quantize.Quantizer | None = None  # qgZ: reduce-scatters become quantized all-to-alls
 
     def to_shard(self, ct, leaf: LeafLayout):
         """A leaf's local gradient -> this device's shard of the sum over all devices."""
-        ct = ct.astype(self.reduce_dtype)
         if leaf.axis is None:  # replicated in every group: every device keeps the whole sum
-            return jax.lax.psum(ct, (FSDP_AXIS, *self.replicas))
-        ct = jax.lax.psum_scatter(fit_to(ct, leaf.padded_shape), FSDP_AXIS, scatter_dimension=leaf.axis, tiled=True)
+            return jax.lax.psum(ct.astype(self.reduce_dtype), (FSDP_AXIS, *self.replicas))
+        ct = fit_to(ct, leaf.padded_shape)
+        if self.grads is not None and self.grads.applies(quantize.chunk_size(leaf, jax.lax.axis_size(FSDP_AXIS))):
+            ct = quantize.reduce_scatter(ct, leaf, self.grads).astype(self.reduce_dtype)  # summed in fp32
+        else:
+            ct = jax.lax.psum_scatter(ct.astype(self.reduce_dtype), FSDP_AXIS, scatter_dimension=leaf.axis,
+                                      tiled=True)
         return jax.lax.psum(ct, self.replicas) if self.replicas else ct
 
     def to_all(self, ct):
@@ -61,9 +69,16 @@ class Reduce:
             x = gather_bits(x, leaf.axis)
         return fit_to(x, leaf.shape)
 
+    def shard_gather(self, shard, leaf: LeafLayout):
+        """Stage 3's gather of a leaf: block-quantized with qwZ (where its shard fills a block)."""
+        if self.weights is not None and leaf.axis is not None and self.weights.applies(shard.size):
+            return quantize.gather(shard, leaf, self.weights, self.compute_dtype)
+        return self.cast_gather(shard, leaf)
+
     def gather(self, leaf: LeafLayout):
-        """Stage 3: fp32 shard -> whole compute-dtype leaf; backward: reduce-scatter of its gradient."""
-        gather = lambda shard: self.cast_gather(shard, leaf)  # noqa: E731
+        """Stage 3: fp32 shard -> whole compute-dtype leaf; backward: reduce-scatter of its gradient
+        (with qwZ, straight through the quantization)."""
+        gather = lambda shard: self.shard_gather(shard, leaf)  # noqa: E731
         # The transpose JAX derives for a tiled all_gather is this psum_scatter; it is written out
         # so that it runs in the reduce dtype and also sums over the replica axes.
         f = jax.custom_vjp(gather)

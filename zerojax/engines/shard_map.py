@@ -30,14 +30,17 @@ from zerojax import wrap as wrap_lib
 from zerojax.engines import BuiltStep, EngineOptions, GatherReport
 from zerojax.engines import accum
 from zerojax.engines.collectives import Reduce, Resident
+from zerojax.engines.quantize import Quantizer
 from zerojax.engines.common import (apply_update, compute_params, describe_stacks, keep_model_state, loss_parts,
                                      outside_stacks, stack_paths, step_key, unit_around)
+from zerojax.errors import UserError
 from zerojax.layout import StateLayout
 from zerojax.mesh import BATCH_AXES, data_parallel_size
 from zerojax.stacked import at
 from zerojax.stages import FSDP_AXIS, LeafLayout
 
-SUPPORTS = ("layer_stacks", "prefetch", "wrap", "reshard_after_forward", "grad_accum")
+SUPPORTS = ("layer_stacks", "prefetch", "wrap", "reshard_after_forward", "grad_accum", "quantize_weights",
+            "quantize_grads", "quantize_block")
 
 _is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
 
@@ -234,7 +237,7 @@ def _accum_grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: "
     def local(params, model_state, key, batch):
         key = jax.random.fold_in(jax.random.wrap_key_data(key), jax.lax.axis_index(BATCH_AXES))
         if gather_first:
-            params = jax.tree.map(lambda l, x: reduce.cast_gather(x, l), leaves, params, is_leaf=_is_layout)
+            params = jax.tree.map(lambda l, x: reduce.shard_gather(x, l), leaves, params, is_leaf=_is_layout)
         micro = jax.tree.map(lambda x: accum.split(x, k)[:, 0], batch)  # (k, rows / k, ...)
 
         def body(carry, xs):
@@ -285,6 +288,24 @@ def _eval_fn(layout: StateLayout, run_model: RunModel):
     return evaluate
 
 
+def _quantizers(options: EngineOptions, stage: int):
+    """(qwZ, qgZ) quantizers of the options, None where off; UserError where the stage has no such collective."""
+    weights = grads = None
+    if options.quantize_weights is not None:
+        if stage != 3:
+            raise UserError(f"zero.quantize_weights quantizes stage 3's weight gathers; stage {stage} has none "
+                            "(use zero.stage=3, or leave zero.quantize_weights unset).")
+        weights = Quantizer(options.quantize_weights, options.quantize_block)
+    if options.quantize_grads is not None:
+        if options.quantize_grads != "int8":
+            raise UserError(f"zero.quantize_grads must be int8, got {options.quantize_grads!r}.")
+        if stage == 0:
+            raise UserError("zero.quantize_grads quantizes the gradient reduce-scatter of stages 1-3; stage 0 "
+                            "all-reduces the whole gradient instead (use zero.stage >= 1).")
+        grads = Quantizer(options.quantize_grads, options.quantize_block)
+    return weights, grads
+
+
 def build(layout: StateLayout, model, static, loss_fn, tx, options: EngineOptions, inputs,
           model_state=None, grad_accum: int = 1) -> BuiltStep:
     """`step(state, batch) -> (state, metrics)` and how it gathers params (`inputs`: the abstract
@@ -298,7 +319,8 @@ def build(layout: StateLayout, model, static, loss_fn, tx, options: EngineOption
     """
     stage, mesh, prec = layout.stage.index, layout.mesh, layout.precision
     replicas = tuple(a for a in BATCH_AXES if a != FSDP_AXIS and mesh.shape[a] > 1)
-    reduce = Reduce(replicas, prec.compute_dtype, prec.reduce_dtype, prec.master_dtype)
+    reduce = Reduce(replicas, prec.compute_dtype, prec.reduce_dtype, prec.master_dtype,
+                    *_quantizers(options, stage))
     report, run_model = _route(layout, model, static, options, reduce.materializer(stage), inputs, model_state or {})
     train_report = report
     keep = stage == 3 and not options.reshard_after_forward
