@@ -60,6 +60,7 @@ class ZeroConfig(_Section):
     quantize_weights: Optional[Literal["int8", "fp8"]] = None  # ZeRO++ qwZ, shard_map stage 3
     quantize_grads: Optional[Literal["int8"]] = None  # ZeRO++ qgZ, shard_map stages 1-3
     quantize_block: PositiveInt = 256  # elements per quantization scale
+    hierarchical: StrictBool = False  # ZeRO++ hpZ, shard_map stage 3 on a data x fsdp mesh
 
 
 class MeshConfig(_Section):

@@ -89,7 +89,7 @@ def build_experiment(c: Config, devices=None) -> Experiment:
         reduce_dtype=c.zero.reduce_dtype,
         engine_options=EngineOptions(prefetch=c.zero.prefetch, reshard_after_forward=c.zero.reshard_after_forward,
                                      quantize_weights=c.zero.quantize_weights, quantize_grads=c.zero.quantize_grads,
-                                     quantize_block=c.zero.quantize_block),
+                                     quantize_block=c.zero.quantize_block, hierarchical=c.zero.hierarchical),
         grad_accum=c.train.grad_accum,
     )
     return Experiment(c, gpt, trainer, train_data, eval_data, meta)

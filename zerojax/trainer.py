@@ -125,7 +125,8 @@ class Trainer:
         param_shapes, model_state_shapes, static_shapes = jax.eval_shape(self.model.init, key, inputs)  # one trace
         layout = make_layout(self.mesh, self.stage, self.precision, param_shapes,
                              layer_stacks=self.options.layer_stacks, replicate_below_bytes=self.replicate_below_bytes,
-                             pad_free_optimizer=not self._pads_exactly, stack_paths=self.model.stacks)
+                             pad_free_optimizer=not self._pads_exactly, stack_paths=self.model.stacks,
+                             hierarchical=self.options.hierarchical)
         opt_state_shapes = layout.opt_state_shapes(self.tx)
         has_model_state = bool(jax.tree.leaves(model_state_shapes))
         model_state_shapes = model_state_shapes if has_model_state else None

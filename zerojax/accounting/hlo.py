@@ -307,6 +307,33 @@ def _moved_bytes(instr: _Instruction, devices: int) -> tuple[str, float, list[li
     return opcode, result * factor, groups
 
 
+@dataclass(frozen=True)
+class Collective:
+    """One collective instruction of a program."""
+
+    kind: str  # one of KINDS
+    name: str
+    computation: str
+    runs: int  # executions per run of the entry (loop trip counts multiplied; a lower bound if unknown)
+    sent: float  # bytes each device sends per execution
+    groups: list  # device groups (partition ids)
+    known: bool  # False: inside a loop of unreadable trip count
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective of the program that runs, with its executions per step and device groups."""
+    comps, devices = _parse(hlo_text)
+    mults, uncertain = _multipliers(comps)
+    found = []
+    for comp in comps.values():
+        for instr in comp.instructions.values():
+            hit = _moved_bytes(instr, devices)
+            if hit and mults[comp.name]:
+                found.append(Collective(hit[0], instr.name, comp.name, mults[comp.name], hit[1], hit[2],
+                                        comp.name not in uncertain))
+    return found
+
+
 class UnknownTripCount(ValueError):
     """A collective runs inside a while loop whose trip count the counter cannot read."""
 
@@ -321,26 +348,20 @@ def collective_bytes(hlo_text: str, *, mesh=None, allow_unknown_trips: bool = Fa
     per-axis maps are empty. A collective inside a loop of unreadable trip count would be counted
     once instead of once per iteration, so by default this raises `UnknownTripCount` rather than
     report a total that silently under-counts; `allow_unknown_trips=True` returns the lower bound."""
-    comps, devices = _parse(hlo_text)
-    mults, uncertain = _multipliers(comps)
     shape = None if mesh is None else dict(getattr(mesh, "shape", mesh))
     moved = {k: 0.0 for k in KINDS}
     counts = {k: 0 for k in KINDS}
     by_kind_axis: dict[str, dict[str, float]] = {}
     unknown = []
-    for comp in comps.values():
-        for instr in comp.instructions.values():
-            hit = _moved_bytes(instr, devices)
-            if hit and mults[comp.name]:
-                kind, sent, groups = hit
-                moved[kind] += sent * mults[comp.name]
-                counts[kind] += mults[comp.name]
-                if shape is not None:
-                    axes = axes_spanned(groups, shape)
-                    per = by_kind_axis.setdefault(kind, {})
-                    per[axes] = per.get(axes, 0.0) + sent * mults[comp.name]
-                if comp.name in uncertain:
-                    unknown.append(f"{instr.opcode} %{instr.name} in %{comp.name}")
+    for c in collectives(hlo_text):
+        moved[c.kind] += c.sent * c.runs
+        counts[c.kind] += c.runs
+        if shape is not None:
+            axes = axes_spanned(c.groups, shape)
+            per = by_kind_axis.setdefault(c.kind, {})
+            per[axes] = per.get(axes, 0.0) + c.sent * c.runs
+        if not c.known:
+            unknown.append(f"{c.kind} %{c.name} in %{c.computation}")
     if unknown and not allow_unknown_trips:
         raise UnknownTripCount(
             f"cannot count collective bytes: {len(unknown)} collective(s) run inside a while loop whose "

@@ -43,6 +43,9 @@ class EngineOptions:
     quantize_weights: str | None = None
     quantize_grads: str | None = None
     quantize_block: int = 256
+    # ZeRO++ hpZ, stage 3: the fp32 state sharded over fsdp x data, a compute-dtype secondary copy over
+    # fsdp only, gathered over data once per step; the layers' gathers then never cross data
+    hierarchical: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_stacks", tuple(self.layer_stacks))

@@ -19,6 +19,7 @@ How parameters are gathered at stages 2-3 (`GatherReport.route`):
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -40,7 +41,7 @@ from zerojax.stacked import at
 from zerojax.stages import FSDP_AXIS, LeafLayout
 
 SUPPORTS = ("layer_stacks", "prefetch", "wrap", "reshard_after_forward", "grad_accum", "quantize_weights",
-            "quantize_grads", "quantize_block")
+            "quantize_grads", "quantize_block", "hierarchical")
 
 _is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
 
@@ -48,7 +49,7 @@ _is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
 def _layer_layout(leaf: LeafLayout) -> LeafLayout:
     """One layer of a stacked leaf (its layer axis 0 is never sharded)."""
     axis = None if leaf.axis is None else leaf.axis - 1
-    return LeafLayout(leaf.path, leaf.shape[1:], leaf.padded_shape[1:], axis, leaf.reason)
+    return dataclasses.replace(leaf, shape=leaf.shape[1:], padded_shape=leaf.padded_shape[1:], axis=axis)
 
 
 def _local_shape(leaf: LeafLayout, fsdp: int) -> tuple[int, ...]:
@@ -199,6 +200,8 @@ def _grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: "Reduce
 
         def loss_of(diff):
             raw = jax.tree.map(Resident, fixed, diff) if fixed is not None else diff
+            if reduce.hierarchical:  # hpZ: the secondary copy, gathered over data once per step
+                raw = jax.tree.map(reduce.refresh, leaves, raw, is_leaf=_is_layout)
             out, new_model_state = run_model(raw, model_state, batch["inputs"], key)
             total, weight = loss_parts(loss_fn(out, batch))
             # A scalar is a mean over rows: each device's mean over its equal share, divided by the
@@ -269,13 +272,15 @@ def _accum_grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: "
                          out_specs=(P(), _specs(layout, stage > 0), P()), check_vma=False)
 
 
-def _eval_fn(layout: StateLayout, run_model: RunModel):
+def _eval_fn(layout: StateLayout, run_model: RunModel, reduce: "Reduce"):
     """Stage 3: `(state, batch, loss_fn) -> loss` in eval mode, each device gathering the params as
     the step's forward does (one gather of each leaf) and running its share of the batch."""
     dp = data_parallel_size(layout.mesh)
 
     def evaluate(state, batch, loss_fn):
         def local(params, model_state, batch):
+            if reduce.hierarchical:
+                params = jax.tree.map(reduce.refresh, layout.leaves, params, is_leaf=_is_layout)
             out, _ = run_model(params, model_state, batch["inputs"], None, train=False)
             total, weight = loss_parts(loss_fn(out, batch))
             if weight is None:
@@ -286,6 +291,15 @@ def _eval_fn(layout: StateLayout, run_model: RunModel):
                              out_specs=P(), check_vma=False)(state.params, state.model_state or {}, batch)
 
     return evaluate
+
+
+def _hierarchical(options: EngineOptions, stage: int, grad_accum: int) -> bool:
+    """hpZ's option, checked: stage 3, one micro-batch per step, weights re-gathered in backward."""
+    if options.hierarchical and (stage != 3 or grad_accum > 1 or not options.reshard_after_forward):
+        raise UserError("zero.hierarchical (hpZ) needs zero.stage=3, train.grad_accum=1 and "
+                        f"zero.reshard_after_forward=true; got stage {stage}, grad_accum {grad_accum}, "
+                        f"reshard_after_forward {options.reshard_after_forward}.")
+    return options.hierarchical
 
 
 def _quantizers(options: EngineOptions, stage: int):
@@ -320,7 +334,7 @@ def build(layout: StateLayout, model, static, loss_fn, tx, options: EngineOption
     stage, mesh, prec = layout.stage.index, layout.mesh, layout.precision
     replicas = tuple(a for a in BATCH_AXES if a != FSDP_AXIS and mesh.shape[a] > 1)
     reduce = Reduce(replicas, prec.compute_dtype, prec.reduce_dtype, prec.master_dtype,
-                    *_quantizers(options, stage))
+                    *_quantizers(options, stage), hierarchical=_hierarchical(options, stage, grad_accum))
     report, run_model = _route(layout, model, static, options, reduce.materializer(stage), inputs, model_state or {})
     train_report = report
     keep = stage == 3 and not options.reshard_after_forward
@@ -355,4 +369,4 @@ def build(layout: StateLayout, model, static, loss_fn, tx, options: EngineOption
             new_state = new_state.replace(compute=gather_compute(new_state.params))  # params already kept if bad
         return new_state, {"loss": loss, **metrics}
 
-    return BuiltStep(step, train_report, _eval_fn(layout, run_model) if stage == 3 else None)
+    return BuiltStep(step, train_report, _eval_fn(layout, run_model, reduce) if stage == 3 else None)
