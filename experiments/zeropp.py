@@ -1,4 +1,4 @@
-"""ZeRO++ (qwZ, qgZ) on the tiny GPT: traffic per mesh axis and loss curves against the plain stage 3.
+"""ZeRO++ (qwZ, qgZ, hpZ) on the tiny GPT: traffic per mesh axis and loss curves against the plain stage 3.
 
 Every run is configs/tiny.yaml with the shard_map engine at stage 3 on a data=2 x fsdp=4 mesh of
 8 simulated CPU devices, in bf16, the same seed and data: one compile (its partitioned HLO counted,
@@ -7,7 +7,8 @@ bytes split by the mesh axes each collective spans), then --steps steps. Writes 
   zeropp.md     the per-axis traffic table, the bytes ratios and the last-50-step loss means
   zeropp.png    the loss curves
 
-    python experiments/zeropp.py                # 300 steps, 5 runs: ~6 min here
+    python experiments/zeropp.py                # 300 steps, 7 runs: ~8 min here
+    python experiments/zeropp.py --runs hpZ     # one run again, the others kept from zeropp.json
     python experiments/zeropp.py --steps 30     # a quick look
 """
 
@@ -27,16 +28,19 @@ RUNS = {  # name -> config overrides
     "qgZ int8": ["zero.quantize_grads=int8"],
     "qwZ + qgZ int8": ["zero.quantize_weights=int8", "zero.quantize_grads=int8"],
     "qwZ fp8": ["zero.quantize_weights=fp8"],
+    "hpZ": ["zero.hierarchical=true"],
+    "hpZ + qwZ + qgZ int8": ["zero.hierarchical=true", "zero.quantize_weights=int8", "zero.quantize_grads=int8"],
 }
 TAIL = 50  # the acceptance compares the mean of the last 50 losses
 
 
-def run(steps: int, precision: str) -> list[dict]:
+def run(steps: int, precision: str, names) -> list[dict]:
     from zerojax.accounting.compare import run_row
     from zerojax.config import load_config
 
     rows = []
-    for name, overrides in RUNS.items():
+    for name in names:
+        overrides = RUNS[name]
         c = load_config(CONFIG, ["zero.engine=shard_map", "zero.stage=3", "mesh.data=2", "mesh.fsdp=4",
                                  f"precision={precision}", f"train.steps={steps}", *overrides])
         row, params, devices = run_row(c, steps)
@@ -56,10 +60,15 @@ def _kib(x: float) -> str:
     return f"{x / 1024:,.1f}"
 
 
+def _on(row, kinds, axes: str) -> float:
+    per = row["collective_bytes_by_kind_axis"]
+    return sum(per.get(k, {}).get(axes, 0.0) for k in kinds)
+
+
 def write_markdown(rows: list[dict], steps: int, precision: str, path: str) -> None:
     base = rows[0]
-    kinds = base["collective_bytes_by_kind"]
-    gather0, reduce0 = kinds.get("all-gather", 0.0), kinds.get("reduce-scatter", 0.0)
+    gather0 = _on(base, ("all-gather",), "fsdp")
+    reduce0 = _on(base, ("reduce-scatter", "all-to-all"), "fsdp")
     axes = sorted({a for r in rows for a in r["collective_bytes_by_axis"]}, key=lambda a: (a != "fsdp", a))
     lines = [
         "# ZeRO++ on the tiny GPT: traffic per mesh axis and convergence",
@@ -72,21 +81,34 @@ def write_markdown(rows: list[dict], steps: int, precision: str, path: str) -> N
         "## Traffic per device per step, by the mesh axes each collective's replica groups span (KiB)",
         "",
         "Counted on the HLO right after SPMD partitioning (`zerojax.accounting.hlo.collective_bytes(..., "
-        "mesh=)`). Parameter gather: all-gathers (int8 codes + fp32 scales with qwZ); gradient reduction: "
-        "reduce-scatters + all-to-alls over fsdp (the all-reduce over `data` that sums the replicas' "
-        "shards stays in the reduce dtype).",
+        "mesh=)`). Parameter gather: the all-gathers over fsdp (int8 codes + fp32 scales with qwZ); "
+        "gradient reduction: the reduce-scatters and all-to-alls over fsdp. Over `data`: without hpZ the "
+        "all-reduce that sums the replicas' gradient shards (in the reduce dtype, not quantized); with hpZ "
+        "the once-per-step gather of the secondary copy and its gradient's reduce-scatter.",
         "",
-        "| run | " + " | ".join(axes) + " | total | param gather | vs bf16 | grad reduce-scatter / all-to-all "
-        "| vs bf16 |",
-        "|---|" + "---:|" * (len(axes) + 5),
+        "| run | " + " | ".join(axes) + " | total | param gather (fsdp) | vs bf16 | grad reduction (fsdp) "
+        "| vs bf16 | over data: all-reduce / all-gather / reduce-scatter |",
+        "|---|" + "---:|" * (len(axes) + 6),
     ]
     for r in rows:
-        k = r["collective_bytes_by_kind"]
-        gather = k.get("all-gather", 0.0)
-        reduce = k.get("reduce-scatter", 0.0) + k.get("all-to-all", 0.0)
+        gather = _on(r, ("all-gather",), "fsdp")
+        reduce = _on(r, ("reduce-scatter", "all-to-all"), "fsdp")
+        data = " / ".join(_kib(_on(r, (k,), "data")) for k in ("all-reduce", "all-gather", "reduce-scatter"))
         lines.append(f"| {r['name']} | " + " | ".join(_kib(r["collective_bytes_by_axis"].get(a, 0.0)) for a in axes)
                      + f" | {_kib(r['collective_bytes_per_device_per_step'])} | {_kib(gather)} | "
-                     f"{gather / gather0:.3f} | {_kib(reduce)} | {reduce / reduce0:.3f} |")
+                     f"{gather / gather0:.3f} | {_kib(reduce)} | {reduce / reduce0:.3f} | {data} |")
+    lines += [
+        "",
+        "State kept per device (live shards) and the compiled step's temporaries (`memory_analysis()`), "
+        "bytes:",
+        "",
+        "| run | state | vs stage 3 (bf16) | temp | vs stage 3 (bf16) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        state, temp = r["persistent_bytes_per_device"], r["temp_bytes_per_device"]
+        lines.append(f"| {r['name']} | {state:,} | {state - base['persistent_bytes_per_device']:+,} | "
+                     f"{temp:,} | {temp - base['temp_bytes_per_device']:+,} |")
     lines += [
         "",
         f"## Convergence: mean of the last {TAIL} losses",
@@ -135,12 +157,19 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--precision", default="bf16")
     p.add_argument("--out", default=RESULTS)
+    p.add_argument("--runs", default=",".join(RUNS),
+                   help="comma-separated run names; the others are kept from an earlier zeropp.json")
     args = p.parse_args()
     from zerojax.mesh import simulate_cpu_devices
 
     simulate_cpu_devices(8)
-    rows = run(args.steps, args.precision)
+    names = [n.strip() for n in args.runs.split(",") if n.strip()]
+    new = {r["name"]: r for r in run(args.steps, args.precision, names)}
     os.makedirs(args.out, exist_ok=True)
+    old = os.path.join(args.out, "zeropp.json")
+    kept = {r["name"]: r for r in json.load(open(old))} if os.path.exists(old) else {}
+    kept = {n: r for n, r in kept.items() if len(r["losses"]) == args.steps and "collective_bytes_by_kind_axis" in r}
+    rows = [new.get(n) or kept[n] for n in RUNS if n in new or n in kept]
     with open(os.path.join(args.out, "zeropp.json"), "w") as f:
         json.dump(rows, f, indent=1)
     write_markdown(rows, args.steps, args.precision, os.path.join(args.out, "zeropp.md"))

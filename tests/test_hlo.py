@@ -8,8 +8,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import pathlib
 
-from zerojax.accounting.hlo import (UnknownTripCount, axes_spanned, collective_bytes, partitioned_hlo_text,
-                                    replica_groups, shape_bytes)
+from zerojax.accounting.hlo import (UnknownTripCount, axes_spanned, collective_bytes, collectives,
+                                    partitioned_hlo_text, replica_groups, shape_bytes)
 
 # --- hand-written HLO: each construct the parser must handle --------------------------------
 
@@ -302,3 +302,10 @@ def test_live_data_fsdp_mesh_per_axis(tmp_path):
     shard = 8 * 16 * 4
     assert got["by_kind_axis"]["all-gather"] == {"fsdp": 4 * shard * 3 / 4}
     assert got["by_kind_axis"]["all-reduce"] == pytest.approx({"data": shard * 2 / 2, "data+fsdp": shard * 2 * 7 / 8})
+
+
+def test_collectives_lists_runs_and_groups():
+    found = {c.name: c for c in collectives(NESTED)}
+    assert found["ar"].runs == 12 and found["ar"].computation == "reduce_grads" and found["ar"].known
+    assert found["ag"].runs == 3 and found["ag"].groups == [list(range(8))]
+    assert found["ag"].sent == 32768 * 7 / 8

@@ -109,7 +109,8 @@ def print_table(result: dict) -> None:
             "Per device. kept: what zerojax keeps between steps (analytic; no gradients, no stage-3 compute "
             "copy), beside the live arrays' shards. peak: memory_analysis() arguments + outputs - aliased + "
             "temporaries; est.: kept + activations + gradients + one fp32 update buffer (a rough sum). collective: bytes sent per step, counted on the HLO after SPMD partitioning; ideal: "
-            "ring collectives, 2 x params x bytes x (p-1)/p at stages 0-2, 3 x at stage 3; by axis: the mesh axes each collective's replica groups span. (XLA:CPU's final "
+            "ring collectives, 2 x params x bytes x (p-1)/p at stages 0-2, 3 x at stage 3; by axis: the mesh "
+            "axes each collective's replica groups span. (XLA:CPU's final "
             "HLO upcasts bf16 collectives to f32, doubling them: not counted.)"
         ),
     )
