@@ -33,6 +33,8 @@ def test_json_has_every_row_and_field(stages_0_1):
     for r in out["rows"]:
         assert FIELDS <= set(r)
         assert len(r["losses"]) == 2 and r["step_time_s"] > 0
+        # one fsdp axis of 8 devices: every collective byte is on it
+        assert r["collective_bytes_by_axis"] == {"fsdp": pytest.approx(r["collective_bytes_per_device_per_step"])}
 
 
 def test_persistent_bytes_match_and_stage_1_keeps_less(stages_0_1):

@@ -8,7 +8,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import pathlib
 
-from zerojax.accounting.hlo import UnknownTripCount, collective_bytes, partitioned_hlo_text, shape_bytes
+from zerojax.accounting.hlo import (UnknownTripCount, axes_spanned, collective_bytes, collectives,
+                                    partitioned_hlo_text, replica_groups, shape_bytes)
 
 # --- hand-written HLO: each construct the parser must handle --------------------------------
 
@@ -217,3 +218,94 @@ def test_psum_scatter(mesh, tmp_path):
     got = collective_bytes(partitioned_hlo_text(f.lower(jnp.ones((64, 1024), jnp.bfloat16)), str(tmp_path)))
     # Result bf16[8,1024] (16 KiB) per device, x (8 - 1).
     assert got["counts"]["reduce-scatter"] == 1 and got["total"] == 16384 * 7
+
+
+# --- bytes per mesh axis, from each collective's replica groups -------------------------------
+# One program on a data=2 x fsdp=4 mesh in the three forms XLA prints its replica groups: explicit
+# (jax 0.10), iota with and without a transpose (GSPMD's collectives), and the mesh form (jax 0.12).
+# The same groups: a gather over fsdp, an all-reduce over data, an all-to-all over both.
+AXES_MESH = {"data": 2, "fsdp": 4, "tensor": 1}
+PER_AXIS = {
+    "explicit": ("replica_groups={{0,1,2,3},{4,5,6,7}}", "replica_groups={{0,4},{1,5},{2,6},{3,7}}",
+                 "replica_groups={{0,1,2,3,4,5,6,7}}"),
+    "iota": ("replica_groups=[2,4]<=[8]", "replica_groups=[4,2]<=[2,4]T(1,0)", "replica_groups=[1,8]<=[8]"),
+    "mesh": ("replica_groups=mesh['data'=2,'fsdp'=4,'tensor'=1] {'fsdp'}",
+             "replica_groups=mesh['data'=2,'fsdp'=4,'tensor'=1] {'data'}",
+             "replica_groups=mesh['data'=2,'fsdp'=4,'tensor'=1] {'data','fsdp'}"),
+}
+PER_AXIS_HLO = """HloModule m, num_partitions=8
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (x: bf16[256]) -> f32[256] {
+  %x = bf16[256]{0} parameter(0)
+  %ag = bf16[1024]{0} all-gather(%x), channel_id=1, FSDP, dimensions={0}, use_global_device_ids=true
+  %y = f32[256]{0} convert(%x)
+  %ar = f32[256]{0} all-reduce(%y), channel_id=2, DATA, use_global_device_ids=true, to_apply=%sum
+  %a2a = f32[256]{0} all-to-all(%ar), channel_id=3, BOTH, dimensions={0}
+  %cp = f32[256]{0} collective-permute(%a2a), channel_id=4, source_target_pairs={{0,4},{4,0},{1,5},{5,1}}
+  ROOT %out = f32[256]{0} copy(%cp)
+}
+"""
+
+
+@pytest.mark.parametrize("form", list(PER_AXIS))
+def test_bytes_per_mesh_axis_from_every_replica_group_form(form):
+    fsdp, data, both = PER_AXIS[form]
+    text = PER_AXIS_HLO.replace("FSDP", fsdp).replace("DATA", data).replace("BOTH", both)
+    got = collective_bytes(text, mesh=AXES_MESH)
+    assert got["by_kind_axis"] == {
+        "all-gather": {"fsdp": 2048 * 3 / 4},
+        "all-reduce": {"data": 1024 * 2 * 1 / 2},
+        "all-to-all": {"data+fsdp": 1024 * 7 / 8},
+        "collective-permute": {"data": 1024},
+    }
+    assert got["by_axis"] == {"fsdp": 1536, "data": 1024 + 1024, "data+fsdp": 896}
+    assert sum(got["by_axis"].values()) == got["total"]
+    assert collective_bytes(text)["by_axis"] == {}  # no mesh: no axes to name
+
+
+def test_replica_groups_forms():
+    assert replica_groups("replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}", 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert replica_groups("replica_groups={}, to_apply=%sum", 4) == [[0, 1, 2, 3]]
+    # a sub-axis: the minor half of fsdp=4 ('fsdp':(pre-size 2) size 2)
+    sub = replica_groups("replica_groups=mesh['data'=2,'fsdp'=4] {'fsdp':(2)2}", 8)
+    assert sub == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert axes_spanned(sub, AXES_MESH) == "fsdp"
+    assert axes_spanned([[0], [1]], AXES_MESH) == "none"
+
+
+@pytest.mark.parametrize("path", SNAPSHOTS, ids=lambda p: p.stem)
+def test_frozen_snapshots_per_axis(path):
+    got = collective_bytes(path.read_text(), mesh={"x": 4})
+    assert got["by_axis"] == {"x": got["total"]}
+
+
+def test_live_data_fsdp_mesh_per_axis(tmp_path):
+    """On a real data=2 x fsdp=4 mesh, in whichever form this jax prints the groups."""
+    from zerojax.mesh import make_mesh
+
+    mesh = make_mesh(2, 4)
+
+    def local(x):
+        a = jax.lax.all_gather(x, "fsdp", tiled=True)  # f32[32,16] result
+        b = jax.lax.psum(x, "data")
+        c = jax.lax.psum(x, ("data", "fsdp"))
+        return a.sum() + b.sum() + c.sum()
+
+    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P(("data", "fsdp")), out_specs=P(), check_vma=False))
+    got = collective_bytes(partitioned_hlo_text(f.lower(jnp.ones((64, 16))), str(tmp_path)), mesh=mesh)
+    shard = 8 * 16 * 4
+    assert got["by_kind_axis"]["all-gather"] == {"fsdp": 4 * shard * 3 / 4}
+    assert got["by_kind_axis"]["all-reduce"] == pytest.approx({"data": shard * 2 / 2, "data+fsdp": shard * 2 * 7 / 8})
+
+
+def test_collectives_lists_runs_and_groups():
+    found = {c.name: c for c in collectives(NESTED)}
+    assert found["ar"].runs == 12 and found["ar"].computation == "reduce_grads" and found["ar"].known
+    assert found["ag"].runs == 3 and found["ag"].groups == [list(range(8))]
+    assert found["ag"].sent == 32768 * 7 / 8

@@ -9,7 +9,7 @@ dotted key, the value and what is valid.
 from __future__ import annotations
 
 import os
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationError
@@ -58,6 +58,10 @@ class ZeroConfig(_Section):
     prefetch: StrictBool = False  # stage 3: gather the next layer (shard_map) or FSDP unit (both engines) one ahead
     reshard_after_forward: StrictBool = True  # stage 3, False: gather once per step, keep across micro-batches
     offload: str = "none"  # "optimizer": fp32 master + optimizer state in host memory; "optimizer+params"
+    quantize_weights: Optional[Literal["int8", "fp8"]] = None  # ZeRO++ qwZ, shard_map stage 3
+    quantize_grads: Optional[Literal["int8"]] = None  # ZeRO++ qgZ, shard_map stages 1-3
+    quantize_block: PositiveInt = 256  # elements per quantization scale
+    hierarchical: StrictBool = False  # ZeRO++ hpZ, shard_map stage 3 on a data x fsdp mesh
 
 
 class MeshConfig(_Section):

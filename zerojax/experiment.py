@@ -87,7 +87,9 @@ def build_experiment(c: Config, devices=None) -> Experiment:
         precision=c.precision,
         loss_fn=loss_fn,
         reduce_dtype=c.zero.reduce_dtype,
-        engine_options=EngineOptions(prefetch=c.zero.prefetch, reshard_after_forward=c.zero.reshard_after_forward),
+        engine_options=EngineOptions(prefetch=c.zero.prefetch, reshard_after_forward=c.zero.reshard_after_forward,
+                                     quantize_weights=c.zero.quantize_weights, quantize_grads=c.zero.quantize_grads,
+                                     quantize_block=c.zero.quantize_block, hierarchical=c.zero.hierarchical),
         grad_accum=c.train.grad_accum,
         offload=c.zero.offload,
     )

@@ -179,7 +179,7 @@ class StateLayout:
 
 def make_layout(mesh, stage: Stage, precision: Precision, param_shapes, *, layer_stacks=("blocks",),
                 replicate_below_bytes: int = 2048, pad_free_optimizer: bool = False,
-                stack_paths: tuple = (), offload: str = "none") -> StateLayout:
+                stack_paths: tuple = (), offload: str = "none", hierarchical: bool = False) -> StateLayout:
     """One `LeafLayout` per parameter; leaves under a `layer_stacks` name, or under one of the
     `stack_paths` (param paths of `zj.Stacked` layer stacks), keep axis 0 whole.
 
@@ -187,6 +187,8 @@ def make_layout(mesh, stage: Stage, precision: Precision, param_shapes, *, layer
     (for an optimizer whose update is not elementwise, which the zero padding would change).
     """
     fsdp = mesh.shape[FSDP_AXIS]
+    over = (FSDP_AXIS, "data") if hierarchical else (FSDP_AXIS,)  # hpZ: state sharded over fsdp x data
+    fsdp *= mesh.shape["data"] if hierarchical else 1
 
     def rule(path, leaf):
         name = path_str(path)
@@ -194,7 +196,7 @@ def make_layout(mesh, stage: Stage, precision: Precision, param_shapes, *, layer
         stacked = any(part in layer_stacks for part in name.split("/")) or under(keys, stack_paths)
         itemsize = np.dtype(precision.master_dtype).itemsize
         return leaf_layout(name, leaf.shape, itemsize, fsdp, layer_axis=0 if stacked else None,
-                           replicate_below_bytes=replicate_below_bytes)
+                           replicate_below_bytes=replicate_below_bytes, over=over)
 
     leaves = jax.tree_util.tree_map_with_path(rule, param_shapes)
     opt_leaves = None

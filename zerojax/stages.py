@@ -6,6 +6,7 @@ the library is derived from that table and from one rule per parameter leaf (`le
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -60,6 +61,9 @@ class LeafLayout:
     padded_shape: tuple[int, ...]
     axis: int | None
     reason: str
+    # the mesh axes `axis` is split over, major first: ("fsdp",), or ("fsdp", "data") for hpZ's
+    # primary partition (`zero.hierarchical`)
+    over: tuple[str, ...] = (FSDP_AXIS,)
 
     @property
     def padded(self) -> bool:
@@ -70,7 +74,7 @@ class LeafLayout:
 
         if not sharded or self.axis is None:
             return P()
-        return P(*([None] * self.axis + [FSDP_AXIS]))
+        return P(*([None] * self.axis + [self.over[0] if len(self.over) == 1 else self.over]))
 
 
 def leaf_layout(
@@ -81,13 +85,20 @@ def leaf_layout(
     *,
     layer_axis: int | None = None,
     replicate_below_bytes: int = 2048,
+    over: tuple[str, ...] = (FSDP_AXIS,),
 ) -> LeafLayout:
     """Shard the largest dimension divisible by `fsdp_size`; else pad the largest one.
 
     Only leaves under `replicate_below_bytes` that no dimension divides stay replicated: padding them
     would save nothing worth a collective. The layer axis of a stacked scan is never split, since
-    the scan slices it one layer at a time.
+    the scan slices it one layer at a time. `fsdp_size` is the number of shards: the product of the
+    sizes of the mesh axes in `over`.
     """
+    leaf = _leaf_layout(path, shape, itemsize, fsdp_size, layer_axis, replicate_below_bytes)
+    return leaf if over == (FSDP_AXIS,) else dataclasses.replace(leaf, over=tuple(over))
+
+
+def _leaf_layout(path, shape, itemsize, fsdp_size, layer_axis, replicate_below_bytes) -> LeafLayout:
     shape = tuple(int(d) for d in shape)
     candidates = [i for i in range(len(shape)) if i != layer_axis and shape[i] > 0]
     if not candidates:

@@ -131,7 +131,7 @@ class Trainer:
         layout = make_layout(self.mesh, self.stage, self.precision, param_shapes,
                              layer_stacks=self.options.layer_stacks, replicate_below_bytes=self.replicate_below_bytes,
                              pad_free_optimizer=not self._pads_exactly, stack_paths=self.model.stacks,
-                             offload=self.offload)
+                             offload=self.offload, hierarchical=self.options.hierarchical)
         opt_state_shapes = layout.opt_state_shapes(self.tx)
         has_model_state = bool(jax.tree.leaves(model_state_shapes))
         model_state_shapes = model_state_shapes if has_model_state else None

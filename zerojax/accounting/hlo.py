@@ -2,7 +2,9 @@
 
 Per device, with ring algorithms: an all-gather sends (g-1)/g of its result, a reduce-scatter
 (g-1) times its result, an all-reduce 2(g-1)/g of its operand, an all-to-all (g-1)/g of its
-result, a collective-permute its whole result; g is the replica-group size. Collectives inside
+result, a collective-permute its whole result; g is the replica-group size. Given the mesh, the
+bytes are also split by the mesh axes each collective's replica groups span (`axes_spanned`), so
+the share that crosses a slow axis (`data`, between nodes) shows. Collectives inside
 while loops count once per iteration, through every level of nesting and every computation a loop
 body calls.
 
@@ -228,24 +230,63 @@ def _multipliers(comps: dict[str, _Computation]) -> tuple[dict[str, int], list[s
     return {n: m for n, (m, _) in results.items()}, [n for n, (_, ok) in results.items() if not ok]
 
 
-def _group_size(attrs: str, devices: int) -> int:
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", attrs)  # iota: [groups, group_size]<=[...]
+def replica_groups(attrs: str, devices: int) -> list[list[int]]:
+    """The device groups of a collective's attributes, as lists of partition ids, in every form XLA
+    prints: explicit `{{0,1,2,3},{4,5,6,7}}`; iota `[2,4]<=[8]` or `[4,2]<=[2,4]T(1,0)` (ids
+    arange(prod(dims)).reshape(dims).transpose(perm).reshape(groups, size)); mesh
+    `mesh['data'=2,'fsdp'=4] {'fsdp'}` (row-major over the named axes, a sub-axis written
+    `'x':(pre)size`); a collective-permute's `source_target_pairs`, each pair a group; `{}` or
+    absent: one group of every device."""
+    import numpy as np
+
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
     if m:
-        return int(m.group(2))
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)  # mesh['x'=8] {'x'}
+        shape = [int(d) for d in m.group(1).split(",")]
+        ids = np.arange(math.prod(int(d) for d in m.group(2).split(","))).reshape(
+            [int(d) for d in m.group(2).split(",")])
+        if m.group(3):
+            ids = ids.transpose([int(d) for d in m.group(3).split(",")])
+        return ids.reshape(shape[0], -1).tolist()
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
     if m:
         sizes = {k: int(v) for k, v in re.findall(r"'?([\w.\-]+)'?\s*=\s*(\d+)", m.group(1))}
-        g = 1
-        for axis, sub in re.findall(r"'([^']+)'(?::\(\d+\)(\d+))?", m.group(2)):
-            g *= int(sub) if sub else sizes[axis]
-        return g
-    m = re.search(r"replica_groups=\{\{([^}]*)\}", attrs)  # explicit: {{0,1,2,3},{4,5,6,7}}
+        # split every axis into (before, sub, after) so a sub-axis is one dimension of the grid
+        dims, names = [], []
+        picked = {a: (int(pre) if pre else 1, int(sub) if sub else None)
+                  for a, pre, sub in re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", m.group(2))}
+        for axis, n in sizes.items():
+            pre, sub = picked.get(axis, (1, None))
+            sub = n // pre if sub is None else sub
+            for part, size in (("pre", pre), ("in", sub), ("post", n // (pre * sub))):
+                dims.append(size)
+                names.append(axis in picked and part == "in")
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        inner = [i for i, keep in enumerate(names) if keep]
+        outer = [i for i, keep in enumerate(names) if not keep]
+        return ids.transpose(outer + inner).reshape(-1, math.prod(dims[i] for i in inner) if inner else 1).tolist()
+    m = re.search(r"(?:replica_groups|source_target_pairs)=\{\{", attrs)
     if m:
-        return len([d for d in m.group(1).split(",") if d.strip()])
-    return devices  # absent or {}: one group of every device
+        body = attrs[m.end() - 2 : _balanced(attrs, m.end() - 2)]
+        return [[int(d) for d in g.split(",") if d.strip()] for g in re.findall(r"\{([^{}]*)\}", body)]
+    return [list(range(devices))]
 
 
-def _moved_bytes(instr: _Instruction, devices: int) -> tuple[str, float] | None:
+def axes_spanned(groups: list[list[int]], mesh_shape: dict[str, int]) -> str:
+    """The mesh axes a collective's groups span: the axes along which the devices of a group differ,
+    in mesh order, joined by "+" ("fsdp", "data", "data+fsdp"); "none" when no group has two devices.
+    Partition id i sits at row-major position i of the mesh's device grid (`mesh.devices.flat[i]`)."""
+    import numpy as np
+
+    names, sizes = list(mesh_shape), list(mesh_shape.values())
+    spanned = set()
+    for group in groups:
+        coords = np.array(np.unravel_index(np.asarray(group) % math.prod(sizes), sizes)).T
+        spanned |= {names[a] for a in range(len(names)) if len(set(coords[:, a].tolist())) > 1}
+    return "+".join(n for n in names if n in spanned) or "none"
+
+
+def _moved_bytes(instr: _Instruction, devices: int) -> tuple[str, float, list[list[int]]] | None:
+    """(kind, bytes each device sends, the device groups) of a collective; None for other ops."""
     opcode = instr.opcode[: -len("-start")] if instr.opcode.endswith("-start") else instr.opcode
     if opcode not in KINDS:
         return None
@@ -253,48 +294,85 @@ def _moved_bytes(instr: _Instruction, devices: int) -> tuple[str, float] | None:
     if instr.opcode.endswith("-start") and opcode in ("all-gather", "collective-permute"):
         shape = _split_top(shape[1:-1])[1]  # async result tuple: (operands, results, [context])
     result = shape_bytes(shape)
+    groups = replica_groups(instr.attrs, devices)
     if opcode == "collective-permute":
-        return opcode, float(result)
-    g = _group_size(instr.attrs, devices)
+        return opcode, float(result), groups
+    g = max(len(group) for group in groups)
     factor = {
         "all-gather": (g - 1) / g,
         "reduce-scatter": g - 1,
         "all-reduce": 2 * (g - 1) / g,
         "all-to-all": (g - 1) / g,
     }[opcode]
-    return opcode, result * factor
+    return opcode, result * factor, groups
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective instruction of a program."""
+
+    kind: str  # one of KINDS
+    name: str
+    computation: str
+    runs: int  # executions per run of the entry (loop trip counts multiplied; a lower bound if unknown)
+    sent: float  # bytes each device sends per execution
+    groups: list  # device groups (partition ids)
+    known: bool  # False: inside a loop of unreadable trip count
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective of the program that runs, with its executions per step and device groups."""
+    comps, devices = _parse(hlo_text)
+    mults, uncertain = _multipliers(comps)
+    found = []
+    for comp in comps.values():
+        for instr in comp.instructions.values():
+            hit = _moved_bytes(instr, devices)
+            if hit and mults[comp.name]:
+                found.append(Collective(hit[0], instr.name, comp.name, mults[comp.name], hit[1], hit[2],
+                                        comp.name not in uncertain))
+    return found
 
 
 class UnknownTripCount(ValueError):
     """A collective runs inside a while loop whose trip count the counter cannot read."""
 
 
-def collective_bytes(hlo_text: str, *, allow_unknown_trips: bool = False) -> dict:
+def collective_bytes(hlo_text: str, *, mesh=None, allow_unknown_trips: bool = False) -> dict:
     """{"bytes": {kind: per-device bytes}, "counts": {kind: executions}, "total": bytes,
-    "unknown_trip_counts": collectives inside loops of unreadable trip count}.
+    "unknown_trip_counts": collectives inside loops of unreadable trip count,
+    "by_axis": {axes: bytes}, "by_kind_axis": {kind: {axes: bytes}}}.
 
-    Such a collective would be counted once instead of once per iteration, so by default this
-    raises `UnknownTripCount` rather than report a total that silently under-counts;
-    `allow_unknown_trips=True` returns the lower bound instead."""
-    comps, devices = _parse(hlo_text)
-    mults, uncertain = _multipliers(comps)
+    `mesh` (a `jax.sharding.Mesh`, or its ordered `{axis: size}`) names the axes each collective's
+    replica groups span (`axes_spanned`: "fsdp", "data", "data+fsdp", ...); without it the two
+    per-axis maps are empty. A collective inside a loop of unreadable trip count would be counted
+    once instead of once per iteration, so by default this raises `UnknownTripCount` rather than
+    report a total that silently under-counts; `allow_unknown_trips=True` returns the lower bound."""
+    shape = None if mesh is None else dict(getattr(mesh, "shape", mesh))
     moved = {k: 0.0 for k in KINDS}
     counts = {k: 0 for k in KINDS}
+    by_kind_axis: dict[str, dict[str, float]] = {}
     unknown = []
-    for comp in comps.values():
-        for instr in comp.instructions.values():
-            hit = _moved_bytes(instr, devices)
-            if hit and mults[comp.name]:
-                moved[hit[0]] += hit[1] * mults[comp.name]
-                counts[hit[0]] += mults[comp.name]
-                if comp.name in uncertain:
-                    unknown.append(f"{instr.opcode} %{instr.name} in %{comp.name}")
+    for c in collectives(hlo_text):
+        moved[c.kind] += c.sent * c.runs
+        counts[c.kind] += c.runs
+        if shape is not None:
+            axes = axes_spanned(c.groups, shape)
+            per = by_kind_axis.setdefault(c.kind, {})
+            per[axes] = per.get(axes, 0.0) + c.sent * c.runs
+        if not c.known:
+            unknown.append(f"{c.kind} %{c.name} in %{c.computation}")
     if unknown and not allow_unknown_trips:
         raise UnknownTripCount(
             f"cannot count collective bytes: {len(unknown)} collective(s) run inside a while loop whose "
             f"trip count this HLO text does not show in a form the counter reads ({'; '.join(unknown[:3])})"
         )
-    return {"bytes": moved, "counts": counts, "total": sum(moved.values()), "unknown_trip_counts": len(unknown)}
+    by_axis: dict[str, float] = {}
+    for per in by_kind_axis.values():
+        for axes, sent in per.items():
+            by_axis[axes] = by_axis.get(axes, 0.0) + sent
+    return {"bytes": moved, "counts": counts, "total": sum(moved.values()), "unknown_trip_counts": len(unknown),
+            "by_axis": by_axis, "by_kind_axis": by_kind_axis}
 
 
 def partitioned_hlo_text(lowered, dump_dir: str) -> str:

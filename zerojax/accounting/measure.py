@@ -59,6 +59,8 @@ class Measurement:
     temp_bytes: int
     collective_bytes: float  # post-partitioning HLO, per device per step
     collective_by_kind: dict = field(default_factory=dict)
+    collective_by_axis: dict = field(default_factory=dict)  # the mesh axes the groups span -> bytes
+    collective_by_kind_axis: dict = field(default_factory=dict)  # kind -> {axes: bytes}
     collective_counts: dict = field(default_factory=dict)
     final_hlo_collective_bytes: float = 0.0  # the CPU's final HLO (bf16 collectives upcast to f32)
     unknown_trip_counts: int = 0
@@ -116,6 +118,8 @@ class Measurement:
             "ideal_collective_bytes_per_device_per_step": self.ideal.collective_bytes,
             "collective_ratio": self.collective_ratio,
             "collective_bytes_by_kind": dict(self.collective_by_kind),
+            "collective_bytes_by_axis": dict(self.collective_by_axis),
+            "collective_bytes_by_kind_axis": {k: dict(v) for k, v in self.collective_by_kind_axis.items()},
             "final_hlo_collective_bytes_per_device_per_step": self.final_hlo_collective_bytes,
             "unknown_trip_counts": self.unknown_trip_counts,
         }
@@ -174,7 +178,7 @@ def measure_step(trainer, state, batch, *, optimizer: str = "adamw", shape: anal
     else:
         with tempfile.TemporaryDirectory(prefix="zerojax-hlo-") as tmp:
             compiled, text = compile_partitioned(lowered, dump_dir or tmp)
-    counted = collective_bytes(text)
+    counted = collective_bytes(text, mesh=trainer.mesh)
     final = collective_bytes(compiled.as_text())
     ma = compiled.memory_analysis()
     rows = batch["inputs"].shape[0]
@@ -193,6 +197,8 @@ def measure_step(trainer, state, batch, *, optimizer: str = "adamw", shape: anal
         temp_bytes=int(ma.temp_size_in_bytes),
         collective_bytes=float(counted["total"]),
         collective_by_kind={k: v for k, v in counted["bytes"].items() if v},
+        collective_by_axis={k: v for k, v in counted["by_axis"].items() if v},
+        collective_by_kind_axis=counted["by_kind_axis"],
         collective_counts={k: v for k, v in counted["counts"].items() if v},
         final_hlo_collective_bytes=float(final["total"]),
         unknown_trip_counts=int(counted["unknown_trip_counts"]),

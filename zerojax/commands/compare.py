@@ -89,6 +89,11 @@ def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
+def _by_axis(by_axis: dict, b) -> str:
+    """'fsdp 1.2 MB, data 300 kB': the collective bytes by the mesh axes their groups span."""
+    return ", ".join(f"{axes} {b(v)}" for axes, v in sorted(by_axis.items(), key=lambda kv: -kv[1])) or "-"
+
+
 def print_table(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -105,12 +110,13 @@ def print_table(result: dict) -> None:
             "copy), beside the live arrays' shards in device memory (persistent) and host memory (host: "
             "zero.offload); ratio: both against kept. peak: memory_analysis() arguments + outputs - aliased + "
             "temporaries; est.: kept + activations + gradients + one fp32 update buffer (a rough sum). collective: bytes sent per step, counted on the HLO after SPMD partitioning; ideal: "
-            "ring collectives, 2 x params x bytes x (p-1)/p at stages 0-2, 3 x at stage 3. (XLA:CPU's final "
-            "HLO upcasts bf16 collectives to f32, doubling them: not counted.)"
+            "ring collectives, 2 x params x bytes x (p-1)/p at stages 0-2, 3 x at stage 3; by axis: the mesh "
+            "axes each collective's replica groups span. (XLA:CPU's final "
+            "HLO upcasts bf16 reductions to f32, doubling them: not counted.)"
         ),
     )
     for col in ("stage", "engine", "persistent", "host", "kept (ideal)", "ratio", "peak", "peak est.", "ratio",
-                "collective/step", "ideal", "ratio", "step", "final loss", "vs stage 0"):
+                "collective/step", "ideal", "ratio", "by axis", "step", "final loss", "vs stage 0"):
         table.add_column(col, justify="left" if col == "engine" else "right")
     for r in rows:
         diff = r["final_loss_diff_vs_stage0"]
@@ -121,6 +127,7 @@ def print_table(result: dict) -> None:
             b(r["peak_bytes_per_device"]), b(r["ideal_peak_bytes_per_device"]), _ratio(r["peak_ratio"]),
             b(r["collective_bytes_per_device_per_step"]),
             b(r["ideal_collective_bytes_per_device_per_step"]), _ratio(r["collective_ratio"]),
+            _by_axis(r.get("collective_bytes_by_axis") or {}, b),
             f"{r['step_time_s'] * 1e3:,.1f} ms", f"{r['final_loss']:.4f}",
             "-" if diff is None else f"{diff:+.2e}",
         )

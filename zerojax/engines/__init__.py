@@ -38,6 +38,14 @@ class EngineOptions:
     # accumulation, forward and backward): one gather and one reduce-scatter per step, full-size weights
     # and gradient held meanwhile (FSDP2's name)
     reshard_after_forward: bool = True
+    # ZeRO++ (see `zerojax.engines.quantize`): "int8" or "fp8" stage-3 weight gathers (qwZ), "int8"
+    # gradient reduce-scatters as all-to-alls summed in fp32 (qgZ); one fp32 scale per block of elements
+    quantize_weights: str | None = None
+    quantize_grads: str | None = None
+    quantize_block: int = 256
+    # ZeRO++ hpZ, stage 3: the fp32 state sharded over fsdp x data, a compute-dtype secondary copy over
+    # fsdp only, gathered over data once per step; the layers' gathers then never cross data
+    hierarchical: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_stacks", tuple(self.layer_stacks))

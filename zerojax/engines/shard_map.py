@@ -19,6 +19,7 @@ How parameters are gathered at stages 2-3 (`GatherReport.route`):
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -30,14 +31,17 @@ from zerojax import wrap as wrap_lib
 from zerojax.engines import BuiltStep, EngineOptions, GatherReport
 from zerojax.engines import accum
 from zerojax.engines.collectives import Reduce, Resident
+from zerojax.engines.quantize import Quantizer
 from zerojax.engines.common import (apply_update, compute_params, describe_stacks, keep_model_state, loss_parts,
                                      outside_stacks, stack_paths, step_key, unit_around)
+from zerojax.errors import UserError
 from zerojax.layout import StateLayout
 from zerojax.mesh import BATCH_AXES, data_parallel_size
 from zerojax.stacked import at
 from zerojax.stages import FSDP_AXIS, LeafLayout
 
-SUPPORTS = ("layer_stacks", "prefetch", "wrap", "reshard_after_forward", "grad_accum")
+SUPPORTS = ("layer_stacks", "prefetch", "wrap", "reshard_after_forward", "grad_accum", "quantize_weights",
+            "quantize_grads", "quantize_block", "hierarchical")
 
 _is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
 
@@ -45,7 +49,7 @@ _is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
 def _layer_layout(leaf: LeafLayout) -> LeafLayout:
     """One layer of a stacked leaf (its layer axis 0 is never sharded)."""
     axis = None if leaf.axis is None else leaf.axis - 1
-    return LeafLayout(leaf.path, leaf.shape[1:], leaf.padded_shape[1:], axis, leaf.reason)
+    return dataclasses.replace(leaf, shape=leaf.shape[1:], padded_shape=leaf.padded_shape[1:], axis=axis)
 
 
 def _local_shape(leaf: LeafLayout, fsdp: int) -> tuple[int, ...]:
@@ -197,6 +201,8 @@ def _grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: "Reduce
 
         def loss_of(diff):
             raw = jax.tree.map(Resident, fixed, diff) if fixed is not None else diff
+            if reduce.hierarchical:  # hpZ: the secondary copy, gathered over data once per step
+                raw = jax.tree.map(reduce.refresh, leaves, raw, is_leaf=_is_layout)
             out, new_model_state = run_model(raw, model_state, batch["inputs"], key)
             total, weight = loss_parts(loss_fn(out, batch))
             # A scalar is a mean over rows: each device's mean over its equal share, divided by the
@@ -235,7 +241,7 @@ def _accum_grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: "
     def local(params, model_state, key, batch):
         key = jax.random.fold_in(jax.random.wrap_key_data(key), jax.lax.axis_index(BATCH_AXES))
         if gather_first:
-            params = jax.tree.map(lambda l, x: reduce.cast_gather(x, l), leaves, params, is_leaf=_is_layout)
+            params = jax.tree.map(lambda l, x: reduce.shard_gather(x, l), leaves, params, is_leaf=_is_layout)
         micro = jax.tree.map(lambda x: accum.split(x, k)[:, 0], batch)  # (k, rows / k, ...)
 
         def body(carry, xs):
@@ -267,13 +273,15 @@ def _accum_grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: "
                          out_specs=(P(), _specs(layout, stage > 0), P()), check_vma=False)
 
 
-def _eval_fn(layout: StateLayout, run_model: RunModel):
+def _eval_fn(layout: StateLayout, run_model: RunModel, reduce: "Reduce"):
     """Stage 3: `(state, batch, loss_fn) -> loss` in eval mode, each device gathering the params as
     the step's forward does (one gather of each leaf) and running its share of the batch."""
     dp = data_parallel_size(layout.mesh)
 
     def evaluate(state, batch, loss_fn):
         def local(params, model_state, batch):
+            if reduce.hierarchical:
+                params = jax.tree.map(reduce.refresh, layout.leaves, params, is_leaf=_is_layout)
             out, _ = run_model(params, model_state, batch["inputs"], None, train=False)
             total, weight = loss_parts(loss_fn(out, batch))
             if weight is None:
@@ -284,6 +292,33 @@ def _eval_fn(layout: StateLayout, run_model: RunModel):
                              out_specs=P(), check_vma=False)(state.params, state.model_state or {}, batch)
 
     return evaluate
+
+
+def _hierarchical(options: EngineOptions, stage: int, grad_accum: int) -> bool:
+    """hpZ's option, checked: stage 3, one micro-batch per step, weights re-gathered in backward."""
+    if options.hierarchical and (stage != 3 or grad_accum > 1 or not options.reshard_after_forward):
+        raise UserError("zero.hierarchical (hpZ) needs zero.stage=3, train.grad_accum=1 and "
+                        f"zero.reshard_after_forward=true; got stage {stage}, grad_accum {grad_accum}, "
+                        f"reshard_after_forward {options.reshard_after_forward}.")
+    return options.hierarchical
+
+
+def _quantizers(options: EngineOptions, stage: int):
+    """(qwZ, qgZ) quantizers of the options, None where off; UserError where the stage has no such collective."""
+    weights = grads = None
+    if options.quantize_weights is not None:
+        if stage != 3:
+            raise UserError(f"zero.quantize_weights quantizes stage 3's weight gathers; stage {stage} has none "
+                            "(use zero.stage=3, or leave zero.quantize_weights unset).")
+        weights = Quantizer(options.quantize_weights, options.quantize_block)
+    if options.quantize_grads is not None:
+        if options.quantize_grads != "int8":
+            raise UserError(f"zero.quantize_grads must be int8, got {options.quantize_grads!r}.")
+        if stage == 0:
+            raise UserError("zero.quantize_grads quantizes the gradient reduce-scatter of stages 1-3; stage 0 "
+                            "all-reduces the whole gradient instead (use zero.stage >= 1).")
+        grads = Quantizer(options.quantize_grads, options.quantize_block)
+    return weights, grads
 
 
 def build(layout: StateLayout, model, static, loss_fn, tx, options: EngineOptions, inputs,
@@ -300,7 +335,8 @@ def build(layout: StateLayout, model, static, loss_fn, tx, options: EngineOption
     """
     stage, mesh, prec = layout.stage.index, layout.mesh, layout.precision
     replicas = tuple(a for a in BATCH_AXES if a != FSDP_AXIS and mesh.shape[a] > 1)
-    reduce = Reduce(replicas, prec.compute_dtype, prec.reduce_dtype, prec.master_dtype)
+    reduce = Reduce(replicas, prec.compute_dtype, prec.reduce_dtype, prec.master_dtype,
+                    *_quantizers(options, stage), hierarchical=_hierarchical(options, stage, grad_accum))
     report, run_model = _route(layout, model, static, options, reduce.materializer(stage), inputs, model_state or {})
     train_report = report
     keep = stage == 3 and not options.reshard_after_forward
@@ -335,4 +371,4 @@ def build(layout: StateLayout, model, static, loss_fn, tx, options: EngineOption
             new_state = new_state.replace(compute=gather_compute(new_state.params))  # params already kept if bad
         return new_state, {"loss": loss, **metrics}
 
-    return BuiltStep(step, train_report, _eval_fn(layout, run_model) if stage == 3 else None)
+    return BuiltStep(step, train_report, _eval_fn(layout, run_model, reduce) if stage == 3 else None)

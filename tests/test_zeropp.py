@@ -1,0 +1,164 @@
+"""ZeRO++ in the shard_map engine: qwZ (quantized weight gathers), qgZ (quantized gradient
+reduce-scatter) and hpZ (state over data x fsdp, a secondary copy over fsdp), their bytes on the
+partitioned HLO, their losses, and the refusals."""
+
+import functools
+import math
+import tempfile
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zerojax as zj
+from tests.models import tiny_gpt, token_batch
+from zerojax.accounting.hlo import axes_spanned, collective_bytes, collectives, compile_partitioned
+from zerojax.config import load_config
+from zerojax.engines.quantize import Quantizer
+from zerojax.errors import UserError
+from zerojax.stages import LeafLayout
+
+STEPS = 4
+
+
+@pytest.mark.parametrize("kind, rel", [("int8", 0.5 / 127), ("fp8", 2.0**-4)])
+def test_block_quantization_round_trip(kind, rel):
+    q = Quantizer(kind, block=64)
+    x = jax.random.normal(jax.random.key(1), (3, 200)) * jnp.array([[1e-3], [1.0], [50.0]])
+    x = x.at[1, 64:128].set(0.0)  # an all-zero block stays zero
+    codes, scale = q.quantize(x)
+    assert codes.shape == (3, 4, 64) and scale.shape == (3, 4) and scale.dtype == jnp.float32
+    back = q.dequantize(codes, scale, 200)
+    absmax = jnp.repeat(jnp.abs(jnp.pad(x, ((0, 0), (0, 56)))).reshape(3, 4, 64).max(-1), 64, axis=-1)[:, :200]
+    assert bool(jnp.all(jnp.abs(back - x) <= rel * absmax + 1e-12))
+    assert bool(jnp.all(back[1, 64:128] == 0))
+
+
+@functools.lru_cache(maxsize=None)
+def _run(data=1, precision="bf16", steps=STEPS, **options):
+    """(collective bytes of the step's partitioned HLO, losses over `steps` steps); also kept in
+    `_RUNS`: the HLO's collectives, the state's bytes per device and the sharded parameter count."""
+    model, _ = tiny_gpt()
+    mesh = zj.make_mesh(data=data, fsdp=8 // data)
+    trainer = zj.Trainer(model, optax.adamw(3e-3), mesh=mesh, stage=3, engine="shard_map", precision=precision,
+                         engine_options=options or None)
+    state = trainer.init(jax.random.key(0), token_batch(0))
+    # one compile serves the byte count and the steps
+    step, hlo = compile_partitioned(trainer.lower(state, trainer.shard_batch(token_batch(0))),
+                                    tempfile.mkdtemp(prefix="zerojax-hlo-"))
+    sharded = sum(math.prod(l.shape) for l in jax.tree.leaves(trainer.layout.leaves, is_leaf=_is_layout)
+                  if l.axis is not None)
+    _RUNS[data, options.get("hierarchical", False)] = SimpleNamespace(
+        collectives=collectives(hlo), persistent=trainer.persistent_bytes_per_device(state), sharded=sharded,
+        temp=step.memory_analysis().temp_size_in_bytes, mesh=mesh)
+    losses = []
+    for i in range(steps):
+        state, metrics = step(state, trainer.shard_batch(token_batch(i)))
+        losses.append(float(metrics["loss"]))
+    return collective_bytes(hlo, mesh=mesh), np.array(losses)
+
+
+_RUNS = {}
+_is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
+
+
+def test_qwz_and_qgz_halve_the_bf16_bytes():
+    """Acceptance: parameter-gather bytes <= 0.55x the bf16 stage-3 gather (scales included), and
+    gradient-reduction bytes <= 0.55x the bf16 reduce-scatter, on the partitioned HLO."""
+    base = _run()[0]["bytes"]
+    both = _run(quantize_weights="int8", quantize_grads="int8")[0]["bytes"]
+    assert base["all-to-all"] == 0
+    assert both["all-gather"] <= 0.55 * base["all-gather"]
+    assert both["reduce-scatter"] + both["all-to-all"] <= 0.55 * base["reduce-scatter"]
+    # int8 codes plus one fp32 scale per 256: (1 + 4/256) / 2 of bf16, plus the small leaves' bf16
+    assert both["all-gather"] / base["all-gather"] == pytest.approx((1 + 4 / 256) / 2, abs=0.01)
+
+
+def test_quantized_losses_stay_close():
+    base = _run()[1]
+    for options in ({"quantize_weights": "int8", "quantize_grads": "int8"},):
+        losses = _run(**dict(options))[1]
+        np.testing.assert_allclose(losses, base, rtol=2e-3)
+    assert base[-1] < base[0]
+
+
+@pytest.mark.slow
+def test_fp8_weights_move_the_same_bytes_as_int8():
+    fp8, losses = _run(quantize_weights="fp8", steps=2)
+    assert fp8["bytes"]["all-gather"] == _run(quantize_weights="int8", quantize_grads="int8")[0]["bytes"]["all-gather"]
+    np.testing.assert_allclose(losses, _run()[1][:2], rtol=5e-3)
+
+
+def _hpz_checks(traffic, run):
+    """hpZ on data=2 x fsdp=4 (acceptance): no gather inside a loop (the layers' forward and
+    backward) spans data; what crosses data is the once-per-step refresh of the secondary copy and
+    its gradient's reduce-scatter, each 2 bytes x (sharded params) / fsdp x (data - 1) / data."""
+    looped = [c for c in run.collectives if c.kind == "all-gather" and c.runs > 1]
+    assert looped and all(axes_spanned(c.groups, run.mesh.shape) == "fsdp" for c in looped)
+    across = [c for c in run.collectives if axes_spanned(c.groups, run.mesh.shape) == "data"]
+    assert {c.kind for c in across} == {"all-gather", "reduce-scatter"} and all(c.runs == 1 for c in across)
+    model = 2 * run.sharded / 4 * (2 - 1) / 2
+    assert traffic["by_kind_axis"]["all-gather"]["data"] == pytest.approx(model, rel=0.02)
+    assert traffic["by_kind_axis"]["reduce-scatter"]["data"] == pytest.approx(model, rel=0.02)
+
+
+def test_hpz_with_qwz_and_qgz_on_data_fsdp_mesh():
+    """data=2 x fsdp=4, all three together: the quantized gathers and all-to-alls span fsdp only,
+    data carries only the refresh, and the state is sharded over all 8 devices."""
+    traffic, losses = _run(data=2, steps=2, hierarchical=True, quantize_weights="int8", quantize_grads="int8")
+    axes = traffic["by_kind_axis"]
+    assert set(axes["all-to-all"]) == {"fsdp"} and "data" not in axes.get("all-reduce", {})
+    _hpz_checks(traffic, _RUNS[2, True])
+    np.testing.assert_allclose(losses, _run()[1][:2], rtol=5e-3)
+
+
+@pytest.mark.slow
+def test_hpz_against_hybrid_sharding():
+    """hpZ alone against plain stage 3 on the same data=2 x fsdp=4 mesh (state over fsdp only):
+    the same fsdp bytes, the data all-reduce replaced by the refresh + reduce-scatter (the same
+    bytes), the state halved, the same losses."""
+    base, base_losses = _run(data=2, steps=2)
+    hpz, losses = _run(data=2, steps=2, hierarchical=True)
+    _hpz_checks(hpz, _RUNS[2, True])
+    assert hpz["by_kind_axis"]["all-gather"]["fsdp"] == base["by_kind_axis"]["all-gather"]["fsdp"]
+    data = hpz["by_kind_axis"]["all-gather"]["data"] + hpz["by_kind_axis"]["reduce-scatter"]["data"]
+    assert data == pytest.approx(base["by_kind_axis"]["all-reduce"]["data"], rel=0.01)
+    assert _RUNS[2, True].persistent == pytest.approx(_RUNS[2, False].persistent / 2, rel=0.01)
+    np.testing.assert_allclose(losses, base_losses, rtol=1e-3)
+
+
+def test_refusals():
+    model, _ = tiny_gpt()
+    mesh = zj.make_mesh(fsdp=8)
+    make = lambda stage, engine, **o: zj.Trainer(model, optax.adamw(1e-3), mesh=mesh, stage=stage,  # noqa: E731
+                                                  engine=engine, engine_options=o).init(jax.random.key(0),
+                                                                                         token_batch(0))
+    with pytest.raises(UserError, match="gspmd engine does not support the option quantize_weights"):
+        make(3, "gspmd", quantize_weights="int8")
+    with pytest.raises(UserError, match="gspmd engine does not support the option quantize_grads"):
+        make(3, "gspmd", quantize_grads="int8")
+    with pytest.raises(UserError, match="stage 2 has none"):
+        make(2, "shard_map", quantize_weights="int8")
+    with pytest.raises(UserError, match="stage 0 all-reduces"):
+        make(0, "shard_map", quantize_grads="int8")
+    with pytest.raises(UserError, match="int4"):
+        make(3, "shard_map", quantize_weights="int4")
+    with pytest.raises(UserError, match="gspmd engine does not support the option hierarchical"):
+        make(3, "gspmd", hierarchical=True)
+    with pytest.raises(UserError, match="zero.hierarchical"):
+        zj.Trainer(model, optax.adamw(1e-3), mesh=mesh, stage=2, engine="shard_map",
+                   engine_options={"hierarchical": True}).init(jax.random.key(0), token_batch(0))
+
+
+def test_config_keys():
+    c = load_config("configs/tiny.yaml", ["zero.engine=shard_map", "zero.quantize_weights=int8",
+                                          "zero.quantize_grads=int8", "zero.quantize_block=128"])
+    assert (c.zero.quantize_weights, c.zero.quantize_grads, c.zero.quantize_block) == ("int8", "int8", 128)
+    assert load_config("configs/tiny.yaml", ["zero.hierarchical=true"]).zero.hierarchical is True
+    with pytest.raises(UserError, match="zero.quantize_grads"):
+        load_config("configs/tiny.yaml", ["zero.quantize_grads=int4"])
+    with pytest.raises(UserError, match="zero.quantize_block"):
+        load_config("configs/tiny.yaml", ["zero.quantize_block=0"])
