@@ -51,3 +51,12 @@ def _corpus_stream(rows: int, seq_len: int):
 def token_batch(step: int, rows: int = 16, seq_len: int = 32) -> dict:
     """Real text (the standard library's sources), so the loss really falls."""
     return _corpus_stream(rows, seq_len).host_batch(step)
+
+
+def train_on_stream(trainer, state, stream, steps):
+    """Train `state` on `stream`'s batches at `steps`; (the new state, the losses)."""
+    losses = []
+    for i in steps:
+        state, metrics = trainer.step(state, stream.host_batch(i))
+        losses.append(float(metrics["loss"]))
+    return state, losses

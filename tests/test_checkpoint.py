@@ -21,6 +21,7 @@ from zerojax.data import BatchStream, load_corpus
 from zerojax.errors import UserError
 from zerojax.models.gpt import GPT, gpt_config
 from tests.cli_helpers import dir_digest
+from tests.models import train_on_stream
 
 # d_model 36 and d_ff 100 divide 4 but not 8: on 8 devices wq and w_down are stored padded, on 4
 # and 1 device not, so restoring across device counts must crop and pad.
@@ -36,14 +37,6 @@ def _tx():
 def _trainer(stage: int, devices: int, model_cfg=CFG) -> Trainer:
     mesh = make_mesh(devices=jax.devices()[:devices])
     return Trainer(functools.partial(GPT, model_cfg), _tx(), mesh=mesh, stage=stage)
-
-
-def _steps(trainer, state, stream, steps):
-    losses = []
-    for i in steps:
-        state, metrics = trainer.step(state, stream.host_batch(i))
-        losses.append(float(metrics["loss"]))
-    return state, losses
 
 
 def _logical_params(trainer, state) -> dict:
@@ -73,11 +66,11 @@ def sources(tmp_path_factory, stream) -> dict[int, Source]:
     for stage in range(4):
         trainer = _trainer(stage, 8)
         state = trainer.init(KEY, stream.host_batch(0))
-        state, _ = _steps(trainer, state, stream, range(SAVE_AT))
+        state, _ = train_on_stream(trainer, state, stream, range(SAVE_AT))
         params = _logical_params(trainer, state)
         writer = CheckpointWriter(str(root / f"stage{stage}"), keep=1, run_meta=run_metadata(trainer, seed=0))
         writer.save(SAVE_AT, state)  # the next step donates `state` while the files are still written
-        _, losses = _steps(trainer, state, stream, range(SAVE_AT, SAVE_AT + MORE))
+        _, losses = train_on_stream(trainer, state, stream, range(SAVE_AT, SAVE_AT + MORE))
         writer.close()
         out[stage] = Source(trainer, str(root / f"stage{stage}" / str(SAVE_AT)), params, losses)
     return out
@@ -90,7 +83,7 @@ def test_restore_is_bit_exact_at_every_stage(sources, stream):
         assert "compute" not in meta["leaves"] and meta["stage"] == stage
         for x, want in zip(jax.tree.leaves(state), jax.tree.leaves(src.trainer.state_shardings)):
             assert x.sharding == want, stage
-        _, losses = _steps(src.trainer, state, stream, range(SAVE_AT, SAVE_AT + MORE))
+        _, losses = train_on_stream(src.trainer, state, stream, range(SAVE_AT, SAVE_AT + MORE))
         assert losses == src.losses, stage  # the same program on the same bits
 
 
@@ -108,7 +101,7 @@ def test_reshard_matrix_across_stages_and_device_counts(sources, stream):
             state, _ = restore(target, src.step_dir, KEY, stream.host_batch(SAVE_AT))
             got = _logical_params(target, state)
             jax.tree.map(np.testing.assert_array_equal, got, src.params)  # resharding is lossless
-            _, losses = _steps(target, state, stream, range(SAVE_AT, SAVE_AT + MORE))
+            _, losses = train_on_stream(target, state, stream, range(SAVE_AT, SAVE_AT + MORE))
             rel = np.abs(np.array(losses) / np.array(src.losses) - 1)
             where = f"stage {saved} x8 -> stage {target.stage.index} x{target.mesh.devices.size}"
             assert rel.max() < 1e-4, (where, losses, src.losses)

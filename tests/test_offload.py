@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 
-from tests.models import UnevenMLP, classification_batch
+from tests.models import UnevenMLP, classification_batch, train_on_stream
 from zerojax import Trainer, load_params, make_mesh
 from zerojax.accounting.params import count_params
 from zerojax.checkpoint import CheckpointWriter, restore, run_metadata
@@ -44,14 +44,6 @@ def _gpt(stage, offload="none", devices=8, **kw) -> Trainer:
 @pytest.fixture(scope="module")
 def stream():
     return BatchStream(load_corpus(None, 200_000), seq_len=CFG.seq_len, global_batch=8, seed=0)
-
-
-def _steps(trainer, state, stream, steps):
-    losses = []
-    for i in steps:
-        state, metrics = trainer.step(state, stream.host_batch(i))
-        losses.append(float(metrics["loss"]))
-    return state, losses
 
 
 def _kinds(tree) -> set:
@@ -176,11 +168,11 @@ def saved(tmp_path_factory, stream) -> dict[str, Saved]:
         state = trainer.init(KEY, stream.host_batch(0))
         measured = _bytes(trainer, state, trainer.compile(state, stream.host_batch(0)))  # `step` reuses it
         measured["state"] = jax.tree.map(lambda x: x.sharding, state)
-        state, _ = _steps(trainer, state, stream, range(2))
+        state, _ = train_on_stream(trainer, state, stream, range(2))
         writer = CheckpointWriter(str(root / mode), keep=1, run_meta=run_metadata(trainer, seed=0))
         writer.save(2, state)
         params = jax.tree.map(np.asarray, state.params)
-        _, losses = _steps(trainer, state, stream, range(2, 4))
+        _, losses = train_on_stream(trainer, state, stream, range(2, 4))
         writer.close()
         out[mode] = Saved(trainer, str(root / mode / "2"), losses, params, measured)
     return out
@@ -193,7 +185,7 @@ def test_resume_with_offload_is_bit_exact(saved, stream):
     assert _kinds(state.params) == _kinds(state.opt_state) == {"pinned_host"}
     for x, want in zip(jax.tree.leaves(state), jax.tree.leaves(trainer.state_shardings)):
         assert x.sharding == want
-    _, got = _steps(trainer, state, stream, range(2, 4))
+    _, got = train_on_stream(trainer, state, stream, range(2, 4))
     assert got == losses  # bit-exact
 
 
@@ -204,7 +196,7 @@ def test_restore_across_offload_settings(saved, stream, source, target):
     state, _ = restore(into, step_dir, KEY, stream.host_batch(2))
     assert _kinds(state.opt_state) == ({"pinned_host"} if target == "optimizer" else {"device"})
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.params), params)
-    _, got = _steps(into, state, stream, range(2, 4))
+    _, got = train_on_stream(into, state, stream, range(2, 4))
     np.testing.assert_allclose(got, losses, rtol=0, atol=1e-6)
 
 
@@ -214,7 +206,7 @@ def test_reshard_offloaded_checkpoint_to_another_stage_and_device_count(saved, s
     step_dir, losses = saved["optimizer"].step_dir, saved["optimizer"].losses
     target = _gpt(stage, offload, devices=devices)
     state, _ = restore(target, step_dir, KEY, stream.host_batch(2))
-    _, got = _steps(target, state, stream, range(2, 4))
+    _, got = train_on_stream(target, state, stream, range(2, 4))
     rel = np.abs(np.array(got) / np.array(losses) - 1)
     assert rel.max() < 1e-4, (stage, devices, got, losses)
 

@@ -3,7 +3,6 @@ that are not elementwise: the same losses at every stage, in both engines."""
 
 from __future__ import annotations
 
-import os
 
 import jax
 import jax.numpy as jnp

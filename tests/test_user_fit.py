@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 
-import jax
 import numpy as np
 import optax
 import pytest
