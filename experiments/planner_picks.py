@@ -21,8 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
 
-SEVENTY_B = ["--set", "model.preset=7b", "--set", "model.d_model=8192", "--set", "model.n_layers=80",
-             "--set", "model.n_heads=64", "--set", "model.d_ff=24576"]
+from planner_tables import SEVENTY_B  # noqa: E402  (experiments/ is on the path when run as a script)
 CASES = [
     ("7B on 8 x H100 80GB (the 64-GPU config's model on one host; 4 x 2048 tokens per GPU)", "7b-8xh100",
      ["configs/gpu-7b-64xh100.yaml", "--set", "mesh.data=1", "--set", "train.batch_size=32", "--devices", "8",

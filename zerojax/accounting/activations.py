@@ -78,6 +78,11 @@ def _layer_bytes(t: LayerTerms, d_model: int, n_heads: int, d_ff: int, seq_len: 
     return tokens * (t.d * d_model + t.f * d_ff) * compute_bytes + scores * t.score_bytes
 
 
+def _check_remat(remat: str, model: ActivationModel) -> None:
+    if remat not in model.saved:
+        raise UserError(f"remat must be one of {', '.join(model.saved)}, got {remat!r}.")
+
+
 def activation_bytes_gpt(
     d_model: int,
     n_layers: int,
@@ -92,8 +97,7 @@ def activation_bytes_gpt(
 ) -> int:
     """Peak activation and temporary bytes per device (device memory) for one micro-batch of a
     scanned decoder."""
-    if remat not in model.saved:
-        raise UserError(f"remat must be one of {', '.join(model.saved)}, got {remat!r}.")
+    _check_remat(remat, model)
 
     def layer(t: LayerTerms) -> float:
         return _layer_bytes(t, d_model, n_heads, d_ff, seq_len, micro_batch, compute_bytes)
@@ -115,8 +119,7 @@ def host_activation_bytes_gpt(
 ) -> int:
     """Saved activations one micro-batch keeps in host memory per device (0 unless `remat` offloads);
     each crosses the host link twice per micro-batch (out in the forward, back in the backward)."""
-    if remat not in model.saved:
-        raise UserError(f"remat must be one of {', '.join(model.saved)}, got {remat!r}.")
+    _check_remat(remat, model)
     terms = model.host_saved.get(remat)
     if terms is None:
         return 0
