@@ -30,6 +30,42 @@ class LinenMLP(nn.Module):
         return nn.Dense(10)(nn.gelu(nn.Dense(40)(x)))
 
 
+class Block(nnx.Module):
+    """A residual MLP block, x + fc2(gelu(fc1(x))), with optional BatchNorm and Dropout inside."""
+
+    def __init__(self, width: int, rngs: nnx.Rngs, *, drop: float = 0.0, norm: bool = False):
+        self.fc1 = nnx.Linear(width, width, rngs=rngs)
+        self.fc2 = nnx.Linear(width, width, rngs=rngs)
+        self.drop = nnx.Dropout(drop, rngs=rngs) if drop else None
+        self.norm = nnx.BatchNorm(width, rngs=rngs) if norm else None
+
+    def __call__(self, x, scale=1.0):
+        h = jax.nn.gelu(self.fc1(x))
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.drop is not None:
+            h = self.drop(h)
+        return x + scale * self.fc2(h)
+
+
+def unrolled_blocks(width: int, depth: int):
+    """A model class: an input Linear, a plain `nnx.List` of `depth` Blocks, an output Linear (10)."""
+
+    class Deep(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.inp = nnx.Linear(width, width, rngs=rngs)
+            self.blocks = nnx.List([Block(width, rngs) for _ in range(depth)])
+            self.out = nnx.Linear(width, 10, rngs=rngs)
+
+        def __call__(self, x):
+            x = self.inp(x)
+            for block in self.blocks:
+                x = block(x)
+            return self.out(x)
+
+    return Deep
+
+
 def classification_batch(seed: int = 0, rows: int = 16, features: int = 37) -> dict:
     rng = np.random.default_rng(seed)
     return {"inputs": rng.normal(size=(rows, features)).astype(np.float32),

@@ -20,6 +20,7 @@ import pytest
 from flax import nnx
 
 import zerojax as zj
+from tests.models import Block, unrolled_blocks
 from zerojax.accounting.hlo import collective_bytes, compile_partitioned
 from zerojax.adapt import functional
 from zerojax.engines.common import cross_entropy
@@ -27,22 +28,6 @@ from zerojax.errors import UserError
 
 DEVICES = 8
 ROWS = 64
-
-
-class Block(nnx.Module):
-    def __init__(self, width: int, rngs: nnx.Rngs, *, drop: float = 0.0, norm: bool = False):
-        self.fc1 = nnx.Linear(width, width, rngs=rngs)
-        self.fc2 = nnx.Linear(width, width, rngs=rngs)
-        self.drop = nnx.Dropout(drop, rngs=rngs) if drop else None
-        self.norm = nnx.BatchNorm(width, rngs=rngs) if norm else None
-
-    def __call__(self, x, scale=1.0):
-        h = jax.nn.gelu(self.fc1(x))
-        if self.norm is not None:
-            h = self.norm(h)
-        if self.drop is not None:
-            h = self.drop(h)
-        return x + scale * self.fc2(h)
 
 
 def _stacked(width: int, depth: int, **block_kwargs):
@@ -54,22 +39,6 @@ def _stacked(width: int, depth: int, **block_kwargs):
 
         def __call__(self, x):
             return self.out(self.blocks(self.inp(x)))
-
-    return Model
-
-
-def _unrolled(width: int, depth: int):
-    class Model(nnx.Module):
-        def __init__(self, rngs: nnx.Rngs):
-            self.inp = nnx.Linear(width, width, rngs=rngs)
-            self.blocks = nnx.List([Block(width, rngs) for _ in range(depth)])
-            self.out = nnx.Linear(width, 10, rngs=rngs)
-
-        def __call__(self, x):
-            x = self.inp(x)
-            for block in self.blocks:
-                x = block(x)
-            return self.out(x)
 
     return Model
 
@@ -155,7 +124,7 @@ def _unrolled_params(stacked_params: dict, depth: int) -> dict:
 def test_equals_the_unrolled_list_of_the_same_blocks():
     """Same weights, same outputs, same loss and gradients as an `nnx.List` of the blocks, run in order."""
     width, depth = 32, 4
-    stacked_fm, unrolled_fm = functional(_stacked(width, depth)), functional(_unrolled(width, depth))
+    stacked_fm, unrolled_fm = functional(_stacked(width, depth)), functional(unrolled_blocks(width, depth))
     params, _, static = stacked_fm.init(jax.random.key(1), None)
     unrolled = _unrolled_params(params, depth)
     unrolled_static = unrolled_fm.init(jax.random.key(1), None)[2]
@@ -177,7 +146,7 @@ def test_trains_like_the_unrolled_list_at_stage_3(engine):
     width, depth = 32, 4
     params = functional(_stacked(width, depth)).init(jax.random.key(1), None)[0]
     stacked, _ = _losses(_trainer(_stacked(width, depth), 3, engine, optax.adamw(3e-3)), width, params=params)
-    plain, _ = _losses(_trainer(_unrolled(width, depth), 3, engine, optax.adamw(3e-3)), width,
+    plain, _ = _losses(_trainer(unrolled_blocks(width, depth), 3, engine, optax.adamw(3e-3)), width,
                        params=_unrolled_params(params, depth))
     np.testing.assert_allclose(stacked, plain, rtol=1e-5, atol=0)
 

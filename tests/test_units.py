@@ -24,36 +24,12 @@ from flax import linen as nn
 from flax import nnx
 
 import zerojax as zj
-from tests.models import classification_batch, tiny_gpt, token_batch
+from tests.models import classification_batch, tiny_gpt, token_batch, unrolled_blocks
 from zerojax.accounting.hlo import _parse, collective_bytes, compile_partitioned
 from zerojax.wrap import WrapRule
 
 DEVICES = 8
 ROWS = 64
-
-
-def _deep(width: int, depth: int):
-    class Block(nnx.Module):
-        def __init__(self, rngs: nnx.Rngs):
-            self.fc1 = nnx.Linear(width, width, rngs=rngs)
-            self.fc2 = nnx.Linear(width, width, rngs=rngs)
-
-        def __call__(self, x):
-            return x + self.fc2(jax.nn.gelu(self.fc1(x)))
-
-    class Deep(nnx.Module):
-        def __init__(self, rngs: nnx.Rngs):
-            self.inp = nnx.Linear(width, width, rngs=rngs)
-            self.blocks = nnx.List([Block(rngs) for _ in range(depth)])
-            self.out = nnx.Linear(width, 10, rngs=rngs)
-
-        def __call__(self, x):
-            x = self.inp(x)
-            for block in self.blocks:
-                x = block(x)
-            return self.out(x)
-
-    return Deep
 
 
 class LinenBlock(nn.Module):
@@ -65,7 +41,7 @@ class LinenBlock(nn.Module):
 
 
 class LinenDeep(nn.Module):
-    """`nn.compact`: the same model as `_deep`'s, its blocks created in the call."""
+    """`nn.compact`: the same model as `unrolled_blocks`'s, its blocks created in the call."""
 
     width: int
     depth: int
@@ -105,7 +81,7 @@ class LinenSetupDeep(nn.Module):
         return self.out(x)
 
 
-MODELS = {"nnx": _deep, "linen": LinenDeep, "linen_setup": LinenSetupDeep}
+MODELS = {"nnx": unrolled_blocks, "linen": LinenDeep, "linen_setup": LinenSetupDeep}
 BLOCK_CLASS = {"nnx": "Block", "linen": "LinenBlock", "linen_setup": "LinenSetupBlock"}
 
 
