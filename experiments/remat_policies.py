@@ -82,7 +82,7 @@ def main() -> None:
           f"({ROWS // P} per device). Step time: {ROUNDS} rounds, each running the policies one after the other; "
           "the ratio is the median over rounds of (policy / full) in the same round, its range the smallest and "
           f"largest round's. Load average at the end: {load[0]:.1f} (1 min), {load[1]:.1f} (5 min) on "
-          f"{os.cpu_count()} cores, shared with other work: step times are only comparable within a round.", "",
+          f"{os.cpu_count()} cores (the run's own 8 simulated devices included); step times are compared within a round.", "",
           "| remat | step temp bytes | fwd+bwd temp bytes (stage 0) | planner's estimate | estimate / measured | "
           "median step s | step time / full (paired) | range over rounds |", "|---|---|---|---|---|---|---|---|"]
     for p in POLICIES:

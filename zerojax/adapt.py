@@ -137,9 +137,9 @@ def _nnx_functions(make: Callable[[Any], nnx.Module], concrete: nnx.Module | Non
         return out, _nnx_split(module)[3] if model_state else model_state
 
     def unit_around(units, materialize, param_paths, reshard_after_forward=True, wait_for_grads=False,
-                    prefetch=False):
+                    prefetch=False, policy=None):
         del param_paths  # an NNX module finds its params itself
-        return wrap.nnx_around(units, materialize, reshard_after_forward, wait_for_grads, prefetch)
+        return wrap.nnx_around(units, materialize, reshard_after_forward, wait_for_grads, prefetch, policy)
 
     def sync_batch_stats(module, axes):
         for _, node in nnx.iter_graph(module):
@@ -198,9 +198,9 @@ def _linen_functions(module: nn.Module, rng_streams: tuple[str, ...]) -> Functio
         return out, {**model_state, **{k: v for k, v in updates.items() if k in model_state}}
 
     def unit_around(units, materialize, param_paths, reshard_after_forward=True, wait_for_grads=False,
-                    prefetch=False):
+                    prefetch=False, policy=None):
         return wrap_linen.linen_around(units, materialize, param_paths, reshard_after_forward, wait_for_grads,
-                                       prefetch)
+                                       prefetch, policy)
 
     def modules(params, model_state, inputs):
         return wrap_linen.linen_modules(module, params, model_state, inputs, **mode(False))

@@ -53,6 +53,18 @@ def checkpoint_policy(policy: str):
     return None
 
 
+def unit_policy(remat, reshard: bool):
+    """What an FSDP unit saves for its backward pass (`WrapRule.remat`): "full", "none" or a
+    `jax.checkpoint` policy. None: "full" when the unit reshards after its forward (its backward
+    re-runs it to gather the weights again anyway), else "none"."""
+    if remat is None:
+        return "full" if reshard else "none"
+    if callable(remat):
+        return remat
+    check(remat, key="WrapRule.remat")
+    return remat if remat in ("full", "none") else checkpoint_policy(remat)
+
+
 def remat(body: Callable, policy: str) -> Callable:
     """`body` (a scanned layer) rematerialised under `policy`."""
     if check(policy) == "none":

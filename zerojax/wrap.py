@@ -25,14 +25,25 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zerojax.remat import unit_policy
+
 Path = tuple[str, ...]
 Materialize = Callable[[str, Any], Any]  # ("a/b/kernel", stored value) -> compute-dtype array
+Policy = Any  # "full", "none" or a `jax.checkpoint` policy (`zerojax.remat.unit_policy`)
 
 
 @dataclass(frozen=True)
 class WrapRule:
     classes: tuple[type, ...] | None = None  # units by class; None: classes used more than once
     reshard_after_forward: bool = True  # re-gather in backward instead of keeping the weights
+    # Which of a unit's activations the backward pass gets without recomputing them: "full" (none:
+    # the unit is re-run), "dots" (the weight matmuls' outputs), "none" (all), "offload" (dots', in
+    # host memory), or a `jax.checkpoint` policy. None: "full" when resharding (the backward re-runs
+    # the unit to gather again anyway), else "none". Gathered weights are never saved.
+    remat: Any = None
+
+    def __post_init__(self):
+        unit_policy(self.remat, self.reshard_after_forward)  # a bad name fails here, not in a trace
 
 
 def as_rule(wrap) -> WrapRule | None:
@@ -156,45 +167,94 @@ def _current_trace():
     return current_trace()
 
 
-def rematerialized(run, params, *args, wait_for_grads: bool = False, prefetch: Prefetch | None = None):
-    """`run(params, *args, token)` with its gathers tied to `args` (the unit's inputs) in the forward
-    pass and, recomputed in the backward pass, to the incoming cotangent. Only the inputs are kept.
-    With `prefetch`, tied one unit ahead instead (see `Prefetch`)."""
-    args = (params, *args)
-    fn, consts = jax.closure_convert(lambda *a: run(*a[:-1], a[-1]), *args, jnp.zeros((), jnp.float32))
+def rematerialized(run, gather, params, *args, policy: Policy = "full", wait_for_grads: bool = False,
+                   prefetch: Prefetch | None = None):
+    """`run(gather(params, token), *args)` with the gather tied to `args` (the unit's inputs) in the
+    forward pass and, in the backward pass, gathered again tied to the incoming cotangent. With
+    `prefetch`, tied one unit ahead instead (see `Prefetch`).
+
+    `policy` says which of the unit's activations the forward keeps for the backward (see
+    `zerojax.remat.unit_policy`); the gathered weights are never kept, whatever it says. With "full"
+    only the inputs are kept and the backward re-runs the whole unit."""
+    token0 = jnp.zeros((), jnp.float32)
+    gfn, gconsts = jax.closure_convert(gather, params, token0)
+    gathered = jax.eval_shape(gather, params, token0)
+    rfn, rconsts = jax.closure_convert(run, gathered, *args)
+    body = rfn if isinstance(policy, str) else jax.checkpoint(rfn, policy=policy, prevent_cse=False)
     prev = prefetch.take() if prefetch is not None else None
     followed = [False]  # set when a later unit in this trace takes this unit's token
+    saved = [None]  # where the regathered weights go among the forward's residuals (set by fwd)
+
+    def forward(params, rest, consts, token):
+        return body(gfn(params, token, *consts[0]), *rest, *consts[1])
 
     @jax.custom_vjp
     def call(args, consts, prev):
         mine = zero_from(args[1:])  # args[0]: the unit's params
-        return fn(*args, mine if prev is None else prev, *consts), mine
+        return forward(args[0], args[1:], consts, mine if prev is None else prev), mine
 
     def fwd(args, consts, prev):
-        return call(args, consts, prev), (args, consts)
+        mine = zero_from(args[1:])
+        if policy == "full":
+            return call(args, consts, prev), (args, consts, ())
+        weights = gfn(args[0], mine if prev is None else prev, *consts[0])
+        out, vjp = jax.vjp(lambda w, rest, c: body(w, *rest, *c), weights, args[1:], consts[1])
+        kept, saved[0] = _without(weights, vjp)
+        return (out, mine), (args, consts, kept)
 
     def bwd(res, cts):
-        args, consts = res
+        args, consts, kept = res
         ct, ct_next = cts
         own = zero_from(ct)
         # `followed` is read when the backward pass is traced, after the whole forward: the next
         # unit's backward then hands its incoming cotangent's zero to this one as `ct_next`.
         token = ct_next if followed[0] else own
-        _, vjp = jax.vjp(lambda a, c: fn(*a, token, *c), args, consts)
-        d_args, d_consts = vjp(ct)
+        if policy == "full":
+            _, vjp = jax.vjp(lambda p, rest, c: forward(p, rest, c, token), args[0], args[1:], consts)
+            d_params, d_rest, d_consts = vjp(ct)
+        else:
+            weights, vjp_gather = jax.vjp(lambda p, c: gfn(p, token, *c), args[0], consts[0])
+            d_weights, d_rest, d_rconsts = _with(weights, kept, saved[0])(ct)
+            d_params, d_gconsts = vjp_gather(d_weights)
+            d_consts = (d_gconsts, d_rconsts)
         if wait_for_grads:
             # The unit's input gradient waits for its reduced parameter gradients, so the next unit's
             # backward cannot start while this unit's full-size gradients are alive (GSPMD's gradient
             # all-reduces are otherwise combined into one at the end of the backward pass).
-            params_done = sum((zero_from(g) for g in jax.tree.leaves(d_args[0])), jnp.zeros((), jnp.float32))
-            d_args = (d_args[0], *tie_tree(tuple(d_args[1:]), params_done))
-        return d_args, d_consts, (None if prev is None else own)
+            params_done = sum((zero_from(g) for g in jax.tree.leaves(d_params)), jnp.zeros((), jnp.float32))
+            d_rest = tie_tree(tuple(d_rest), params_done)
+        return (d_params, *d_rest), d_consts, (None if prev is None else own)
 
     call.defvjp(fwd, bwd)
-    out, mine = call(tuple(args), consts, prev)
+    out, mine = call((params, *args), (gconsts, rconsts), prev)
     if prefetch is not None:
         prefetch.put(mine, followed)
     return out
+
+
+def _without(weights, vjp):
+    """A `jax.vjp` function's residuals less the gathered `weights`, and where those went. They are
+    found by identity: `jax.vjp` keeps a primal input it needs as that very array."""
+    leaves, treedef = jax.tree.flatten(vjp)
+    ids = {id(w): i for i, w in enumerate(jax.tree.leaves(weights))}
+    slots = [ids.get(id(x)) for x in leaves]
+    return [x for x, s in zip(leaves, slots) if s is None], (treedef, slots)
+
+
+def _with(weights, kept, where):
+    """The `jax.vjp` function `_without` took apart, with freshly gathered `weights` put back."""
+    treedef, slots = where
+    fresh, kept = jax.tree.leaves(weights), iter(kept)
+    return treedef.unflatten([next(kept) if s is None else fresh[s] for s in slots])
+
+
+def kept_weights(run, gather, params, *args, policy: Policy = "none"):
+    """`run(gather(params), *args)` keeping the gathered weights for the backward pass (no reshard);
+    `policy` says which activations are kept beside them ("full": none, the unit is recomputed)."""
+    weights = gather(params, jnp.zeros((), jnp.float32))
+    if policy == "none":
+        return run(weights, *args)
+    return jax.checkpoint(run, policy=None if policy == "full" else policy, prevent_cse=False)(weights, *args)
 
 
 # ---- NNX: a unit is the same module object with a subclass whose __call__ gathers first ------------
@@ -209,9 +269,11 @@ def nnx_modules(module: nnx.Module) -> list[tuple[Path, type, int]]:
 
 
 def nnx_around(units: list[Path], materialize: Materialize, reshard_after_forward: bool = True,
-               wait_for_grads: bool = False, prefetch: bool = False):
+               wait_for_grads: bool = False, prefetch: bool = False, policy: Policy = None):
     """`around(module)` for `FunctionalModel.apply`: makes the submodules at `units` FSDP units;
-    `prefetch`: each unit's gathers one unit ahead (see `Prefetch`)."""
+    `prefetch`: each unit's gathers one unit ahead (see `Prefetch`); `policy`: what a unit saves for
+    its backward (`zerojax.remat.unit_policy`)."""
+    policy = unit_policy(policy, reshard_after_forward)
 
     def around(module: nnx.Module):
         record = Prefetch() if prefetch and reshard_after_forward else None  # one per traced call
@@ -222,7 +284,7 @@ def nnx_around(units: list[Path], materialize: Materialize, reshard_after_forwar
                 n.set_value(materialize(_key(p), n.get_value()))
         for u in units:
             sub = by_path[u]
-            sub.__class__ = _unit_class(type(sub), materialize, reshard_after_forward, wait_for_grads)
+            sub.__class__ = _unit_class(type(sub), materialize, reshard_after_forward, wait_for_grads, policy)
             sub._fsdp_path = u
             sub._fsdp_prefetch = record
         return contextlib.nullcontext()
@@ -230,25 +292,26 @@ def nnx_around(units: list[Path], materialize: Materialize, reshard_after_forwar
     return around
 
 
-def _unit_class(cls: type, materialize: Materialize, reshard: bool, wait_for_grads: bool) -> type:
+def _unit_class(cls: type, materialize: Materialize, reshard: bool, wait_for_grads: bool, policy: Policy) -> type:
     def __call__(self, *args, **kwargs):
         prefix = self._fsdp_path
         graphdef, params, rest = nnx.split(self, nnx.Param, ...)
         flat = nnx.traversals.flatten_mapping(nnx.to_pure_dict(params))
         inner = [tuple(str(k) for k in p) for p, n in nnx.iter_graph(self)
                  if p and isinstance(n, nnx.Module) and hasattr(n, "_fsdp_path")]
-        owned = [p for p in flat if owner(tuple(str(k) for k in p), inner) is None]
+        owned_set = {p for p in flat if owner(tuple(str(k) for k in p), inner) is None}
         leaves, treedef = jax.tree.flatten((args, kwargs))
         dynamic = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
 
         rest_leaves, rest_def = jax.tree.flatten(rest)  # passed in, so the unit may update it inside
         names = list(flat)
 
-        def run(values_raw, dynamic_args, rest_leaves, token):
-            values = dict(zip(names, values_raw))
-            for p in owned:
-                values[p] = materialize(_key(prefix + p), tie(values[p], token))
-            unit = nnx.merge(graphdef, nnx.State(nnx.traversals.unflatten_mapping(values)),
+        def gather(values_raw, token):
+            return [materialize(_key(prefix + p), tie(x, token)) if p in owned_set else x
+                    for p, x in zip(names, values_raw)]
+
+        def run(values, dynamic_args, rest_leaves):
+            unit = nnx.merge(graphdef, nnx.State(nnx.traversals.unflatten_mapping(dict(zip(names, values)))),
                              jax.tree.unflatten(rest_def, rest_leaves))
             call_leaves = list(leaves)
             for i, x in zip(dynamic, dynamic_args):
@@ -259,9 +322,10 @@ def _unit_class(cls: type, materialize: Materialize, reshard: bool, wait_for_gra
 
         args = ([flat[p] for p in names], [leaves[i] for i in dynamic], rest_leaves)
         if reshard:  # the gathered weights are not kept for the backward pass: gathered again there
-            out, updated = rematerialized(run, *args, wait_for_grads=wait_for_grads, prefetch=self._fsdp_prefetch)
+            out, updated = rematerialized(run, gather, *args, policy=policy, wait_for_grads=wait_for_grads,
+                                          prefetch=self._fsdp_prefetch)
         else:
-            out, updated = run(*args, jnp.zeros((), jnp.float32))
+            out, updated = kept_weights(run, gather, *args, policy=policy)
         nnx.update(self, updated)
         return out
 

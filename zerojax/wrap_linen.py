@@ -19,13 +19,13 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 from flax.core import DenyList, lift
 from flax.linen.transforms import decorator_lift_transform, get_module_scopes
 
-from zerojax.wrap import Materialize, Path, Prefetch, _key, owner, rematerialized, tie
+from zerojax.remat import unit_policy
+from zerojax.wrap import Materialize, Path, Policy, Prefetch, _key, kept_weights, owner, rematerialized, tie
 
 
 def linen_modules(module: nn.Module, params, model_state, inputs, **call_kwargs) -> list[tuple[Path, type, int]]:
@@ -48,10 +48,13 @@ def linen_modules(module: nn.Module, params, model_state, inputs, **call_kwargs)
 
 
 def linen_around(units: list[Path], materialize: Materialize, params_paths: list[Path],
-                 reshard_after_forward: bool = True, wait_for_grads: bool = False, prefetch: bool = False):
+                 reshard_after_forward: bool = True, wait_for_grads: bool = False, prefetch: bool = False,
+                 policy: Policy = None):
     """`around(module)` for a Linen model: the root's params are written, gathered, into its scope when
     it is first entered; each call of a unit's method gathers the unit's params inside the call
-    (`prefetch`: one unit ahead, see `zerojax.wrap.Prefetch`)."""
+    (`prefetch`: one unit ahead, see `zerojax.wrap.Prefetch`; `policy`: what it saves for the backward,
+    see `zerojax.remat.unit_policy`)."""
+    policy = unit_policy(policy, reshard_after_forward)
     root_leaves = [p for p in params_paths if owner(p, units) is None]
     unit_set = set(units)
 
@@ -73,7 +76,7 @@ def linen_around(units: list[Path], materialize: Materialize, params_paths: list
             gather = _unit_gather(m, args, kwargs, path, units, materialize)
             lifted = decorator_lift_transform(_unit_transform, context.orig_method.func, gather=gather, inside=inside,
                                               reshard=reshard_after_forward, wait_for_grads=wait_for_grads,
-                                              prefetch=record)
+                                              prefetch=record, policy=policy)
             return lifted(m, *args, **kwargs)
 
         return nn.intercept_methods(interceptor)
@@ -113,7 +116,8 @@ def _ancestors(scope):
         scope = scope.parent
 
 
-def _unit_transform(fn, gather, inside: list, reshard: bool, wait_for_grads: bool, prefetch: Prefetch | None = None):
+def _unit_transform(fn, gather, inside: list, reshard: bool, wait_for_grads: bool, prefetch: Prefetch | None = None,
+                    policy: Policy = "full"):
     """A lifted transform (see `flax.core.lift.pack`): `fn(scope, *args)` run on the unit's gathered
     params inside `wrap.rematerialized`; returns what it updated in the other mutable collections."""
 
@@ -122,20 +126,21 @@ def _unit_transform(fn, gather, inside: list, reshard: bool, wait_for_grads: boo
         leaves, treedef = jax.tree.flatten((args, kwargs))
         dynamic = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
 
-        def run(params, dynamic_args, rest, rng_groups, token):
+        def run(gathered, dynamic_args, rest, rng_groups):
             call = list(leaves)
             for i, x in zip(dynamic, dynamic_args):
                 call[i] = x
             a, k = jax.tree.unflatten(treedef, call)
-            scope = scope_fn((gather(params, token), rest), rng_groups)
+            scope = scope_fn((gathered, rest), rng_groups)
             inside.extend(jax.tree.leaves(scope))
             y = fn(scope, *a, **k)
             return y, repack_fn(scope)
 
         operands = (params, [leaves[i] for i in dynamic], rest, rng_groups)
         if reshard:  # the gathered weights are not kept for the backward pass: gathered again there
-            return rematerialized(run, *operands, wait_for_grads=wait_for_grads, prefetch=prefetch)
-        return run(*operands, jnp.zeros((), jnp.float32))
+            return rematerialized(run, gather, *operands, policy=policy, wait_for_grads=wait_for_grads,
+                                  prefetch=prefetch)
+        return kept_weights(run, gather, *operands, policy=policy)
 
     return lift.pack(inner, ("params", True), (False, DenyList("params")), (True,), name="fsdp_unit",
                      enable_kwargs=True)

@@ -120,10 +120,8 @@ def unit_around(layout: StateLayout, model, rule, materialize, inputs, model_sta
     report = GatherReport("whole" if text.startswith("whole") else "units",
                           text + (", next unit prefetched" if prefetch else ""))
     paths = [tuple(l.path.split("/")) for l in leaves]
-    if prefetch:
-        return report, model.unit_around(units, materialize, paths, rule.reshard_after_forward, wait_for_grads,
-                                         prefetch=True)
-    return report, model.unit_around(units, materialize, paths, rule.reshard_after_forward, wait_for_grads)
+    return report, model.unit_around(units, materialize, paths, rule.reshard_after_forward, wait_for_grads,
+                                     prefetch=prefetch, policy=rule.remat)
 
 
 def stack_paths(model, leaves, options) -> tuple[tuple, ...]:
