@@ -218,11 +218,7 @@ def rematerialized(run, gather, params, *args, policy: Policy = "full", wait_for
             d_params, d_gconsts = vjp_gather(d_weights)
             d_consts = (d_gconsts, d_rconsts)
         if wait_for_grads:
-            # The unit's input gradient waits for its reduced parameter gradients, so the next unit's
-            # backward cannot start while this unit's full-size gradients are alive (GSPMD's gradient
-            # all-reduces are otherwise combined into one at the end of the backward pass).
-            params_done = sum((zero_from(g) for g in jax.tree.leaves(d_params)), jnp.zeros((), jnp.float32))
-            d_rest = tie_tree(tuple(d_rest), params_done)
+            d_rest = _waiting_for(d_params, d_rest)
         return (d_params, *d_rest), d_consts, (None if prev is None else own)
 
     call.defvjp(fwd, bwd)
@@ -230,6 +226,14 @@ def rematerialized(run, gather, params, *args, policy: Policy = "full", wait_for
     if prefetch is not None:
         prefetch.put(mine, followed)
     return out
+
+
+def _waiting_for(d_params, d_inputs):
+    """The unit's input gradients, made to wait for its reduced parameter gradients: the next unit's
+    backward cannot start while this unit's full-size gradients are alive (GSPMD's gradient
+    all-reduces are otherwise combined into one at the end of the backward pass)."""
+    params_done = sum((zero_from(g) for g in jax.tree.leaves(d_params)), jnp.zeros((), jnp.float32))
+    return tie_tree(tuple(d_inputs), params_done)
 
 
 def _without(weights, vjp):
