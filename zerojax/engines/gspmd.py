@@ -4,6 +4,7 @@ constraints on the gradients let XLA's SPMD partitioner insert every collective.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from zerojax.stages import LeafLayout
@@ -116,7 +117,9 @@ def build(layout, model, static, loss_fn, tx, options: EngineOptions, inputs=Non
         # stages 0-1 ask for the full all-reduced gradient.
         grads = layout.to_layout(grads, layout.grads_sharded)
         grads = constrain(grads, layout.shardings(layout.grads_sharded))
-        new_state, metrics = apply_update(layout, tx, state, grads, loss)
+        # In the compute dtype, the gradient shards are casts' outputs, buffers of their own.
+        in_compute_dtype = layout.precision.compute_dtype != jnp.float32
+        new_state, metrics = apply_update(layout, tx, state, grads, loss, check_first=in_compute_dtype)
         return keep_model_state(new_state, model_state, metrics["bad_step"]), {"loss": loss, **metrics}
 
     report = units[0] if units else _report(layout, model)
