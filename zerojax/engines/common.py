@@ -123,7 +123,7 @@ def _updated(layout: StateLayout, tx: optax.GradientTransformation, state: Train
     master = optax.apply_updates(master, updates)
     params = constrain(layout.to_layout(master, layout.master_sharded), layout.shardings(layout.master_sharded))
     new_state = {"params": params, "opt_state": opt_state}
-    checked = dict(new_state)
+    checked = {"params": master, "opt_state": opt_state}  # on the optimizer's shards: checking gathers nothing
     if layout.keeps_compute_copy:
         # Cast the shard before it is gathered, so the all-gather moves compute-dtype bytes; check
         # the cast shards, not the gathered copy, so the check itself gathers nothing (an engine
