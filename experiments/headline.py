@@ -15,6 +15,9 @@ the largest depth, then steps up until an attempt no longer fits (or down until 
 
     python experiments/headline.py --model gpt --engine gspmd   # ~15 min -> results/headline-gpt-gspmd.{md,json,png}
     python experiments/headline.py --model user --engine shard_map --budget-gib 6
+
+For the user model, XLA:CPU's compiler dominates resident memory (~70 MB per unrolled block);
+experiments/headline_compiled.py budgets the compiled step's per-device peak instead.
 """
 
 from __future__ import annotations
@@ -122,36 +125,39 @@ def attempt(stage: int, layers: int, a, budget: int) -> dict:
     return row
 
 
-def search(stage: int, a, budget: int, small: tuple[int, int]) -> list[dict]:
-    """Calibrate on two small depths, predict the largest, then step until the edge is found."""
-    rows = [attempt(stage, small[0], a, budget), attempt(stage, small[1], a, budget)]
+def search(stage: int, a, budget: int, small: tuple[int, int], run=attempt, ok: str = "trained",
+           peak: str = "peak_rss_bytes", step: int | None = None) -> list[dict]:
+    """Calibrate on two small depths, predict the largest, then step until the edge is found (exactly
+    with step=1). `run(stage, layers, a, budget)` makes one attempt: a row whose `ok` key says it fits
+    and whose `peak` key holds its peak bytes."""
+    rows = [run(stage, small[0], a, budget), run(stage, small[1], a, budget)]
     r0, r1 = rows
-    if not r0["trained"]:
+    if not r0[ok]:
         return rows
-    if not r1["trained"]:  # the edge lies between the two: step down from the larger
+    if not r1[ok]:  # the edge lies between the two: step down from the larger
         for layers in range(small[1] - 1, small[0], -1):
-            rows.append(attempt(stage, layers, a, budget))
-            if rows[-1]["trained"]:
+            rows.append(run(stage, layers, a, budget))
+            if rows[-1][ok]:
                 break
         return rows
-    per_layer = max(1, (r1["peak_rss_bytes"] - r0["peak_rss_bytes"]) / (small[1] - small[0]))
-    guess = int(small[0] + (0.98 * budget - r0["peak_rss_bytes"]) / per_layer)
-    step = max(1, guess // 16)
+    per_layer = max(1, (r1[peak] - r0[peak]) / (small[1] - small[0]))
+    guess = int(small[0] + (0.98 * budget - r0[peak]) / per_layer)
+    step = step or max(1, guess // 16)
     layers = max(small[1] + 1, guess)
     fitted = small[1]
     while True:
-        row = attempt(stage, layers, a, budget)
+        row = run(stage, layers, a, budget)
         rows.append(row)
-        if row["trained"]:
+        if row[ok]:
             fitted = layers
-            if any(r["layers"] == layers + step and not r["trained"] for r in rows):
+            if any(r["layers"] == layers + step and not r[ok] for r in rows):
                 break
             layers += step
         else:
             if layers - step <= fitted:
                 break
             layers -= step
-            if any(r["layers"] == layers and r["trained"] for r in rows):
+            if any(r["layers"] == layers and r[ok] for r in rows):
                 break
     return rows
 
