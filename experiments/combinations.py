@@ -236,8 +236,8 @@ def caveats(rows: list[dict]) -> list[str]:
             for r in worst) + ".",
         f"Stage 3 with remat none gathers the weights once, not twice (all-gather {gathers['none'] / 2**20:,.1f} vs "
         f"{gathers['full'] / 2**20:,.1f} MiB per step at k = 1): the backward reuses the forward's gathered weights, "
-        "so the whole fp32 weights stay live through the step; the planner does not model that, and the compiled "
-        "peak exceeds its prediction by "
+        "so the whole fp32 weights stay live through the step; the planner counts them (param_bytes per parameter), "
+        "and the compiled peak is above its prediction by "
         + ", ".join(f"{excess[k]:.2f} B/param at k = {k}" for k in ACCUMS) + ".",
         f"Outputs less aliased bytes: {', '.join(f'{b:,}' for b in unaliased)} bytes in every combination (the step's "
         "metrics), so every host-space output aliases a host-space argument and subtracting the host arguments "
