@@ -55,3 +55,30 @@ def test_bad_arguments_exit_2_with_one_line(args, needle):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], r.stderr
     assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+def test_stage_3_traffic_by_axis_with_zeropp_options():
+    """A data x fsdp config (7B on 8 x 8 H100s) with qwZ, qgZ and hpZ: the plan reports stage 3's bytes
+    by collective and mesh axis, plain and with the options (`accounting.zeropp`, checked against
+    compiled programs in tests/test_zeropp.py): the inter-node (data) all-reduce becomes a gather and
+    a reduce-scatter of the same bytes, and the fsdp gathers and reductions shrink to int8 + scales."""
+    out = _plan("configs/gpu-7b-64xh100.yaml", "--set", "zero.stage=3", "--set", "zero.engine=shard_map",
+                "--set", "zero.quantize_weights=int8", "--set", "zero.quantize_grads=int8",
+                "--set", "zero.hierarchical=true", "--json")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    section = plan["stage_3_traffic_by_axis"]
+    assert (section["data"], section["fsdp"]) == (8, 8)
+    psi, plain, chosen = plan["params"], section["plain"], section["with_options"]
+    shard = psi / 8
+    assert plain["all-reduce"]["data"] == pytest.approx(2 * shard * 2 * 7 / 8)
+    assert chosen["all-gather"]["data"] + chosen["reduce-scatter"]["data"] == pytest.approx(plain["all-reduce"]["data"])
+    assert chosen["all-gather"]["fsdp"] / plain["all-gather"]["fsdp"] == pytest.approx((1 + 4 / 256) / 2)
+    assert chosen["all-to-all"]["fsdp"] / plain["reduce-scatter"]["fsdp"] == pytest.approx((1 + 4 / 256) / 2)
+    assert "all-reduce" not in chosen and section["with_options_total"] < section["plain_total"]
+
+
+def test_no_by_axis_section_on_a_one_axis_mesh_without_options():
+    out = _plan("--params", "7e9", "--devices", "8", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["stage_3_traffic_by_axis"] is None

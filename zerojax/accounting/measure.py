@@ -20,7 +20,7 @@ import jax
 
 from zerojax.engines.common import global_loss
 
-from zerojax.accounting import analytic
+from zerojax.accounting import analytic, zeropp
 from zerojax.accounting.hlo import collective_bytes, compile_partitioned
 from zerojax.accounting.params import count_params
 from zerojax.mesh import data_parallel_size
@@ -40,6 +40,7 @@ class Ideal:
     grad_reduce_bytes: float
     temp_bytes: float | None  # step_temp_bytes; None without a model shape for activations
     activation_bytes: float | None
+    by_kind_axis: dict | None = None  # ZeRO++ runs: {kind: {axis: bytes}} (`accounting.zeropp`)
 
     @property
     def collective_bytes(self) -> float:
@@ -120,6 +121,7 @@ class Measurement:
             "collective_bytes_by_kind": dict(self.collective_by_kind),
             "collective_bytes_by_axis": dict(self.collective_by_axis),
             "collective_bytes_by_kind_axis": {k: dict(v) for k, v in self.collective_by_kind_axis.items()},
+            "ideal_collective_bytes_by_kind_axis": self.ideal.by_kind_axis,
             "final_hlo_collective_bytes_per_device_per_step": self.final_hlo_collective_bytes,
             "unknown_trip_counts": self.unknown_trip_counts,
         }
@@ -142,17 +144,35 @@ def param_count(trainer) -> int:
 def ideal(trainer, optimizer: str = "adamw", shape: analytic.GPTShape | None = None, seq_len: int = 0,
           micro_batch: int = 0, remat: str = "full") -> Ideal:
     """The analytic figures for what `trainer` keeps and moves (over its fsdp axis; replicas on `data`
-    are not modelled); activations need the model's shape."""
+    are not modelled, except with ZeRO++'s options, `accounting.zeropp`, where every axis is);
+    activations need the model's shape."""
     psi, p, stage, prec = param_count(trainer), trainer.layout.fsdp_size, trainer.stage.index, trainer.precision
     kept = analytic.kept_state_bytes(psi, p, stage, prec, analytic.get_optimizer(optimizer))
     k, reshard = trainer.grad_accum, trainer.options.reshard_after_forward
     traffic = analytic.traffic_bytes(psi, p, stage, prec.param_bytes, prec.reduce_bytes, k, reshard)
+    by_kind_axis = _zeropp_traffic(trainer, psi, shape, k)
+    if by_kind_axis is not None:
+        traffic = zeropp.totals(by_kind_axis)
     act = temp = None
     if shape is not None and seq_len and micro_batch:
         act = float(analytic.activation_bytes_gpt(shape.d_model, shape.n_layers, shape.n_heads, shape.d_ff,
                                                   shape.vocab_size, seq_len, micro_batch, prec.param_bytes, remat))
         temp = analytic.step_temp_bytes(psi, p, stage, prec, act, grad_accum=k, reshard_after_forward=reshard)
-    return Ideal(psi, p, kept["total"], kept, traffic["param_allgather"], traffic["grad_reduce"], temp, act)
+    return Ideal(psi, p, kept["total"], kept, traffic["param_allgather"], traffic["grad_reduce"], temp, act,
+                 by_kind_axis)
+
+
+def _zeropp_traffic(trainer, psi: int, shape: analytic.GPTShape | None, grad_accum: int) -> dict | None:
+    """ZeRO++'s model of the step's traffic by kind and axis, for a trainer using any of its options
+    (stage 3, `shard_map`); None otherwise. The GPT's embedding and head are gathered once."""
+    o = trainer.options
+    options = zeropp.ZeroPP(o.quantize_weights, o.quantize_grads, o.quantize_block, o.hierarchical)
+    if not options.active or trainer.stage.index != 3:
+        return None
+    axes = dict(trainer.mesh.shape)
+    return zeropp.stage_3_traffic_by_axis(psi, axes.get("data", 1), axes.get("fsdp", 1), trainer.precision.param_bytes,
+                                          trainer.precision.reduce_bytes, options, grad_accum,
+                                          zeropp.gathered_once(shape))
 
 
 def lower_step(trainer, state, batch):

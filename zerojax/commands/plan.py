@@ -94,7 +94,7 @@ def _run(args: argparse.Namespace) -> int:
         inputs = {"params": parse_count(args.params), "devices": args.devices, "seq_len": args.seq or 2048,
                   "micro_batch": args.micro_batch or 1, "precision": args.precision or "bf16",
                   "optimizer": args.optimizer or "adamw", "shape": None, "remat": "full", "replicas": 1,
-                  "grad_accum": args.grad_accum or 1, "reshard_after_forward": True}
+                  "grad_accum": args.grad_accum or 1, "reshard_after_forward": True, "zeropp": None}
         inputs["rows_per_device"] = inputs["micro_batch"] * inputs["grad_accum"]
     result = planning.plan(
         inputs["params"],
@@ -116,12 +116,51 @@ def _run(args: argparse.Namespace) -> int:
         reshard_after_forward=result.reshard_after_forward, memory=hardware.hbm_bytes * (1 - args.headroom),
         host_memory=host_memory,
     )
+    by_axis = _by_axis(result, inputs)
     if args.json:
-        print(json.dumps(_json_out(args, result, ranked, inputs, hardware, host_memory), indent=2))
+        out = _json_out(args, result, ranked, inputs, hardware, host_memory)
+        out["stage_3_traffic_by_axis"] = by_axis
+        print(json.dumps(out, indent=2))
     else:
         _print_table(result, args.config, inputs["remat"], inputs["replicas"])
+        if by_axis is not None:
+            _print_by_axis(by_axis)
         _print_picks(ranked, args.top, hardware, inputs["rows_per_device"], result.seq_len, args.headroom)
     return 0
+
+
+def _by_axis(result, inputs: dict) -> dict | None:
+    """Stage 3's traffic by mesh axis (`accounting.zeropp`), plain and with the config's ZeRO++
+    options; None on a one-axis mesh without them."""
+    from zerojax.accounting import zeropp
+
+    options = zeropp.ZeroPP(**inputs["zeropp"]) if inputs["zeropp"] else zeropp.ZeroPP()
+    if inputs["replicas"] == 1 and not options.active:
+        return None
+    return zeropp.plan_section(result.params, inputs["replicas"], result.devices, result.precision, options,
+                               result.grad_accum, result.shape)
+
+
+def _print_by_axis(section: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    chosen = section["with_options"]
+    options = ", ".join(f"{k}={v}" for k, v in (section["options"] or {}).items())
+    table = Table(title=f"Stage 3 traffic by mesh axis (data={section['data']} x fsdp={section['fsdp']}), GB per "
+                        f"device per step" + (f"; with {options}" if options else ""),
+                  caption="The fsdp axis stays within a group (a node); what crosses data is the inter-node share. "
+                          "int8/fp8 moves 1 byte per value plus an fp32 scale per block (docs/zeropp.md).")
+    for col in ("collective", "axis", "plain stage 3", *(("with ZeRO++",) if chosen else ())):
+        table.add_column(col, justify="left" if col in ("collective", "axis") else "right")
+    keys = sorted({(k, a) for tree in (section["plain"], chosen or {}) for k, axes in tree.items() for a in axes})
+    for kind, axis in keys:
+        cells = [_gb(section["plain"].get(kind, {}).get(axis, 0.0))]
+        if chosen:
+            cells.append(_gb(chosen.get(kind, {}).get(axis, 0.0)))
+        table.add_row(kind, axis, *cells)
+    table.add_row("total", "", _gb(section["plain_total"]), *((_gb(section["with_options_total"]),) if chosen else ()))
+    Console(width=None if Console().is_terminal else 140).print(table)
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -202,6 +241,8 @@ def _from_config(args: argparse.Namespace) -> dict:
         "shape": counted["shape"],
         "remat": counted["remat"],
         "replicas": replicas,
+        "zeropp": {"quantize_weights": c.zero.quantize_weights, "quantize_grads": c.zero.quantize_grads,
+                   "block": c.zero.quantize_block, "hierarchical": c.zero.hierarchical},
     }
 
 
