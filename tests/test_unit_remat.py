@@ -77,10 +77,15 @@ def test_policies_change_memory_not_values(kind, engine):
             np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
 
 
+def _dots_policy(prim, *args, **params):  # a policy of the user's own: dots' decisions, another function
+    return jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
+
+
 def test_a_checkpoint_policy_works_as_its_name():
     named = _temp_and_step("nnx", "shard_map", 4, "dots")
-    given = _temp_and_step("nnx", "shard_map", 4, jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    given = _temp_and_step("nnx", "shard_map", 4, _dots_policy)
     assert given[0] == named[0] and given[1] == named[1]
+    assert given[0] > _temp_and_step("nnx", "shard_map", 4, "full")[0]
 
 
 @pytest.mark.slow
@@ -96,7 +101,13 @@ def test_dots_with_prefetch_trains_like_without_and_costs_the_same_at_every_dept
     assert abs(extra[8] - extra[4]) <= 0.15 * 4 * BLOCK, extra
 
 
-def test_offload_and_unknown_policies_are_refused_on_cpu():
-    for remat, words in (("offload", "host memory"), ("most", "WrapRule.remat must be one of")):
-        with pytest.raises(UserError, match=words):  # when the rule is made
-            WrapRule(remat=remat)
+def test_unknown_policies_are_refused_when_the_rule_is_made():
+    with pytest.raises(UserError, match="WrapRule.remat must be one of"):
+        WrapRule(remat="most")
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the refusal is the CPU backend's")
+def test_offload_is_refused_on_cpu_when_traced():
+    trainer = _trainer("nnx", "shard_map", 2, "offload")  # the backend is only asked when the step is traced
+    with pytest.raises(UserError, match="host memory"):
+        trainer.init(jax.random.key(0), _batch())

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zerojax.remat import check as check_remat
 from zerojax.remat import unit_policy
 
 Path = tuple[str, ...]
@@ -39,11 +40,13 @@ class WrapRule:
     # Which of a unit's activations the backward pass gets without recomputing them: "full" (none:
     # the unit is re-run), "dots" (the weight matmuls' outputs), "none" (all), "offload" (dots', in
     # host memory), or a `jax.checkpoint` policy. None: "full" when resharding (the backward re-runs
-    # the unit to gather again anyway), else "none". Gathered weights are never saved.
+    # the unit to gather again anyway), else "none". The gathered weights themselves are never saved;
+    # with "none", values the unit computes from them (a cast, a transpose) are, as `jax.vjp` keeps them.
     remat: Any = None
 
     def __post_init__(self):
-        unit_policy(self.remat, self.reshard_after_forward)  # a bad name fails here, not in a trace
+        if not callable(self.remat) and self.remat is not None:
+            check_remat(self.remat, key="WrapRule.remat")  # a bad name fails here; offload's backend when traced
 
 
 def as_rule(wrap) -> WrapRule | None:
@@ -176,14 +179,17 @@ def rematerialized(run, gather, params, *args, policy: Policy = "full", wait_for
     `policy` says which of the unit's activations the forward keeps for the backward (see
     `zerojax.remat.unit_policy`); the gathered weights are never kept, whatever it says. With "full"
     only the inputs are kept and the backward re-runs the whole unit."""
+    assert policy in ("full", "none") or callable(policy), policy  # resolved by `remat.unit_policy`
     token0 = jnp.zeros((), jnp.float32)
     gfn, gconsts = jax.closure_convert(gather, params, token0)
     gathered = jax.eval_shape(gather, params, token0)
     rfn, rconsts = jax.closure_convert(run, gathered, *args)
-    body = rfn if isinstance(policy, str) else jax.checkpoint(rfn, policy=policy, prevent_cse=False)
+    body = rfn if isinstance(policy, str) else jax.checkpoint(rfn, policy=policy)
     prev = prefetch.take() if prefetch is not None else None
     followed = [False]  # set when a later unit in this trace takes this unit's token
-    saved = [None]  # where the regathered weights go among the forward's residuals (set by fwd)
+    # Where the regathered weights go among the forward's residuals: set by `fwd`, read by `bwd`.
+    # Every trace of `fwd` for this call makes the same residual structure, so the last one serves.
+    saved = [None]
 
     def forward(params, rest, consts, token):
         return body(gfn(params, token, *consts[0]), *rest, *consts[1])
@@ -255,10 +261,11 @@ def _with(weights, kept, where):
 def kept_weights(run, gather, params, *args, policy: Policy = "none"):
     """`run(gather(params), *args)` keeping the gathered weights for the backward pass (no reshard);
     `policy` says which activations are kept beside them ("full": none, the unit is recomputed)."""
+    assert policy in ("full", "none") or callable(policy), policy  # resolved by `remat.unit_policy`
     weights = gather(params, jnp.zeros((), jnp.float32))
     if policy == "none":
         return run(weights, *args)
-    return jax.checkpoint(run, policy=None if policy == "full" else policy, prevent_cse=False)(weights, *args)
+    return jax.checkpoint(run, policy=None if policy == "full" else policy)(weights, *args)
 
 
 # ---- NNX: a unit is the same module object with a subclass whose __call__ gathers first ------------

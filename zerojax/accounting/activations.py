@@ -124,3 +124,13 @@ def host_activation_bytes_gpt(
     if terms is None:
         return 0
     return int(round(n_layers * _layer_bytes(terms, d_model, n_heads, d_ff, seq_len, micro_batch, compute_bytes)))
+
+
+def gathered_weights_kept(params: float, stage: int, remat: str, param_bytes: float,
+                          reshard_after_forward: bool = True) -> float:
+    """Bytes per device of gathered weights the shipped GPT keeps from its forward for its backward:
+    at stage 3 without remat each layer's backward reuses the weights its forward gathered, so the
+    whole model is held gathered (measured on the 20M GPT: the compiled peak was param_bytes per
+    parameter above the estimate without it). With `reshard_after_forward=False` they are kept
+    anyway, and counted as such by `analytic.step_temp_bytes`."""
+    return param_bytes * params if stage == 3 and remat == "none" and reshard_after_forward else 0.0

@@ -21,6 +21,7 @@ import jax
 from zerojax.engines.common import global_loss
 
 from zerojax.accounting import analytic, zeropp
+from zerojax.accounting.activations import gathered_weights_kept
 from zerojax.accounting.hlo import collective_bytes, compile_partitioned
 from zerojax.accounting.params import count_params
 from zerojax.mesh import data_parallel_size
@@ -157,7 +158,8 @@ def ideal(trainer, optimizer: str = "adamw", shape: analytic.GPTShape | None = N
     if shape is not None and seq_len and micro_batch:
         act = float(analytic.activation_bytes_gpt(shape.d_model, shape.n_layers, shape.n_heads, shape.d_ff,
                                                   shape.vocab_size, seq_len, micro_batch, prec.param_bytes, remat))
-        temp = analytic.step_temp_bytes(psi, p, stage, prec, act, grad_accum=k, reshard_after_forward=reshard)
+        held = gathered_weights_kept(psi, stage, remat, prec.param_bytes, reshard)
+        temp = analytic.step_temp_bytes(psi, p, stage, prec, act + held, grad_accum=k, reshard_after_forward=reshard)
     return Ideal(psi, p, kept["total"], kept, traffic["param_allgather"], traffic["grad_reduce"], temp, act,
                  by_kind_axis)
 
@@ -172,7 +174,7 @@ def _zeropp_traffic(trainer, psi: int, shape: analytic.GPTShape | None, grad_acc
     axes = dict(trainer.mesh.shape)
     return zeropp.stage_3_traffic_by_axis(psi, axes.get("data", 1), axes.get("fsdp", 1), trainer.precision.param_bytes,
                                           trainer.precision.reduce_bytes, options, grad_accum,
-                                          zeropp.gathered_once(shape))
+                                          zeropp.gathered_once(shape), o.reshard_after_forward)
 
 
 def lower_step(trainer, state, batch):

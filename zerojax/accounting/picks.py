@@ -27,7 +27,8 @@ import math
 from dataclasses import dataclass
 
 from zerojax.accounting import analytic
-from zerojax.accounting.activations import ACTIVATION_MODEL, GPTShape, activation_bytes_gpt, host_activation_bytes_gpt
+from zerojax.accounting.activations import (ACTIVATION_MODEL, GPTShape, activation_bytes_gpt, gathered_weights_kept,
+                                            host_activation_bytes_gpt)
 from zerojax.accounting.hardware import Hardware
 from zerojax.errors import UserError
 from zerojax.optim import Optimizer
@@ -130,14 +131,10 @@ def evaluate(params: float, devices: int, hardware: Hardware, *, stage: int, gra
         dims = (shape.d_model, shape.n_layers, shape.n_heads, shape.d_ff)
         act = float(activation_bytes_gpt(*dims, shape.vocab_size, seq_len, micro_batch, b, remat))
         host_act = float(host_activation_bytes_gpt(*dims, seq_len, micro_batch, b, remat))
-        if stage == 3 and remat == "none":
-            # Nothing recomputed: the backward reuses each layer's weights gathered in the forward, so
-            # the whole model is held gathered until its layer's backward (measured on the 20M GPT:
-            # the compiled peak was param_bytes per parameter above the estimate without this).
-            act += b * params
     placed = placed_state_bytes(params, devices, stage, precision, optimizer, offload)
     # A compute copy kept on the host is on the device again for the whole forward and backward.
-    temp = analytic.step_temp_bytes(params, devices, stage, precision, act + placed["host_compute"], placed["host"],
+    held = gathered_weights_kept(params, stage, remat, b, reshard_after_forward) if shape is not None else 0.0
+    temp = analytic.step_temp_bytes(params, devices, stage, precision, act + held + placed["host_compute"], placed["host"],
                                     grad_accum, reshard_after_forward)
     tokens = grad_accum * micro_batch * seq_len
     base = analytic.step_time_estimate(params, devices, stage, hardware, tokens, b, shape, seq_len, mfu, grad_accum,

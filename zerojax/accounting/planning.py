@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from zerojax.accounting.activations import GPTShape, activation_bytes_gpt
+from zerojax.accounting.activations import GPTShape, activation_bytes_gpt, gathered_weights_kept
 from zerojax.accounting.analytic import (GROUPS, StepTime, check_inputs, comm_bound_tokens_per_device, kept_state_bytes,
                                          model_state_bytes, step_time_estimate, traffic_bytes)
 from zerojax.accounting.hardware import Hardware
@@ -95,7 +95,8 @@ def plan(
                 params, devices, st.index, hardware, grad_accum * micro_batch * seq_len, b, shape, seq_len, mfu,
                 grad_accum, reshard_after_forward,
             ),
-            fits=memory["total"] + (act or 0.0) <= hardware.hbm_bytes,
+            fits=memory["total"] + (act or 0.0) + (gathered_weights_kept(params, st.index, remat, b, reshard_after_forward)
+                                                    if shape is not None else 0.0) <= hardware.hbm_bytes,
             comm_bound_below_tokens=comm_bound_tokens_per_device(hardware, st.index, b, devices, mfu, grad_accum,
                                                                  reshard_after_forward),
         ))

@@ -42,27 +42,29 @@ def quantized_bytes(kind: str, block: int) -> float:
 
 
 def stage_3_traffic_by_axis(params: float, data: int, fsdp: int, compute_bytes: float, reduce_bytes: float,
-                            options: ZeroPP = ZeroPP(), grad_accum: int = 1, once: float = 0.0
-                            ) -> dict[str, dict[str, float]]:
+                            options: ZeroPP = ZeroPP(), grad_accum: int = 1, once: float = 0.0,
+                            reshard_after_forward: bool = True) -> dict[str, dict[str, float]]:
     """{collective kind: {mesh axis: bytes one device sends per step}}; `once` of the `params` are
-    gathered once per micro-batch, the rest twice; `grad_accum` micro-batches each gather and reduce
-    over `fsdp` (the sum over `data` happens once per step)."""
+    gathered once per micro-batch, the rest twice. Each of `grad_accum` micro-batches gathers and
+    reduces (over `fsdp`, and over `data` too without hpZ, whose refresh and its transpose run once
+    per step); `reshard_after_forward=False` gathers and reduces once per step."""
     ring_f, ring_d = (fsdp - 1) / fsdp, (data - 1) / data
     weights = quantized_bytes(options.quantize_weights, options.block) if options.quantize_weights else compute_bytes
-    gathered = 2 * params - once
-    out: dict[str, dict[str, float]] = {"all-gather": {"fsdp": grad_accum * gathered * weights * ring_f}}
+    gathered, k = 2 * params - once, grad_accum
+    if not reshard_after_forward:
+        gathered, k = params, 1
+    out: dict[str, dict[str, float]] = {"all-gather": {"fsdp": k * gathered * weights * ring_f}}
     if options.quantize_grads:
-        out["all-to-all"] = {"fsdp": grad_accum * params * quantized_bytes(options.quantize_grads, options.block)
-                             * ring_f}
+        out["all-to-all"] = {"fsdp": k * params * quantized_bytes(options.quantize_grads, options.block) * ring_f}
     else:
-        out["reduce-scatter"] = {"fsdp": grad_accum * params * reduce_bytes * ring_f}
+        out["reduce-scatter"] = {"fsdp": k * params * reduce_bytes * ring_f}
     if data > 1:
         shard = params / fsdp
         if options.hierarchical:
             out["all-gather"]["data"] = shard * compute_bytes * ring_d
             out.setdefault("reduce-scatter", {})["data"] = shard * reduce_bytes * ring_d
         else:
-            out["all-reduce"] = {"data": 2 * shard * reduce_bytes * ring_d}
+            out["all-reduce"] = {"data": k * 2 * shard * reduce_bytes * ring_d}
     return out
 
 
@@ -80,12 +82,12 @@ def gathered_once(shape) -> int:
 
 
 def plan_section(params: float, data: int, fsdp: int, precision, options: ZeroPP, grad_accum: int = 1,
-                 shape=None) -> dict:
+                 shape=None, reshard_after_forward: bool = True) -> dict:
     """What `zerojax plan` reports for stage 3 on a `data` x `fsdp` mesh: bytes per device per step by
     kind and axis, plain and with the config's ZeRO++ options (None when it sets none)."""
     def by_axis(o: ZeroPP):
         return stage_3_traffic_by_axis(params, data, fsdp, precision.param_bytes, precision.reduce_bytes, o,
-                                       grad_accum, gathered_once(shape))
+                                       grad_accum, gathered_once(shape), reshard_after_forward)
 
     plain = by_axis(ZeroPP())
     chosen = by_axis(options) if options.active else None

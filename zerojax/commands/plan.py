@@ -138,7 +138,7 @@ def _by_axis(result, inputs: dict) -> dict | None:
     if inputs["replicas"] == 1 and not options.active:
         return None
     return zeropp.plan_section(result.params, inputs["replicas"], result.devices, result.precision, options,
-                               result.grad_accum, result.shape)
+                               result.grad_accum, result.shape, result.reshard_after_forward)
 
 
 def _print_by_axis(section: dict) -> None:

@@ -63,13 +63,6 @@ def compute_params(layout: StateLayout, state: TrainState):
     return layout.to_layout(params, sharded=False)
 
 
-def _tied_like(x, verdict):
-    """`x` tied to `verdict`, kept on `x`'s own sharding (an input's, known while tracing)."""
-    tied = wrap_lib.tie(x, verdict)
-    sharding = getattr(x, "sharding", None)
-    return tied if tied is x or sharding is None else jax.lax.with_sharding_constraint(tied, sharding)
-
-
 def all_finite(tree) -> jax.Array:
     """True when every floating-point value in `tree` is finite (integer leaves, e.g. counts, pass)."""
     checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
@@ -86,15 +79,17 @@ def apply_update(layout: StateLayout, tx: optax.GradientTransformation, state: T
     the step counter still advances, so the data position moves past the bad batch.
 
     The update runs twice: once only to check it, then again, once the verdict is known, to write
-    it. Each pass is elementwise, so the check reads the new values as they are made and the write
-    can go over the old state in place. Run once, every new shard (master, moments) would have to
-    wait beside the old one until the last leaf's check: 12 bytes per parameter shard more temp
-    with Adam. What waits instead is the reduced gradient shard (2 bytes in bf16).
+    it. For an elementwise optimizer (SGD, Adam) the check reads the new values as they are made and
+    the write can go over the old state in place. Run once, every new shard (master, moments) would
+    have to wait beside the old one until the last leaf's check: 12 bytes per parameter shard more
+    temp with Adam. What waits instead is the reduced gradient shard (2 bytes in bf16). The price is
+    a second pass of the optimizer's arithmetic (global-norm clipping and factored optimizers compute
+    their reductions twice too), and the tie `x + 0` writes -0.0 as +0.0.
 
     That needs the gradient shards to be buffers of their own. `check_first=False` runs the update
     once, for an engine whose fp32 gradient "shards" are slices of the full all-reduced gradient
-    (XLA:CPU's GSPMD has no reduce-scatter): a second reader would keep each full gradient alive
-    until the write.
+    (XLA:CPU's GSPMD has no reduce-scatter; measured there, not on GPU or TPU): a second reader would
+    keep each full gradient alive until the write.
     """
     grads = constrain(layout.to_opt(grads), layout.opt_shardings())  # each pass casts them to fp32 itself
     grad_norm = optax.tree.norm(cast_tree(grads, jnp.float32))
@@ -118,7 +113,7 @@ def _updated(layout: StateLayout, tx: optax.GradientTransformation, state: Train
     if verdict is not None:
         master = constrain(wrap_lib.tie_tree(master, verdict), opt_shardings)
         grads = constrain(wrap_lib.tie_tree(grads, verdict), opt_shardings)
-        opt_state = jax.tree.map(lambda x: _tied_like(x, verdict), opt_state)
+        opt_state = wrap_lib.tie_tree(opt_state, verdict)  # elementwise: stays on its operand's sharding
     updates, opt_state = tx.update(cast_tree(grads, jnp.float32), opt_state, master)
     master = optax.apply_updates(master, updates)
     params = constrain(layout.to_layout(master, layout.master_sharded), layout.shardings(layout.master_sharded))
