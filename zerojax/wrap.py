@@ -179,12 +179,7 @@ def rematerialized(run, gather, params, *args, policy: Policy = "full", wait_for
     `policy` says which of the unit's activations the forward keeps for the backward (see
     `zerojax.remat.unit_policy`); the gathered weights are never kept, whatever it says. With "full"
     only the inputs are kept and the backward re-runs the whole unit."""
-    assert policy in ("full", "none") or callable(policy), policy  # resolved by `remat.unit_policy`
-    token0 = jnp.zeros((), jnp.float32)
-    gfn, gconsts = jax.closure_convert(gather, params, token0)
-    gathered = jax.eval_shape(gather, params, token0)
-    rfn, rconsts = jax.closure_convert(run, gathered, *args)
-    body = rfn if isinstance(policy, str) else jax.checkpoint(rfn, policy=policy)
+    gfn, gconsts, body, rconsts = _converted(run, gather, params, args, policy)
     prev = prefetch.take() if prefetch is not None else None
     followed = [False]  # set when a later unit in this trace takes this unit's token
     # Where the regathered weights go among the forward's residuals: set by `fwd`, read by `bwd`.
@@ -234,6 +229,20 @@ def rematerialized(run, gather, params, *args, policy: Policy = "full", wait_for
     return out
 
 
+def _converted(run, gather, params, args, policy):
+    """`gather` and `run` as functions of arrays only (their closed-over arrays returned as consts, as
+    a `custom_vjp` needs), `run` under `jax.checkpoint(policy)` unless the policy is "full" or "none"."""
+    _check_resolved(policy)
+    token0 = jnp.zeros((), jnp.float32)
+    gfn, gconsts = jax.closure_convert(gather, params, token0)
+    rfn, rconsts = jax.closure_convert(run, jax.eval_shape(gather, params, token0), *args)
+    return gfn, gconsts, (rfn if isinstance(policy, str) else jax.checkpoint(rfn, policy=policy)), rconsts
+
+
+def _check_resolved(policy) -> None:
+    assert policy in ("full", "none") or callable(policy), policy  # resolved by `remat.unit_policy`
+
+
 def _waiting_for(d_params, d_inputs):
     """The unit's input gradients, made to wait for its reduced parameter gradients: the next unit's
     backward cannot start while this unit's full-size gradients are alive (GSPMD's gradient
@@ -261,7 +270,7 @@ def _with(weights, kept, where):
 def kept_weights(run, gather, params, *args, policy: Policy = "none"):
     """`run(gather(params), *args)` keeping the gathered weights for the backward pass (no reshard);
     `policy` says which activations are kept beside them ("full": none, the unit is recomputed)."""
-    assert policy in ("full", "none") or callable(policy), policy  # resolved by `remat.unit_policy`
+    _check_resolved(policy)
     weights = gather(params, jnp.zeros((), jnp.float32))
     if policy == "none":
         return run(weights, *args)
