@@ -97,12 +97,15 @@ def test_fp8_weights_move_the_same_bytes_as_int8():
 
 def _hpz_checks(traffic, run):
     """hpZ on data=2 x fsdp=4 (acceptance): no gather inside a loop (the layers' forward and
-    backward) spans data; what crosses data is the once-per-step refresh of the secondary copy and
-    its gradient's reduce-scatter, each 2 bytes x (sharded params) / fsdp x (data - 1) / data."""
+    backward) spans data; what crosses data is the once-per-step gather of the secondary copy and,
+    in each layer's backward, the reduce-scatter of its gradient into the primary shard, each
+    2 bytes x (sharded params) / fsdp x (data - 1) / data per step."""
     looped = [c for c in run.collectives if c.kind == "all-gather" and c.runs > 1]
     assert looped and all(axes_spanned(c.groups, run.mesh.shape) == "fsdp" for c in looped)
     across = [c for c in run.collectives if axes_spanned(c.groups, run.mesh.shape) == "data"]
-    assert {c.kind for c in across} == {"all-gather", "reduce-scatter"} and all(c.runs == 1 for c in across)
+    assert {c.kind for c in across} == {"all-gather", "reduce-scatter"}
+    assert all(c.runs == 1 for c in across if c.kind == "all-gather")
+    assert any(c.runs > 1 for c in across if c.kind == "reduce-scatter")  # per layer, not at the end
     model = 2 * run.sharded / 4 * (2 - 1) / 2
     assert traffic["by_kind_axis"]["all-gather"]["data"] == pytest.approx(model, rel=0.02)
     assert traffic["by_kind_axis"]["reduce-scatter"]["data"] == pytest.approx(model, rel=0.02)
@@ -131,6 +134,33 @@ def test_hpz_against_hybrid_sharding():
     assert data == pytest.approx(base["by_kind_axis"]["all-reduce"]["data"], rel=0.01)
     assert _RUNS[2, True, 1].persistent == pytest.approx(_RUNS[2, False, 1].persistent / 2, rel=0.01)
     np.testing.assert_allclose(losses, base_losses, rtol=1e-3)
+
+
+def _peak_and_state(data, rows, **options):
+    """(the compiled step's peak bytes per device, state bytes per device, sharded parameter count)
+    for stage 3 on a 4-layer GPT of width 256, bf16, on data x fsdp = 8 devices."""
+    model, _ = tiny_gpt(d_model=256, n_layers=4, d_ff=1024)
+    trainer = zj.Trainer(model, optax.adamw(3e-3), mesh=zj.make_mesh(data=data, fsdp=8 // data), stage=3,
+                         engine="shard_map", precision="bf16", engine_options=options or None)
+    state = trainer.init(jax.random.key(0), token_batch(0, rows=rows))
+    m = trainer.lower(state, trainer.shard_batch(token_batch(0, rows=rows))).compile().memory_analysis()
+    peak = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    sharded = sum(math.prod(l.shape) for l in jax.tree.leaves(trainer.layout.leaves, is_leaf=_is_layout)
+                  if l.axis is not None)
+    return peak, trainer.persistent_bytes_per_device(state), sharded
+
+
+def test_hpz_memory_rises_by_the_secondary_copy():
+    """Acceptance: on data=2 x fsdp=4, hpZ's compiled peak is ZeRO-3's over all 8 devices (the same
+    primary partition, the same state) plus the secondary copy, 2 bytes x (sharded params) / 4,
+    within 1%. The copy lives from the step's start to the last layer's backward, so this holds
+    where the peak falls in the layers' passes (here: 32 rows of 32 tokens); with fewer rows the
+    peak can fall elsewhere and the rise is smaller, never larger in any configuration measured (8
+    layers, 8 rows: 0.67x the copy)."""
+    base, base_state, sharded = _peak_and_state(1, rows=32)
+    hpz, hpz_state, _ = _peak_and_state(2, rows=32, hierarchical=True)
+    assert hpz_state == base_state
+    assert hpz - base == pytest.approx(2 * sharded / 4, rel=0.01)
 
 
 def test_refusals():

@@ -46,8 +46,8 @@ def stage_3_traffic_by_axis(params: float, data: int, fsdp: int, compute_bytes: 
                             reshard_after_forward: bool = True) -> dict[str, dict[str, float]]:
     """{collective kind: {mesh axis: bytes one device sends per step}}; `once` of the `params` are
     gathered once per micro-batch, the rest twice. Each of `grad_accum` micro-batches gathers and
-    reduces (over `fsdp`, and over `data` too without hpZ, whose refresh and its transpose run once
-    per step); `reshard_after_forward=False` gathers and reduces once per step."""
+    reduces (over `fsdp`, and over `data` too; hpZ, which takes one micro-batch, gathers its
+    secondary copy over `data` once per step and reduce-scatters each layer's gradient over it); `reshard_after_forward=False` gathers and reduces once per step."""
     ring_f, ring_d = (fsdp - 1) / fsdp, (data - 1) / data
     weights = quantized_bytes(options.quantize_weights, options.block) if options.quantize_weights else compute_bytes
     gathered, k = 2 * params - once, grad_accum
@@ -81,16 +81,33 @@ def gathered_once(shape) -> int:
     return 0 if shape is None else 2 * shape.vocab_size * shape.d_model + shape.d_model
 
 
+def stage_3_memory(params: float, data: int, fsdp: int, precision, optimizer, hierarchical: bool) -> dict:
+    """Stage 3's bytes per device on a `data` x `fsdp` mesh: the state kept between steps (over `fsdp`
+    alone, replicated over `data`; hpZ: over both) and hpZ's secondary copy (compute dtype, over
+    `fsdp`), which lives inside the step, from its start to the last layer's backward."""
+    from zerojax.accounting.analytic import kept_state_bytes
+
+    over = data * fsdp if hierarchical else fsdp
+    return {"kept": kept_state_bytes(params, over, 3, precision, optimizer)["total"],
+            "secondary_copy": params / fsdp * precision.param_bytes if hierarchical else 0.0}
+
+
 def plan_section(params: float, data: int, fsdp: int, precision, options: ZeroPP, grad_accum: int = 1,
-                 shape=None, reshard_after_forward: bool = True) -> dict:
+                 shape=None, reshard_after_forward: bool = True, optimizer=None) -> dict:
     """What `zerojax plan` reports for stage 3 on a `data` x `fsdp` mesh: bytes per device per step by
-    kind and axis, plain and with the config's ZeRO++ options (None when it sets none)."""
+    kind and axis, plain and with the config's ZeRO++ options (None when it sets none), and with an
+    optimizer, the memory each keeps (`stage_3_memory`)."""
     def by_axis(o: ZeroPP):
         return stage_3_traffic_by_axis(params, data, fsdp, precision.param_bytes, precision.reduce_bytes, o,
                                        grad_accum, gathered_once(shape), reshard_after_forward)
 
     plain = by_axis(ZeroPP())
     chosen = by_axis(options) if options.active else None
-    return {"data": data, "fsdp": fsdp, "options": vars(options) if options.active else None,
-            "plain": plain, "plain_total": totals(plain)["total"], "with_options": chosen,
-            "with_options_total": None if chosen is None else totals(chosen)["total"]}
+    out = {"data": data, "fsdp": fsdp, "options": vars(options) if options.active else None,
+           "plain": plain, "plain_total": totals(plain)["total"], "with_options": chosen,
+           "with_options_total": None if chosen is None else totals(chosen)["total"]}
+    if optimizer is not None:
+        out["plain_memory"] = stage_3_memory(params, data, fsdp, precision, optimizer, False)
+        out["with_options_memory"] = (None if chosen is None else
+                                      stage_3_memory(params, data, fsdp, precision, optimizer, options.hierarchical))
+    return out

@@ -138,7 +138,7 @@ def _by_axis(result, inputs: dict) -> dict | None:
     if inputs["replicas"] == 1 and not options.active:
         return None
     return zeropp.plan_section(result.params, inputs["replicas"], result.devices, result.precision, options,
-                               result.grad_accum, result.shape, result.reshard_after_forward)
+                               result.grad_accum, result.shape, result.reshard_after_forward, result.optimizer)
 
 
 def _print_by_axis(section: dict) -> None:
@@ -160,7 +160,13 @@ def _print_by_axis(section: dict) -> None:
             cells.append(_gb(chosen.get(kind, {}).get(axis, 0.0)))
         table.add_row(kind, axis, *cells)
     table.add_row("total", "", _gb(section["plain_total"]), *((_gb(section["with_options_total"]),) if chosen else ()))
-    Console(width=None if Console().is_terminal else 140).print(table)
+    console = Console(width=None if Console().is_terminal else 140)
+    console.print(table)
+    memory = section.get("with_options_memory")
+    if memory and memory["secondary_copy"]:
+        console.print(f"hpZ memory per device: state kept {_gb(memory['kept'])} GB (plain stage 3 on this mesh: "
+                      f"{_gb(section['plain_memory']['kept'])} GB), plus the secondary copy, "
+                      f"{_gb(memory['secondary_copy'])} GB, inside the step.")
 
 
 def _check_args(args: argparse.Namespace) -> None:

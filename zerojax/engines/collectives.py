@@ -26,6 +26,28 @@ class Resident(NamedTuple):
     shard: jax.Array
 
 
+class Secondary(NamedTuple):
+    """hpZ's view of a sharded leaf: the compute-dtype secondary shard (split over fsdp; its bits
+    when narrower than 32) that the layers gather, and the fp32 primary shard (split over
+    fsdp x data) that receives the gradient."""
+
+    copy: jax.Array
+    primary: jax.Array
+
+
+def _narrow_float(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize < 4
+
+
+def to_bits(x):
+    """A sub-32-bit float's bits as unsigned integers (other arrays unchanged)."""
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}")) if _narrow_float(x.dtype) else x
+
+
+def from_bits(x, dtype):
+    return jax.lax.bitcast_convert_type(x, dtype) if _narrow_float(dtype) else x
+
+
 def gather_bits(x, axis: int, name: str = FSDP_AXIS):
     """`all_gather(x, name, tiled)` moving a sub-32-bit float's bits as unsigned integers.
 
@@ -33,10 +55,7 @@ def gather_bits(x, axis: int, name: str = FSDP_AXIS):
     collectives below 32 bits in f32 (`float-normalization-bf16`), which doubled the bytes it moved
     and left an f32 copy of every gathered leaf in temp memory (stage 1-2's post-update gather was
     stage 2's peak on jax 0.12)."""
-    if not (jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4):
-        return jax.lax.all_gather(x, name, axis=axis, tiled=True)
-    bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
-    return jax.lax.bitcast_convert_type(jax.lax.all_gather(bits, name, axis=axis, tiled=True), x.dtype)
+    return from_bits(jax.lax.all_gather(to_bits(x), name, axis=axis, tiled=True), x.dtype)
 
 
 @dataclass(frozen=True)
@@ -47,8 +66,8 @@ class Reduce:
     master_dtype: Any
     weights: quantize.Quantizer | None = None  # qwZ: stage-3 gathers move block-quantized weights
     grads: quantize.Quantizer | None = None  # qgZ: reduce-scatters become quantized all-to-alls
-    # hpZ: stage-3 shards are split over fsdp x data; `refresh` gathers them over data into the
-    # secondary copy the layers gather over fsdp, and reduce-scatters its gradient over data
+    # hpZ: stage-3 shards are split over fsdp x data; `secondary` gathers them over data into the
+    # copy the layers gather over fsdp; each layer's gradient goes back over fsdp, then over data
     hierarchical: bool = False
 
     def to_shard(self, ct, leaf: LeafLayout):
@@ -90,23 +109,31 @@ class Reduce:
         f.defvjp(lambda s: (gather(s), None), lambda _, ct: (self.to_shard(ct, leaf).astype(dtype),))
         return f
 
-    def refresh(self, leaf: LeafLayout, shard):
-        """hpZ, once per step: this device's fp32 primary shard (split over fsdp x data) -> its
-        compute-dtype secondary shard (split over fsdp only), gathered over data; backward: the
-        gradient reduce-scattered over data in the reduce dtype, into the primary shard."""
+    def secondary(self, leaf: LeafLayout, shard):
+        """hpZ, once per step: this device's fp32 primary shard (split over fsdp x data) -> the
+        compute-dtype secondary shard (split over fsdp only), gathered over data, beside the primary.
+        Not differentiated: `hierarchical_gather`'s backward sends the gradient to the primary."""
         if leaf.axis is None:
             return shard
+        # Kept as bits until each layer's gather: XLA:CPU held a bf16 copy passed into the scanned
+        # layers' loops in f32, twice its bytes.
+        bits = to_bits(jax.lax.stop_gradient(shard).astype(self.compute_dtype))
+        return Secondary(jax.lax.all_gather(bits, "data", axis=leaf.axis, tiled=True), shard)
 
-        def fwd(s):
-            return gather_bits(s.astype(self.compute_dtype), leaf.axis, "data")
+    def hierarchical_gather(self, leaf: LeafLayout):
+        """hpZ's stage-3 gather: the secondary shard gathered over fsdp (forward and the backward's
+        re-gather, so neither crosses data); the gradient reduce-scattered over fsdp, then over data,
+        in the reduce dtype, into the primary shard. Reduced in each layer's backward, as the other
+        stages' gradients are: the secondary copy carries no gradient."""
 
         def bwd(_, ct):
-            ct = jax.lax.psum_scatter(ct.astype(self.reduce_dtype), "data", scatter_dimension=leaf.axis, tiled=True)
-            return (ct.astype(self.master_dtype),)
+            ct = jax.lax.psum_scatter(self.to_shard(ct, leaf), "data", scatter_dimension=leaf.axis, tiled=True)
+            return None, ct.astype(self.master_dtype)
 
-        f = jax.custom_vjp(fwd)
-        f.defvjp(lambda s: (fwd(s), None), bwd)
-        return f(shard)
+        gather = lambda bits: self.shard_gather(from_bits(bits, self.compute_dtype), leaf)  # noqa: E731
+        f = jax.custom_vjp(lambda copy, primary: gather(copy))
+        f.defvjp(lambda copy, primary: (gather(copy), None), bwd)
+        return f
 
     def resident(self, leaf: LeafLayout):
         """Stage 2: the forward reads the resident copy; backward: reduce-scatter into the shard."""
@@ -116,7 +143,8 @@ class Reduce:
 
     def materializer(self, stage: int):
         if stage == 3:
-            return lambda leaf, x: self.gather(leaf, x.dtype)(x)
+            return lambda leaf, x: (self.hierarchical_gather(leaf)(*x) if isinstance(x, Secondary)
+                                    else self.gather(leaf, x.dtype)(x))
         if stage == 2:
             return lambda leaf, x: self.resident(leaf)(x.full, x.shard)
         return lambda leaf, x: x

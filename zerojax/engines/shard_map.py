@@ -202,7 +202,7 @@ def _grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: "Reduce
         def loss_of(diff):
             raw = jax.tree.map(Resident, fixed, diff) if fixed is not None else diff
             if reduce.hierarchical:  # hpZ: the secondary copy, gathered over data once per step
-                raw = jax.tree.map(reduce.refresh, leaves, raw, is_leaf=_is_layout)
+                raw = jax.tree.map(reduce.secondary, leaves, raw, is_leaf=_is_layout)
             out, new_model_state = run_model(raw, model_state, batch["inputs"], key)
             total, weight = loss_parts(loss_fn(out, batch))
             # A scalar is a mean over rows: each device's mean over its equal share, divided by the
@@ -281,7 +281,7 @@ def _eval_fn(layout: StateLayout, run_model: RunModel, reduce: "Reduce"):
     def evaluate(state, batch, loss_fn):
         def local(params, model_state, batch):
             if reduce.hierarchical:
-                params = jax.tree.map(reduce.refresh, layout.leaves, params, is_leaf=_is_layout)
+                params = jax.tree.map(reduce.secondary, layout.leaves, params, is_leaf=_is_layout)
             out, _ = run_model(params, model_state, batch["inputs"], None, train=False)
             total, weight = loss_parts(loss_fn(out, batch))
             if weight is None:
