@@ -262,3 +262,24 @@ def test_update_writes_the_state_in_place(engine):
     state = trainer.init(jax.random.key(0), token_batch(0))
     text = trainer.lower(state, trainer.shard_batch(token_batch(0))).compile().as_text()
     assert "ENTRY" in text and _state_copies(text) == []
+
+
+def _dot_forms(hlo_text: str) -> set[tuple[str, str]]:
+    """(lhs contracting dims, rhs contracting dims) of every dot of a compiled program's layer loops."""
+    return {m for line in hlo_text.splitlines() if "/while/" in line
+            for m in re.findall(r" dot\(.*lhs_contracting_dims=\{([\d,]*)\}, rhs_contracting_dims=\{([\d,]*)\}", line)}
+
+
+def test_weight_gradient_dots_keep_gspmds_forms():
+    """The stage-3 `shard_map` step compiles its layers' dots in the forms `gspmd`'s uses: reducing 2-D
+    gradients as their transpose (`collectives._transposed`) keeps XLA from folding JAX's transpose
+    into the weight-gradient dot (`lhs_contracting_dims={0}`), a form jaxlib 0.12's CPU backend runs
+    outside its fast fusions (2.4x slower steps; docs/engines.md). Before, 7 of the layers' dots had it."""
+    model, _ = tiny_gpt()
+    forms = {}
+    for engine in ("shard_map", "gspmd"):
+        trainer = zj.Trainer(model, optax.adamw(1e-3), mesh=zj.make_mesh(fsdp=8), stage=3, engine=engine,
+                             precision="bf16")
+        state = trainer.init(jax.random.key(0), token_batch(0))
+        forms[engine] = _dot_forms(trainer.lower(state, trainer.shard_batch(token_batch(0))).compile().as_text())
+    assert forms["shard_map"] and forms["shard_map"] <= forms["gspmd"], forms
