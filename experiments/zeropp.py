@@ -84,7 +84,8 @@ def write_markdown(rows: list[dict], steps: int, precision: str, path: str) -> N
         "mesh=)`). Parameter gather: the all-gathers over fsdp (int8 codes + fp32 scales with qwZ); "
         "gradient reduction: the reduce-scatters and all-to-alls over fsdp. Over `data`: without hpZ the "
         "all-reduce that sums the replicas' gradient shards (in the reduce dtype, not quantized); with hpZ "
-        "the once-per-step gather of the secondary copy and the layers' gradient reduce-scatters into the primary shards.",
+        "the once-per-step gather of the secondary copy and the layers' gradient reduce-scatters into the "
+        "primary shards.",
         "",
         "| run | " + " | ".join(axes) + " | total | param gather (fsdp) | vs bf16 | grad reduction (fsdp) "
         "| vs bf16 | over data: all-reduce / all-gather / reduce-scatter |",

@@ -78,7 +78,8 @@ def test_stage_3_traffic_by_axis_with_zeropp_options():
     assert "all-reduce" not in chosen and section["with_options_total"] < section["plain_total"]
     # hpZ memory: the 12-byte state over all 64 devices instead of 8, plus a bf16 copy over fsdp
     assert section["plain_memory"] == {"kept": pytest.approx(12 * psi / 8), "secondary_copy": 0.0}
-    assert section["with_options_memory"] == {"kept": pytest.approx(12 * psi / 64), "secondary_copy": pytest.approx(2 * psi / 8)}
+    assert section["with_options_memory"] == {"kept": pytest.approx(12 * psi / 64),
+                                              "secondary_copy": pytest.approx(2 * psi / 8)}
 
 
 def test_no_by_axis_section_on_a_one_axis_mesh_without_options():

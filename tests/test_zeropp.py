@@ -113,7 +113,8 @@ def _hpz_checks(traffic, run):
 
 def test_hpz_with_qwz_and_qgz_on_data_fsdp_mesh():
     """data=2 x fsdp=4, all three together: the quantized gathers and all-to-alls span fsdp only,
-    data carries only the refresh, and the state is sharded over all 8 devices."""
+    data carries only the copy's gather and the layers' reduce-scatters, and the state is sharded over
+    all 8 devices."""
     traffic, losses = _run(data=2, steps=2, hierarchical=True, quantize_weights="int8", quantize_grads="int8")
     axes = traffic["by_kind_axis"]
     assert set(axes["all-to-all"]) == {"fsdp"} and "data" not in axes.get("all-reduce", {})
@@ -124,7 +125,7 @@ def test_hpz_with_qwz_and_qgz_on_data_fsdp_mesh():
 @pytest.mark.slow
 def test_hpz_against_hybrid_sharding():
     """hpZ alone against plain stage 3 on the same data=2 x fsdp=4 mesh (state over fsdp only):
-    the same fsdp bytes, the data all-reduce replaced by the refresh + reduce-scatter (the same
+    the same fsdp bytes, the data all-reduce replaced by the copy's gather + the reduce-scatters (the same
     bytes), the state halved, the same losses."""
     base, base_losses = _run(data=2, steps=2)
     hpz, losses = _run(data=2, steps=2, hierarchical=True)
@@ -161,6 +162,34 @@ def test_hpz_memory_rises_by_the_secondary_copy():
     hpz, hpz_state, _ = _peak_and_state(2, rows=32, hierarchical=True)
     assert hpz_state == base_state
     assert hpz - base == pytest.approx(2 * sharded / 4, rel=0.01)
+
+
+def _unit_route_temp(depth, **options):
+    """(temp bytes per device, first loss) of stage 3 on a user NNX model of `depth` blocks (FSDP
+    units), fp32, on data=2 x fsdp=4."""
+    from tests.test_units import _batch, _model
+
+    trainer = zj.Trainer(_model("nnx", 256, depth), optax.sgd(1e-2), mesh=zj.make_mesh(data=2, fsdp=4), stage=3,
+                         engine="shard_map", precision="fp32", engine_options=options or None)
+    batch = _batch(256)
+    state = trainer.init(jax.random.key(0), batch)
+    step = trainer.lower(state, trainer.shard_batch(batch)).compile()
+    assert trainer.gather_report().route == "units"
+    return step.memory_analysis().temp_size_in_bytes, float(step(state, trainer.shard_batch(batch))[1]["loss"])
+
+
+def test_hpz_on_a_user_models_units():
+    """hpZ on FSDP units (a user NNX model): the same loss as plain stage 3 on the mesh, and each
+    added block grows temp by its secondary copy (a quarter of the fp32 block here) plus the units'
+    own bound (0.15 of a block and its saved input): each unit's gathers stay tied to its input and
+    cotangent. Untied (the secondary copy skipped by `wrap.tie`), every gathered block was kept:
+    1.0 block per block."""
+    from tests.test_units import DEVICES, ROWS, _block_bytes
+
+    (shallow, loss), (deep, _) = _unit_route_temp(4, hierarchical=True), _unit_route_temp(8, hierarchical=True)
+    assert loss == pytest.approx(_unit_route_temp(4)[1], rel=1e-6)
+    block = _block_bytes(256)
+    assert deep - shallow <= 4 * (block / 4 + 0.15 * block + ROWS // DEVICES * 256 * 4), (deep - shallow) / block / 4
 
 
 def test_refusals():

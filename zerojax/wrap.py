@@ -120,8 +120,11 @@ def zero_from(tree) -> jax.Array:
 
 
 def tie(x, token):
-    """`x` plus the exact zero `token`: the same values, computed after `token` exists.
-    Stage 2's resident copies (not arrays) are left alone: they are not gathered."""
+    """`x` plus the exact zero `token`: the same values, computed after `token` exists. hpZ's
+    secondary copies tie the part that is gathered (`Secondary.tied`); stage 2's resident copies are
+    left alone: they are not gathered."""
+    if hasattr(x, "tied"):
+        return x.tied(token)
     if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating):
         return x + token.astype(x.dtype)
     return x

@@ -47,7 +47,8 @@ def stage_3_traffic_by_axis(params: float, data: int, fsdp: int, compute_bytes: 
     """{collective kind: {mesh axis: bytes one device sends per step}}; `once` of the `params` are
     gathered once per micro-batch, the rest twice. Each of `grad_accum` micro-batches gathers and
     reduces (over `fsdp`, and over `data` too; hpZ, which takes one micro-batch, gathers its
-    secondary copy over `data` once per step and reduce-scatters each layer's gradient over it); `reshard_after_forward=False` gathers and reduces once per step."""
+    secondary copy over `data` once per step and reduce-scatters each layer's gradient over it);
+    `reshard_after_forward=False` gathers and reduces once per step."""
     ring_f, ring_d = (fsdp - 1) / fsdp, (data - 1) / data
     weights = quantized_bytes(options.quantize_weights, options.block) if options.quantize_weights else compute_bytes
     gathered, k = 2 * params - once, grad_accum

@@ -34,6 +34,10 @@ class Secondary(NamedTuple):
     copy: jax.Array
     primary: jax.Array
 
+    def tied(self, token):
+        """The copy plus the exact zero `token` (`zerojax.wrap.tie`), computed after `token` exists."""
+        return self._replace(copy=self.copy + token.astype(self.copy.dtype))
+
 
 def _narrow_float(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize < 4
@@ -66,9 +70,11 @@ def _transposed(reduce, ct, axis: int):
     (`lhs_contracting_dims={0}`), a form jaxlib 0.12's CPU backend keeps out of its YNNPACK fusions:
     `shard_map` steps ran 2-3x slower than `gspmd`'s, whose partitioner puts an all-reduce between
     the two. Reducing the transpose cancels JAX's: the dot keeps its canonical form, and the one
-    transpose left runs on the reduced result (a shard, from stage 1 on). The same bytes move.
+    transpose left runs on the reduced result (a shard, from stage 1 on). The same bytes move; the
+    sums are the same, and bf16 results move by rounding (XLA computes the dot another way).
+    Only on CPU, where it was measured; GPU and TPU compile these dots with their own libraries.
     """
-    if ct.ndim != 2:
+    if ct.ndim != 2 or jax.default_backend() != "cpu":  # measured on CPU only
         return reduce(ct, axis)
     return reduce(ct.T, 1 - axis).T
 
@@ -114,9 +120,9 @@ class Reduce:
         return self.cast_gather(shard, leaf)
 
     def gather(self, leaf: LeafLayout, dtype=None):
-        """Stage 3: fp32 shard (hpZ: the compute-dtype secondary shard) -> whole compute-dtype leaf;
-        backward: reduce-scatter of its gradient, in `dtype` (the shard's; default the master
-        dtype), straight through qwZ's quantization."""
+        """Stage 3: fp32 shard -> whole compute-dtype leaf; backward: reduce-scatter of its gradient,
+        returned in `dtype` (the shard's; default the master dtype), straight through qwZ's
+        quantization. hpZ's copies go through `hierarchical_gather`."""
         gather = lambda shard: self.shard_gather(shard, leaf)  # noqa: E731
         dtype = self.master_dtype if dtype is None else dtype
         # The transpose JAX derives for a tiled all_gather is this psum_scatter; it is written out
@@ -136,7 +142,7 @@ class Reduce:
         bits = to_bits(jax.lax.stop_gradient(shard).astype(self.compute_dtype))
         return Secondary(jax.lax.all_gather(bits, "data", axis=leaf.axis, tiled=True), shard)
 
-    def hierarchical_gather(self, leaf: LeafLayout):
+    def hierarchical_gather(self, leaf: LeafLayout, dtype):
         """hpZ's stage-3 gather: the secondary shard gathered over fsdp (forward and the backward's
         re-gather, so neither crosses data); the gradient reduce-scattered over fsdp, then over data,
         in the reduce dtype, into the primary shard. Reduced in each layer's backward, as the other
@@ -144,7 +150,7 @@ class Reduce:
 
         def bwd(_, ct):
             ct = jax.lax.psum_scatter(self.to_shard(ct, leaf), "data", scatter_dimension=leaf.axis, tiled=True)
-            return None, ct.astype(self.master_dtype)
+            return None, ct.astype(dtype)
 
         gather = lambda bits: self.shard_gather(from_bits(bits, self.compute_dtype), leaf)  # noqa: E731
         f = jax.custom_vjp(lambda copy, primary: gather(copy))
@@ -159,7 +165,7 @@ class Reduce:
 
     def materializer(self, stage: int):
         if stage == 3:
-            return lambda leaf, x: (self.hierarchical_gather(leaf)(*x) if isinstance(x, Secondary)
+            return lambda leaf, x: (self.hierarchical_gather(leaf, x.primary.dtype)(*x) if isinstance(x, Secondary)
                                     else self.gather(leaf, x.dtype)(x))
         if stage == 2:
             return lambda leaf, x: self.resident(leaf)(x.full, x.shard)
