@@ -256,20 +256,19 @@ def test_prefetch_gathers_one_unit_ahead(kind, engine):
 @pytest.mark.parametrize("kind,engine", _PREFETCH_CASES)
 def test_prefetch_temp_growth_is_bounded(kind, engine):
     """Prefetch holds about one more unit's gathered weights (the next unit's, forward and backward),
-    at every depth: temp(prefetch) - temp(without) <= 1.5 blocks at 4 and 8 blocks, and that extra
-    grows by at most 0.15 of a block per added block (the units' own bound, asserted without
-    prefetch above). It is prefetch's extra that is bounded, not prefetch's own growth from 4 to 8
-    blocks: XLA's scheduler placed the 4-block program's prefetched gathers about 0.4 of a block below
-    the line through 8, 12 and 16 blocks (NNX, `shard_map`, fp32), which made that growth read 0.79 of a
-    block over 4 blocks while the growth from 8 to 16 blocks was 0.09 of a block per block."""
+    at every depth: temp(prefetch) - temp(without) <= 1.5 blocks at 4, 8 and 16 blocks. A prefetch
+    that kept anything per block would pass 1.5 blocks by 16 (0.15 of a block per block from 1.27).
+
+    The extra is not a smooth function of depth, so no difference of two depths is asserted: with
+    NNX, `shard_map`, fp32, it measured 0.88, 1.15, 0.88, 0.88 blocks at 4, 8, 12, 16 blocks on jax
+    0.10.2 and 0.35, 1.27, 1.27, 1.27 on jax 0.12.0.1 (XLA's scheduler places the 4-block program's
+    prefetched gathers its own way)."""
     width = 256
     block = _block_bytes(width)
-    extra = {}
-    for depth in (4, 8):
-        extra[depth] = _compiled(width, depth, 3, engine, kind, prefetch=True)["temp"] - \
+    for depth in (4, 8, 16):
+        extra = _compiled(width, depth, 3, engine, kind, prefetch=True)["temp"] - \
             _compiled(width, depth, 3, engine, kind)["temp"]
-        assert extra[depth] <= 1.5 * block, (depth, extra[depth] / block)
-    assert extra[8] - extra[4] <= 4 * 0.15 * block, (extra[8] - extra[4]) / block
+        assert extra <= 1.5 * block, (depth, extra / block)
 
 
 @pytest.mark.parametrize("kind,engine", [("nnx", "shard_map")] + [
