@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import shutil
 import time
@@ -200,6 +201,19 @@ def read_meta(step_dir: str) -> dict:
 # ---- saving --------------------------------------------------------------------------------------
 
 
+class _UnretrievedWriteErrors(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" reports (each with a traceback) about
+    writes under `directory`. Reports about anything else pass."""
+
+    def __init__(self, directory: str):
+        super().__init__()
+        self.directories = {directory, os.path.abspath(directory)}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not ("exception was never retrieved" in text and any(d in text for d in self.directories))
+
+
 class CheckpointWriter:
     """Asynchronous sharded saves; orbax keeps the newest `keep` and deletes older ones only after a
     newer save is complete."""
@@ -215,6 +229,9 @@ class CheckpointWriter:
         self._step: int | None = None
         self._closed = False
         self._manager = ocp.CheckpointManager(directory, options=options)
+        # A failed save's error reaches `save` (orbax re-raises it) and becomes one line; its other
+        # writer tasks' errors would also print, as tracebacks, whenever they are garbage-collected.
+        logging.getLogger("asyncio").addFilter(_UnretrievedWriteErrors(directory))
 
     def save(self, step: int, state: TrainState) -> None:
         """Returns once the shards are copied off the devices; files are written in the background.
