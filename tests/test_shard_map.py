@@ -242,6 +242,16 @@ def test_reduce_dtype_fp32_doubles_only_the_gradient_bytes():
     assert traffic["all-gather"] / (2 * unit) < 2.0  # bf16 weights (at most twice per leaf)
 
 
+@functools.lru_cache(maxsize=None)
+def _tiny_stage_3_hlo(engine: str) -> str:
+    """The compiled stage-3 step (tiny GPT, bf16, AdamW, fsdp=8) as text."""
+    model, _ = tiny_gpt()
+    trainer = zj.Trainer(model, optax.adamw(1e-3), mesh=zj.make_mesh(fsdp=8), stage=3, engine=engine,
+                         precision="bf16")
+    state = trainer.init(jax.random.key(0), token_batch(0))
+    return trainer.lower(state, trainer.shard_batch(token_batch(0))).compile().as_text()
+
+
 def _state_copies(hlo_text: str) -> list[str]:
     """The entry computation's copies of its array arguments (the state it updates in place)."""
     entry = hlo_text[hlo_text.index("\nENTRY"):]
@@ -258,11 +268,7 @@ def test_update_writes_the_state_in_place(engine):
     """The checked update's second pass writes over the donated state: the compiled stage-3 step
     (bf16, AdamW, scanned layers) copies none of its state arguments. Without the moments' writes
     ordered after the params' (`common._written`), XLA copied both moments at the step's start."""
-    model, _ = tiny_gpt()
-    trainer = zj.Trainer(model, optax.adamw(1e-3), mesh=zj.make_mesh(fsdp=8), stage=3, engine=engine,
-                         precision="bf16")
-    state = trainer.init(jax.random.key(0), token_batch(0))
-    text = trainer.lower(state, trainer.shard_batch(token_batch(0))).compile().as_text()
+    text = _tiny_stage_3_hlo(engine)
     assert "ENTRY" in text and _state_copies(text) == []
 
 
@@ -279,11 +285,5 @@ def test_weight_gradient_dots_keep_gspmds_forms():
     outside its fast fusions (2.4x slower steps; docs/engines.md). Before, 7 of the layers' dots had it
     on jax 0.12; on jax 0.10 both programs compiled the same forms either way (there the test guards
     against the forms diverging)."""
-    model, _ = tiny_gpt()
-    forms = {}
-    for engine in ("shard_map", "gspmd"):
-        trainer = zj.Trainer(model, optax.adamw(1e-3), mesh=zj.make_mesh(fsdp=8), stage=3, engine=engine,
-                             precision="bf16")
-        state = trainer.init(jax.random.key(0), token_batch(0))
-        forms[engine] = _dot_forms(trainer.lower(state, trainer.shard_batch(token_batch(0))).compile().as_text())
+    forms = {engine: _dot_forms(_tiny_stage_3_hlo(engine)) for engine in ("shard_map", "gspmd")}
     assert forms["shard_map"] and forms["shard_map"] <= forms["gspmd"], forms

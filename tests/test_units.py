@@ -126,9 +126,13 @@ def _grown_and_allowance(kind, engine, precision, width, optimizer="sgd"):
     assert deep["report"].route == "units"
     assert deep["report"].description.startswith(f"FSDP units: 8 x {BLOCK_CLASS[kind]}") or \
         f", 8 x {BLOCK_CLASS[kind]}" in deep["report"].description, deep["report"].description
-    compute = _block_bytes(width, 2 if precision == "bf16" else 4)
-    activations = (ROWS // DEVICES) * width * 4  # each extra unit saves its fp32 input
-    return deep["temp"] - shallow["temp"], 4 * (0.15 * compute + activations)
+    return deep["temp"] - shallow["temp"], 4 * unit_allowance(width, 2 if precision == "bf16" else 4)
+
+
+def unit_allowance(width: int, itemsize: int) -> float:
+    """What the module docstring allows each added block: 0.15 of its weights in the compute dtype,
+    plus its saved fp32 input."""
+    return 0.15 * _block_bytes(width, itemsize) + (ROWS // DEVICES) * width * 4
 
 
 # (model, engine, precision, width): each model, precision and engine once in the default suite

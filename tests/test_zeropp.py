@@ -16,7 +16,7 @@ import pytest
 import zerojax as zj
 from tests.models import tiny_gpt, token_batch
 from zerojax.accounting import measure
-from zerojax.accounting.analytic import GPTShape
+from zerojax.accounting.analytic import GPTShape, peak_bytes
 from zerojax.accounting.zeropp import ZeroPP, stage_3_traffic_by_axis, totals
 from zerojax.accounting.hlo import axes_spanned, collective_bytes, collectives, compile_partitioned
 from zerojax.config import load_config
@@ -52,8 +52,7 @@ def _run(data=1, precision="bf16", steps=STEPS, grad_accum=1, **options):
     # one compile serves the byte count and the steps
     step, hlo = compile_partitioned(trainer.lower(state, trainer.shard_batch(token_batch(0))),
                                     tempfile.mkdtemp(prefix="zerojax-hlo-"))
-    sharded = sum(math.prod(l.shape) for l in jax.tree.leaves(trainer.layout.leaves, is_leaf=_is_layout)
-                  if l.axis is not None)
+    sharded = _sharded_params(trainer)
     _RUNS[data, options.get("hierarchical", False), grad_accum] = SimpleNamespace(
         collectives=collectives(hlo), persistent=trainer.persistent_bytes_per_device(state), sharded=sharded,
         temp=step.memory_analysis().temp_size_in_bytes, mesh=mesh)
@@ -66,6 +65,11 @@ def _run(data=1, precision="bf16", steps=STEPS, grad_accum=1, **options):
 
 _RUNS = {}
 _is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
+
+
+def _sharded_params(trainer) -> int:
+    return sum(math.prod(l.shape) for l in jax.tree.leaves(trainer.layout.leaves, is_leaf=_is_layout)
+               if l.axis is not None)
 
 
 def test_qwz_and_qgz_halve_the_bf16_bytes():
@@ -145,10 +149,8 @@ def _peak_and_state(data, rows, **options):
                          engine="shard_map", precision="bf16", engine_options=options or None)
     state = trainer.init(jax.random.key(0), token_batch(0, rows=rows))
     m = trainer.lower(state, trainer.shard_batch(token_batch(0, rows=rows))).compile().memory_analysis()
-    peak = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-    sharded = sum(math.prod(l.shape) for l in jax.tree.leaves(trainer.layout.leaves, is_leaf=_is_layout)
-                  if l.axis is not None)
-    return peak, trainer.persistent_bytes_per_device(state), sharded
+    peak = peak_bytes(m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes, m.temp_size_in_bytes)
+    return peak, trainer.persistent_bytes_per_device(state), _sharded_params(trainer)
 
 
 def test_hpz_memory_rises_by_the_secondary_copy():
@@ -184,12 +186,12 @@ def test_hpz_on_a_user_models_units():
     own bound (0.15 of a block and its saved input): each unit's gathers stay tied to its input and
     cotangent. Untied (the secondary copy skipped by `wrap.tie`), every gathered block was kept:
     1.0 block per block."""
-    from tests.test_units import DEVICES, ROWS, _block_bytes
+    from tests.test_units import _block_bytes, unit_allowance
 
     (shallow, loss), (deep, _) = _unit_route_temp(4, hierarchical=True), _unit_route_temp(8, hierarchical=True)
     assert loss == pytest.approx(_unit_route_temp(4)[1], rel=1e-6)
     block = _block_bytes(256)
-    assert deep - shallow <= 4 * (block / 4 + 0.15 * block + ROWS // DEVICES * 256 * 4), (deep - shallow) / block / 4
+    assert deep - shallow <= 4 * (block / 4 + unit_allowance(256, 4)), (deep - shallow) / block / 4
 
 
 def test_refusals():

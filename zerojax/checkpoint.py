@@ -203,15 +203,22 @@ def read_meta(step_dir: str) -> dict:
 
 class _UnretrievedWriteErrors(logging.Filter):
     """Drops asyncio's "Task exception was never retrieved" reports (each with a traceback) about
-    writes under `directory`. Reports about anything else pass."""
+    writes under a watched checkpoint directory. Reports about anything else pass."""
 
-    def __init__(self, directory: str):
+    def __init__(self):
         super().__init__()
-        self.directories = {directory, os.path.abspath(directory)}
+        self.directories: set[str] = set()
+
+    def watch(self, directory: str) -> None:
+        self.directories |= {directory, os.path.abspath(directory)}
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
         return not ("exception was never retrieved" in text and any(d in text for d in self.directories))
+
+
+_UNRETRIEVED_WRITE_ERRORS = _UnretrievedWriteErrors()
+logging.getLogger("asyncio").addFilter(_UNRETRIEVED_WRITE_ERRORS)  # one filter, however many writers
 
 
 class CheckpointWriter:
@@ -231,7 +238,7 @@ class CheckpointWriter:
         self._manager = ocp.CheckpointManager(directory, options=options)
         # A failed save's error reaches `save` (orbax re-raises it) and becomes one line; its other
         # writer tasks' errors would also print, as tracebacks, whenever they are garbage-collected.
-        logging.getLogger("asyncio").addFilter(_UnretrievedWriteErrors(directory))
+        _UNRETRIEVED_WRITE_ERRORS.watch(directory)
 
     def save(self, step: int, state: TrainState) -> None:
         """Returns once the shards are copied off the devices; files are written in the background.
