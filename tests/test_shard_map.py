@@ -17,6 +17,7 @@ from flax import nnx
 
 import zerojax as zj
 from tests.models import LinenMLP, UnevenMLP, classification_batch, tiny_gpt, token_batch
+from zerojax.accounting.analytic import peak_bytes
 from zerojax.accounting.hlo import collective_bytes, compile_partitioned, partitioned_hlo_text
 from zerojax.models import GPT, gpt_config
 from zerojax.wrap import WrapRule, as_rule, choose_units
@@ -167,7 +168,7 @@ def _hlo_and_memory(trainer, batch):
     lowered = trainer.lower(state, trainer.shard_batch(batch))
     compiled, hlo = compile_partitioned(lowered, tempfile.mkdtemp(prefix="zerojax-hlo-"))
     m = compiled.memory_analysis()
-    peak = m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+    peak = peak_bytes(m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes, m.temp_size_in_bytes)
     return {"traffic": collective_bytes(hlo), "cpu_traffic": collective_bytes(compiled.as_text()),
             "peak": peak, "temp": m.temp_size_in_bytes}
 

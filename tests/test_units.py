@@ -25,6 +25,7 @@ from flax import nnx
 
 import zerojax as zj
 from tests.models import classification_batch, tiny_gpt, token_batch, unrolled_blocks
+from zerojax.accounting.analytic import peak_bytes
 from zerojax.accounting.hlo import _parse, collective_bytes, compile_partitioned
 from zerojax.wrap import WrapRule
 
@@ -110,7 +111,7 @@ def _compiled(width, depth, stage, engine, kind="nnx", precision="fp32", prefetc
     compiled, hlo = compile_partitioned(trainer.lower(state, trainer.shard_batch(batch)),
                                         tempfile.mkdtemp(prefix="zerojax-hlo-"))
     m = compiled.memory_analysis()
-    peak = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    peak = peak_bytes(m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes, m.temp_size_in_bytes)
     return {"temp": m.temp_size_in_bytes, "peak": peak, "traffic": collective_bytes(hlo)["bytes"],
             "report": trainer.gather_report(), "gathers": _gather_levels(hlo)}
 
