@@ -2,11 +2,12 @@
 (an `nnx.List` of blocks) and a Linen one (`nn.compact`), the models of tests/test_units.py.
 
     python experiments/unit_depth.py [--width 256] [--depths 4 8 16] [--models nnx linen]
-                                     [--precisions fp32 bf16] [--optimizers adamw sgd]
+                                     [--precisions fp32 bf16] [--optimizers adamw sgd clipped_adamw]
 
 Compiles only (no step runs): temp and peak bytes per device from `memory_analysis()`, 8 simulated
-CPU devices, AdamW and plain SGD (whose only sharded temporaries are the gradient shards). Writes
-experiments/results/unit_depth.md.
+CPU devices, AdamW, plain SGD (whose only sharded temporaries are the gradient shards) and AdamW after
+global-norm clipping (the configs' default, which makes every gradient wait for the whole backward
+pass). Writes experiments/results/unit_depth.md.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ MiB = 2**20
 
 
 def measure(kind, width, depth, stage, engine, optimizer, precision):
-    tx = optax.adamw(1e-3) if optimizer == "adamw" else optax.sgd(1e-2)
+    tx = {"adamw": lambda: optax.adamw(1e-3), "sgd": lambda: optax.sgd(1e-2),
+          "clipped_adamw": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))}[optimizer]()
     trainer = zj.Trainer(_model(kind, width, depth), tx, mesh=zj.make_mesh(fsdp=8), stage=stage, engine=engine,
                          precision=precision)
     batch = _batch(width)
@@ -44,7 +46,7 @@ def main() -> None:
     ap.add_argument("--depths", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--models", nargs="+", default=["nnx", "linen"])
     ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
-    ap.add_argument("--optimizers", nargs="+", default=["adamw", "sgd"])
+    ap.add_argument("--optimizers", nargs="+", default=["adamw", "sgd", "clipped_adamw"])
     ap.add_argument("--engines", nargs="+", default=["shard_map", "gspmd"])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "unit_depth.md"))
     args = ap.parse_args()

@@ -222,7 +222,7 @@ def rematerialized(run, gather, params, *args, policy: Policy = "full", wait_for
             d_params, d_gconsts = vjp_gather(d_weights)
             d_consts = (d_gconsts, d_rconsts)
         if wait_for_grads:
-            d_rest = _waiting_for(d_params, d_rest)
+            d_params, d_rest = _waiting_for(d_params, d_rest)
         return (d_params, *d_rest), d_consts, (None if prev is None else own)
 
     call.defvjp(fwd, bwd)
@@ -247,11 +247,37 @@ def _check_resolved(policy) -> None:
 
 
 def _waiting_for(d_params, d_inputs):
-    """The unit's input gradients, made to wait for its reduced parameter gradients: the next unit's
-    backward cannot start while this unit's full-size gradients are alive (GSPMD's gradient
+    """(the unit's reduced parameter gradients, its input gradients made to wait for them): the next
+    unit's backward cannot start while this unit's full-size gradients are alive (GSPMD's gradient
     all-reduces are otherwise combined into one at the end of the backward pass)."""
+    d_params = _held(d_params)
     params_done = sum((zero_from(g) for g in jax.tree.leaves(d_params)), jnp.zeros((), jnp.float32))
-    return tie_tree(tuple(d_inputs), params_done)
+    return d_params, tie_tree(tuple(d_inputs), params_done)
+
+
+def _held(d_params):
+    """On CPU, the gradient shards as buffers of their own, taken from the all-reduced gradient now.
+
+    XLA:CPU's GSPMD reduces a gradient with an all-reduce and a slice (it has no reduce-scatter), and
+    its fusion moves the slice into the slice's consumers: the optimizer update, which with
+    global-norm clipping runs only after the whole backward pass. Every unit's full-size gradient
+    then lived until the update (temp grew by a full block per block). A conditional's operands are
+    never fused, so passing the shards through one (its predicate is always true, but only known at
+    run time) materialises them here and frees the full gradient. GPU and TPU turn the pair into a
+    reduce-scatter, whose output is already a buffer of its own (and a conditional would cost them a
+    host round trip), so they skip it. Values are unchanged.
+    """
+    if jax.default_backend() != "cpu":
+        return d_params
+    leaves, treedef = jax.tree.flatten(d_params)
+    floats = [i for i, g in enumerate(leaves) if jnp.issubdtype(g.dtype, jnp.floating)]
+    if not floats:
+        return d_params
+    shards = [leaves[i] for i in floats]
+    kept = jax.lax.cond(zero_from(shards) == 0, lambda s: s, lambda s: [-g for g in s], shards)
+    for i, g in zip(floats, kept):
+        leaves[i] = g
+    return treedef.unflatten(leaves)
 
 
 def _without(weights, vjp):

@@ -117,9 +117,12 @@ def build(layout, model, static, loss_fn, tx, options: EngineOptions, inputs=Non
         # stages 0-1 ask for the full all-reduced gradient.
         grads = layout.to_layout(grads, layout.grads_sharded)
         grads = constrain(grads, layout.shardings(layout.grads_sharded))
-        # In the compute dtype, the gradient shards are casts' outputs, buffers of their own.
-        in_compute_dtype = layout.precision.compute_dtype != jnp.float32
-        new_state, metrics = apply_update(layout, tx, state, grads, loss, check_first=in_compute_dtype)
+        # The update may read the gradient shards twice (check, then write in place) where they are
+        # buffers of their own: casts' outputs in the compute dtype, or held by each FSDP unit's
+        # backward (`zerojax.wrap._held`). An fp32 "shard" outside units is a slice of the full
+        # all-reduced gradient on XLA:CPU, which a second reader would keep alive.
+        shards_are_buffers = layout.precision.compute_dtype != jnp.float32 or around is not None
+        new_state, metrics = apply_update(layout, tx, state, grads, loss, check_first=shards_are_buffers)
         return keep_model_state(new_state, model_state, metrics["bad_step"]), {"loss": loss, **metrics}
 
     report = units[0] if units else _report(layout, model)
