@@ -16,8 +16,9 @@ the largest depth, then steps up until an attempt no longer fits (or down until 
     python experiments/headline.py --model gpt --engine gspmd   # ~15 min -> results/headline-gpt-gspmd.{md,json,png}
     python experiments/headline.py --model user --engine shard_map --budget-gib 6
 
-For the user model, XLA:CPU's compiler dominates resident memory (~70 MB per unrolled block);
-experiments/headline_compiled.py budgets the compiled step's per-device peak instead.
+For the user model, XLA:CPU's compiler dominates resident memory (about 4 GB at 16 unrolled blocks,
+growing faster than linearly); experiments/headline_compiled.py budgets the compiled step's
+per-device peak instead.
 """
 
 from __future__ import annotations
@@ -182,7 +183,8 @@ def write(rows: list[dict], a, budget: int, started: str) -> None:
         f"crosses it is killed and counts as not fitting. The whole search took "
         f"{sum(r['wall_s'] for r in rows) / 60:.1f} min.",
         "",
-        f"Made by `python experiments/headline.py --model {a.model} --engine {a.engine}`.",
+        f"Made by `python experiments/headline.py --model {a.model} --engine {a.engine} --budget-gib {a.budget_gib:g} "
+        f"--width {a.width} --d-ff {a.d_ff} --seq {a.seq} --batch {a.batch}`.",
         "",
         "| stage | largest depth that trains | parameters | peak RSS | state per device | median step |",
         "|---|---|---|---|---|---|",
