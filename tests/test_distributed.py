@@ -195,7 +195,7 @@ def launched(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 3])  # stage 0: 36 s more
 def test_two_processes_match_one_process(stage, launched):
     """2 processes x 4 devices and 1 process x 8 devices: the same global batches, the same losses."""
     losses = {}

@@ -96,6 +96,7 @@ def _kill_and_resume(points: int, seed: int, env, reference, tmp_path) -> None:
             assert json.load(f)["resumed_from"] == (last[-1] if last else 0)
 
 
+@pytest.mark.slow  # the default suite kills mid-run and mid-save in test_resume.py
 def test_sigkill_at_random_points_resumes_bit_exact(env, reference, tmp_path):
     _kill_and_resume(2, 13, env, reference, tmp_path)
 

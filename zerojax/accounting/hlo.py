@@ -15,6 +15,8 @@ program shows twice the bytes a GPU or TPU would move.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 import os
 import re
@@ -322,13 +324,14 @@ def compile_partitioned(lowered, dump_dir: str):
 
     XLA writes one file per dumped pass; the wanted one is named
     `module_NNNN.<module>.NNNN.spmd-partitioner.after_spmd-partitioning...txt`. Files this call
-    created are preferred, so a reused `dump_dir` does not return a stale program.
+    created are preferred, so a reused `dump_dir` does not return a stale program. The compile
+    always runs, even under a persistent compilation cache (see `_uncached_options`).
     """
     os.makedirs(dump_dir, exist_ok=True)
     before = set(os.listdir(dump_dir))
-    compiled = lowered.compile(
-        compiler_options={"xla_dump_to": dump_dir, "xla_dump_hlo_pass_re": "spmd-partitioning"}
-    )
+    with _cache_writes_off():
+        compiled = lowered.compile(compiler_options=_uncached_options(
+            {"xla_dump_to": dump_dir, "xla_dump_hlo_pass_re": "spmd-partitioning"}))
     m = re.search(r"module @([\w.\-]+)", lowered.as_text())
     module = m.group(1) if m else ""
 
@@ -336,13 +339,32 @@ def compile_partitioned(lowered, dump_dir: str):
         return "after_spmd-partitioning" in f and f.endswith(".txt") and f".{module}." in f
 
     files = sorted(f for f in os.listdir(dump_dir) if wanted(f) and f not in before)
-    if not files:  # an identical earlier compile was served from a cache: reuse its dump
-        files = sorted((f for f in os.listdir(dump_dir) if wanted(f)),
-                       key=lambda f: os.path.getmtime(os.path.join(dump_dir, f)))
     if not files:
-        raise RuntimeError(
-            f"XLA dumped no post-partitioning HLO for module {module!r} into {dump_dir}; "
-            "a persistent compilation cache may have skipped the compile."
-        )
+        raise RuntimeError(f"XLA dumped no post-partitioning HLO for module {module!r} into {dump_dir}")
     with open(os.path.join(dump_dir, files[-1])) as fh:
         return compiled, fh.read()
+
+
+def _uncached_options(options: dict) -> dict:
+    """`options` plus a fresh value of an option that only shapes debug text.
+
+    A persistent compilation cache (`JAX_COMPILATION_CACHE_DIR`) keys an executable on the program
+    and its options but leaves the dump options out, so an identical earlier compile would be
+    served from the cache and nothing would be dumped. A never-seen key forces the compile."""
+    return {**options, "xla_debug_buffer_assignment_show_max": next(_fresh)}
+
+
+_fresh = itertools.count(1_000_003 + os.getpid() * 7919)
+
+
+@contextlib.contextmanager
+def _cache_writes_off():
+    """No cache entry for a key that is never looked up again (`_uncached_options`)."""
+    import jax
+
+    saved = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
+    try:
+        yield
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", saved)
