@@ -1,5 +1,5 @@
 """Temp memory of the stage-3 step against depth for user models of L identical blocks: an NNX model
-(an `nnx.List` of blocks) and a Linen one (`nn.compact`), the models of tests/test_units.py.
+(an `nnx.List` of blocks) and a Linen one (`nn.compact`), the models of tests/unit_models.py.
 
     python experiments/unit_depth.py [--width 256] [--depths 4 8 16] [--models nnx linen]
                                      [--precisions fp32 bf16] [--optimizers adamw sgd clipped_adamw]
@@ -20,20 +20,17 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-import optax  # noqa: E402
 
 import zerojax as zj  # noqa: E402
-from tests.test_units import _batch, _model  # noqa: E402
+from tests.unit_models import OPTIMIZERS, unit_batch, unit_model  # noqa: E402
 
 MiB = 2**20
 
 
 def measure(kind, width, depth, stage, engine, optimizer, precision):
-    tx = {"adamw": lambda: optax.adamw(1e-3), "sgd": lambda: optax.sgd(1e-2),
-          "clipped_adamw": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))}[optimizer]()
-    trainer = zj.Trainer(_model(kind, width, depth), tx, mesh=zj.make_mesh(fsdp=8), stage=stage, engine=engine,
+    trainer = zj.Trainer(unit_model(kind, width, depth), OPTIMIZERS[optimizer](), mesh=zj.make_mesh(fsdp=8), stage=stage, engine=engine,
                          precision=precision)
-    batch = _batch(width)
+    batch = unit_batch(width)
     state = trainer.init(jax.random.key(0), batch)
     m = trainer.lower(state, trainer.shard_batch(batch)).compile().memory_analysis()
     peak = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes

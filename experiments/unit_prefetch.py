@@ -4,7 +4,7 @@ device at L blocks with prefetch on and off, and the step time with it over with
     python experiments/unit_prefetch.py [--width 256] [--depths 4 8 16] [--models nnx linen]
                                         [--engines shard_map gspmd] [--precision fp32] [--steps 20]
 
-The models of tests/test_units.py (an input Linear, L blocks of two Linear, an output Linear; NNX
+The models of tests/unit_models.py (an input Linear, L blocks of two Linear, an output Linear; NNX
 `nnx.List` or Linen `nn.compact`), plain SGD, stage 3, 8 simulated CPU devices, global batch 64.
 Step times: both programs of a row run alternately, one step each per round, after one warm-up
 step; the ratio is the median over rounds of (time with prefetch) / (time without), so a noisy,
@@ -27,15 +27,15 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import zerojax as zj  # noqa: E402
-from tests.test_units import _batch, _model  # noqa: E402
+from tests.unit_models import unit_batch, unit_model  # noqa: E402
 
 MiB = 2**20
 
 
 def prepared(kind, width, depth, engine, precision, prefetch):
-    trainer = zj.Trainer(_model(kind, width, depth), optax.sgd(1e-2), mesh=zj.make_mesh(fsdp=8), stage=3,
+    trainer = zj.Trainer(unit_model(kind, width, depth), optax.sgd(1e-2), mesh=zj.make_mesh(fsdp=8), stage=3,
                          engine=engine, precision=precision, engine_options={"prefetch": prefetch})
-    batch = _batch(width)
+    batch = unit_batch(width)
     state = trainer.init(jax.random.key(0), batch)
     temp = trainer.compile(state, batch).memory_analysis().temp_size_in_bytes  # `step` reuses this program
     assert trainer.gather_report().description.endswith("next unit prefetched") == prefetch

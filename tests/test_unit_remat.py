@@ -20,7 +20,7 @@ import pytest
 
 import zerojax as zj
 from tests.models import unrolled_blocks
-from tests.test_units import LinenDeep
+from tests.unit_models import LinenDeep
 from zerojax.errors import UserError
 from zerojax.wrap import WrapRule
 

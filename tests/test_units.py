@@ -24,90 +24,24 @@ from flax import linen as nn
 from flax import nnx
 
 import zerojax as zj
-from tests.models import classification_batch, tiny_gpt, token_batch, unrolled_blocks
+from tests.models import classification_batch, tiny_gpt, token_batch
+from tests.unit_models import (BLOCK_CLASS, DEVICES, OPTIMIZERS, ROWS, block_bytes, unit_allowance,
+                                 unit_batch, unit_model)
 from zerojax.accounting.analytic import peak_bytes
 from zerojax.accounting.hlo import _parse, collective_bytes, compile_partitioned
 from zerojax.wrap import WrapRule
 
-DEVICES = 8
-ROWS = 64
-
-
-class LinenBlock(nn.Module):
-    width: int
-
-    @nn.compact
-    def __call__(self, x):
-        return x + nn.Dense(self.width)(jax.nn.gelu(nn.Dense(self.width)(x)))
-
-
-class LinenDeep(nn.Module):
-    """`nn.compact`: the same model as `unrolled_blocks`'s, its blocks created in the call."""
-
-    width: int
-    depth: int
-
-    @nn.compact
-    def __call__(self, x):
-        x = nn.Dense(self.width)(x)
-        for _ in range(self.depth):
-            x = LinenBlock(self.width)(x)
-        return nn.Dense(10)(x)
-
-
-class LinenSetupBlock(nn.Module):
-    width: int
-
-    def setup(self):
-        self.fc1, self.fc2 = nn.Dense(self.width), nn.Dense(self.width)
-
-    def __call__(self, x):
-        return x + self.fc2(jax.nn.gelu(self.fc1(x)))
-
-
-class LinenSetupDeep(nn.Module):
-    """Setup-style: a list of blocks made in `setup`."""
-
-    width: int
-    depth: int
-
-    def setup(self):
-        self.inp, self.out = nn.Dense(self.width), nn.Dense(10)
-        self.blocks = [LinenSetupBlock(self.width) for _ in range(self.depth)]
-
-    def __call__(self, x):
-        x = self.inp(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.out(x)
-
-
-MODELS = {"nnx": unrolled_blocks, "linen": LinenDeep, "linen_setup": LinenSetupDeep}
-BLOCK_CLASS = {"nnx": "Block", "linen": "LinenBlock", "linen_setup": "LinenSetupBlock"}
-
-
-def _model(kind: str, width: int, depth: int):
-    return MODELS[kind](width, depth)
-
-
-def _batch(width: int, seed: int = 0) -> dict:
-    rng = np.random.default_rng(seed)
-    return {"inputs": rng.normal(size=(ROWS, width)).astype(np.float32),
-            "targets": rng.integers(0, 10, size=(ROWS,)).astype(np.int32)}
-
-
 def _trainer(width, depth, stage, engine, optimizer=None, kind="nnx", precision="fp32", prefetch=False):
-    return zj.Trainer(_model(kind, width, depth), optimizer or optax.sgd(1e-2), mesh=zj.make_mesh(fsdp=DEVICES),
+    return zj.Trainer(unit_model(kind, width, depth), optimizer or optax.sgd(1e-2), mesh=zj.make_mesh(fsdp=DEVICES),
                       stage=stage, engine=engine, precision=precision,
                       engine_options={"prefetch": True} if prefetch else None)
 
 
 @functools.lru_cache(maxsize=None)
 def _compiled(width, depth, stage, engine, kind="nnx", precision="fp32", prefetch=False, optimizer="sgd"):
-    tx = {"sgd": lambda: optax.sgd(1e-2), "adamw": lambda: optax.adamw(1e-3),
-          "clipped_sgd": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1e-2))}[optimizer]()
+    tx = OPTIMIZERS[optimizer]()
     trainer = _trainer(width, depth, stage, engine, tx, kind=kind, precision=precision, prefetch=prefetch)
-    batch = _batch(width)
+    batch = unit_batch(width)
     state = trainer.init(jax.random.key(0), batch)
     compiled, hlo = compile_partitioned(trainer.lower(state, trainer.shard_batch(batch)),
                                         tempfile.mkdtemp(prefix="zerojax-hlo-"))
@@ -115,10 +49,6 @@ def _compiled(width, depth, stage, engine, kind="nnx", precision="fp32", prefetc
     peak = peak_bytes(m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes, m.temp_size_in_bytes)
     return {"temp": m.temp_size_in_bytes, "peak": peak, "traffic": collective_bytes(hlo)["bytes"],
             "report": trainer.gather_report(), "gathers": _gather_levels(hlo)}
-
-
-def _block_bytes(width: int, itemsize: int = 4) -> int:
-    return itemsize * 2 * (width * width + width)  # two Linear layers
 
 
 def _grown_and_allowance(kind, engine, precision, width, optimizer="sgd"):
@@ -129,12 +59,6 @@ def _grown_and_allowance(kind, engine, precision, width, optimizer="sgd"):
     assert deep["report"].description.startswith(f"FSDP units: 8 x {BLOCK_CLASS[kind]}") or \
         f", 8 x {BLOCK_CLASS[kind]}" in deep["report"].description, deep["report"].description
     return deep["temp"] - shallow["temp"], 4 * unit_allowance(width, 2 if precision == "bf16" else 4)
-
-
-def unit_allowance(width: int, itemsize: int) -> float:
-    """What the module docstring allows each added block: 0.15 of its weights in the compute dtype,
-    plus its saved fp32 input."""
-    return 0.15 * _block_bytes(width, itemsize) + (ROWS // DEVICES) * width * 4
 
 
 # (model, engine, precision, width): each model, precision and engine once in the default suite
@@ -173,7 +97,7 @@ def test_adamw_new_state_does_not_wait_beside_the_old(engine, precision):
     shallow = _compiled(256, 4, 3, engine, "nnx", precision, optimizer="adamw")["temp"]
     deep = _compiled(256, 8, 3, engine, "nnx", precision, optimizer="adamw")["temp"]
     activations = (ROWS // DEVICES) * 256 * 4
-    new_state = 12 * (_block_bytes(256) // 4) / DEVICES  # fp32 master, mu, nu shards of one block
+    new_state = 12 * (block_bytes(256) // 4) / DEVICES  # fp32 master, mu, nu shards of one block
     assert deep - shallow - 4 * activations <= 4 * new_state / 2, (deep - shallow, new_state)
 
 
@@ -208,10 +132,10 @@ def test_units_train_like_stage_0(kind, engine):
 @functools.lru_cache(maxsize=None)
 def _losses(kind, engine, stage, prefetch=False, width=64, depth=4, steps=4):
     trainer = _trainer(width, depth, stage, engine, optax.adamw(3e-3), kind=kind, prefetch=prefetch)
-    state = trainer.init(jax.random.key(0), _batch(width))
+    state = trainer.init(jax.random.key(0), unit_batch(width))
     out = []
     for step in range(steps):
-        state, metrics = trainer.step(state, _batch(width, step))
+        state, metrics = trainer.step(state, unit_batch(width, step))
         out.append(float(metrics["loss"]))
     if prefetch:
         assert trainer.gather_report().description.endswith("next unit prefetched")
@@ -283,7 +207,7 @@ def test_prefetch_temp_growth_is_bounded(kind, engine):
     0.10.2 and 0.35, 1.27, 1.27, 1.27 on jax 0.12.0.1 (XLA's scheduler places the 4-block program's
     prefetched gathers its own way)."""
     width = 256
-    block = _block_bytes(width)
+    block = block_bytes(width)
     for depth in (4, 8, 16):
         extra = _compiled(width, depth, 3, engine, kind, prefetch=True)["temp"] - \
             _compiled(width, depth, 3, engine, kind)["temp"]
@@ -371,12 +295,12 @@ def test_linen_shared_and_nested_units_train_like_stage_0(engine, wrap, units):
     def run(stage):
         trainer = zj.Trainer(LinenSharedNet(), optax.adamw(3e-3), mesh=zj.make_mesh(fsdp=DEVICES), stage=stage,
                              engine=engine, engine_options={"wrap": wrap})
-        state = trainer.init(jax.random.key(0), _batch(32))
+        state = trainer.init(jax.random.key(0), unit_batch(32))
         losses = []
         for step in range(3):
-            state, metrics = trainer.step(state, _batch(32, step))
+            state, metrics = trainer.step(state, unit_batch(32, step))
             losses.append(float(metrics["loss"]))
-        return losses + [float(trainer.evaluate(state, _batch(32, 5)))], trainer.gather_report().description
+        return losses + [float(trainer.evaluate(state, unit_batch(32, 5)))], trainer.gather_report().description
 
     got, description = run(3)
     assert description.startswith(f"FSDP units: {units}"), description
@@ -390,10 +314,10 @@ def test_prefetch_with_nested_units_and_model_state_trains_like_stage_0(engine, 
     """Units inside units (the inner ones chain among themselves, in the outer unit's trace), a unit
     called twice, units updating batch_stats and drawing dropout masks; then evaluate."""
     if case == "nnx_nested":
-        model = _model("nnx", 32, 3)
-        wrap, batch = (type(model(nnx.Rngs(0)).blocks[0]), nnx.Linear), lambda i: _batch(32, i)
+        model = unit_model("nnx", 32, 3)
+        wrap, batch = (type(model(nnx.Rngs(0)).blocks[0]), nnx.Linear), lambda i: unit_batch(32, i)
     elif case == "linen_nested":
-        model, wrap, batch = LinenSharedNet(), (LinenScaledBlock, nn.Dense), lambda i: _batch(32, i)
+        model, wrap, batch = LinenSharedNet(), (LinenScaledBlock, nn.Dense), lambda i: unit_batch(32, i)
     else:
         model, wrap, batch = LinenStatefulNet(), "auto", lambda i: classification_batch(0)
 
@@ -431,7 +355,7 @@ def _sharded_bytes(trainer, itemsize: int) -> int:
 @pytest.mark.parametrize("engine", ["shard_map", "gspmd"])
 def test_stage_3_eval_gathers_the_parameters_once(engine):
     width, depth = 64, 4
-    batch = _batch(width)
+    batch = unit_batch(width)
     moved, loss, trainer = _eval_traffic_and_loss(_trainer(width, depth, 3, engine), batch)
     sharded = _sharded_bytes(trainer, 4)
     assert moved <= sharded * (DEVICES - 1) / DEVICES * 1.02 + 64  # + the scalar loss's all-reduce

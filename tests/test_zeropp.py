@@ -15,6 +15,7 @@ import pytest
 
 import zerojax as zj
 from tests.models import tiny_gpt, token_batch
+from tests.unit_models import block_bytes, unit_allowance, unit_batch, unit_model
 from zerojax.accounting import measure
 from zerojax.accounting.analytic import GPTShape, peak_bytes
 from zerojax.accounting.zeropp import ZeroPP, stage_3_traffic_by_axis, totals
@@ -169,11 +170,9 @@ def test_hpz_memory_rises_by_the_secondary_copy():
 def _unit_route_temp(depth, **options):
     """(temp bytes per device, first loss) of stage 3 on a user NNX model of `depth` blocks (FSDP
     units), fp32, on data=2 x fsdp=4."""
-    from tests.test_units import _batch, _model
-
-    trainer = zj.Trainer(_model("nnx", 256, depth), optax.sgd(1e-2), mesh=zj.make_mesh(data=2, fsdp=4), stage=3,
+    trainer = zj.Trainer(unit_model("nnx", 256, depth), optax.sgd(1e-2), mesh=zj.make_mesh(data=2, fsdp=4), stage=3,
                          engine="shard_map", precision="fp32", engine_options=options or None)
-    batch = _batch(256)
+    batch = unit_batch(256)
     state = trainer.init(jax.random.key(0), batch)
     step = trainer.lower(state, trainer.shard_batch(batch)).compile()
     assert trainer.gather_report().route == "units"
@@ -186,11 +185,9 @@ def test_hpz_on_a_user_models_units():
     own bound (0.15 of a block and its saved input): each unit's gathers stay tied to its input and
     cotangent. Untied (the secondary copy skipped by `wrap.tie`), every gathered block was kept:
     1.0 block per block."""
-    from tests.test_units import _block_bytes, unit_allowance
-
     (shallow, loss), (deep, _) = _unit_route_temp(4, hierarchical=True), _unit_route_temp(8, hierarchical=True)
     assert loss == pytest.approx(_unit_route_temp(4)[1], rel=1e-6)
-    block = _block_bytes(256)
+    block = block_bytes(256)
     assert deep - shallow <= 4 * (block / 4 + unit_allowance(256, 4)), (deep - shallow) / block / 4
 
 
