@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+import os
 import pathlib
 
-from zerojax.accounting.hlo import (UnknownTripCount, axes_spanned, collective_bytes, collectives,
+from zerojax.accounting.hlo import (UnknownTripCount, axes_spanned, collective_bytes, collectives, compile_partitioned,
                                     partitioned_hlo_text, replica_groups, shape_bytes)
 
 # --- hand-written HLO: each construct the parser must handle --------------------------------
@@ -309,3 +310,15 @@ def test_collectives_lists_runs_and_groups():
     assert found["ar"].runs == 12 and found["ar"].computation == "reduce_grads" and found["ar"].known
     assert found["ag"].runs == 3 and found["ag"].groups == [list(range(8))]
     assert found["ag"].sent == 32768 * 7 / 8
+
+
+def test_partitioned_hlo_is_dumped_even_when_the_program_is_cached(tmp_path):
+    """The suite runs under a persistent compilation cache (conftest.py), which ignores dump options:
+    an identical program compiled before must still be compiled again, and dumped, each time."""
+    assert os.environ.get("JAX_COMPILATION_CACHE_DIR")  # what makes this test mean something
+    mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+    f = jax.jit(lambda x: jnp.sin(x).sum(0), in_shardings=NamedSharding(mesh, P("fsdp")))
+    lowered = f.lower(jnp.ones((64, 48)))
+    lowered.compile()  # cached without a dump
+    texts = [compile_partitioned(lowered, str(tmp_path / str(i)))[1] for i in range(2)]
+    assert texts[0] == texts[1] and "all-reduce" in texts[0]
