@@ -107,26 +107,23 @@ class Reduce:
         return _transposed(lambda c, _: jax.lax.psum(c.astype(self.reduce_dtype), (FSDP_AXIS, *self.replicas)),
                            ct, 0)
 
-    def cast_gather(self, shard, leaf: LeafLayout, as_bits: bool = True):
-        """The whole leaf in the compute dtype. `as_bits` (`gather_bits`) keeps XLA:CPU from holding
-        an f32 copy of what it gathers; a per-layer gather (`gather`) leaves nothing alive for that
-        copy to lengthen and skips the bit casts, which cost stage 3 about 3% of its step on jax 0.12."""
+    def cast_gather(self, shard, leaf: LeafLayout):
         x = shard.astype(self.compute_dtype)  # cast first, so the gather moves compute-dtype bytes
         if leaf.axis is not None:
-            x = gather_bits(x, leaf.axis) if as_bits else jax.lax.all_gather(x, FSDP_AXIS, axis=leaf.axis, tiled=True)
+            x = gather_bits(x, leaf.axis)
         return fit_to(x, leaf.shape)
 
-    def shard_gather(self, shard, leaf: LeafLayout, as_bits: bool = True):
+    def shard_gather(self, shard, leaf: LeafLayout):
         """Stage 3's gather of a leaf: block-quantized with qwZ (where its shard fills a block)."""
         if self.weights is not None and leaf.axis is not None and self.weights.applies(shard.size):
             return quantize.gather(shard, leaf, self.weights, self.compute_dtype)
-        return self.cast_gather(shard, leaf, as_bits)
+        return self.cast_gather(shard, leaf)
 
     def gather(self, leaf: LeafLayout, dtype=None):
         """Stage 3: fp32 shard -> whole compute-dtype leaf; backward: reduce-scatter of its gradient,
         returned in `dtype` (the shard's; default the master dtype), straight through qwZ's
         quantization. hpZ's copies go through `hierarchical_gather`."""
-        gather = lambda shard: self.shard_gather(shard, leaf, as_bits=False)  # noqa: E731
+        gather = lambda shard: self.shard_gather(shard, leaf)  # noqa: E731
         dtype = self.master_dtype if dtype is None else dtype
         # The transpose JAX derives for a tiled all_gather is this psum_scatter; it is written out
         # so that it runs in the reduce dtype and also sums over the replica axes.
