@@ -28,8 +28,8 @@ MiB = 2**20
 
 
 def measure(kind, width, depth, stage, engine, optimizer, precision):
-    trainer = zj.Trainer(unit_model(kind, width, depth), OPTIMIZERS[optimizer](), mesh=zj.make_mesh(fsdp=8), stage=stage, engine=engine,
-                         precision=precision)
+    trainer = zj.Trainer(unit_model(kind, width, depth), OPTIMIZERS[optimizer](), mesh=zj.make_mesh(fsdp=8),
+                         stage=stage, engine=engine, precision=precision)
     batch = unit_batch(width)
     state = trainer.init(jax.random.key(0), batch)
     m = trainer.lower(state, trainer.shard_batch(batch)).compile().memory_analysis()

@@ -9,8 +9,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import os
 import pathlib
 
-from zerojax.accounting.hlo import (UnknownTripCount, axes_spanned, collective_bytes, collectives, compile_partitioned,
-                                    partitioned_hlo_text, replica_groups, shape_bytes)
+from zerojax.accounting.hlo import (UnknownTripCount, axes_spanned, collective_bytes, collectives,
+                                    compile_partitioned, partitioned_hlo_text, replica_groups, shape_bytes)
 
 # --- hand-written HLO: each construct the parser must handle --------------------------------
 

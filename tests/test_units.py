@@ -32,7 +32,7 @@ from zerojax.accounting.hlo import _parse, collective_bytes, compile_partitioned
 from zerojax.wrap import WrapRule
 
 def _trainer(width, depth, stage, engine, optimizer=None, kind="nnx", precision="fp32", prefetch=False):
-    return zj.Trainer(unit_model(kind, width, depth), optimizer or optax.sgd(1e-2), mesh=zj.make_mesh(fsdp=DEVICES),
+    return zj.Trainer(unit_model(kind, width, depth), optimizer or OPTIMIZERS["sgd"](), mesh=zj.make_mesh(fsdp=DEVICES),
                       stage=stage, engine=engine, precision=precision,
                       engine_options={"prefetch": True} if prefetch else None)
 

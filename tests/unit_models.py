@@ -80,8 +80,8 @@ def block_bytes(width: int, itemsize: int = 4) -> int:
 
 
 def unit_allowance(width: int, itemsize: int) -> float:
-    """What the module docstring allows each added block: 0.15 of its weights in the compute dtype,
-    plus its saved fp32 input."""
+    """What tests/test_units.py's docstring allows each added block: 0.15 of its weights in the
+    compute dtype, plus its saved fp32 input."""
     return 0.15 * block_bytes(width, itemsize) + (ROWS // DEVICES) * width * 4
 
 

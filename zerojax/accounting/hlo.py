@@ -16,7 +16,6 @@ program shows twice the bytes a GPU or TPU would move.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import os
 import re
@@ -346,20 +345,21 @@ def compile_partitioned(lowered, dump_dir: str):
 
 
 def _uncached_options(options: dict) -> dict:
-    """`options` plus a fresh value of an option that only shapes debug text.
+    """`options` plus a non-default value of an option that only shapes debug text.
 
     A persistent compilation cache (`JAX_COMPILATION_CACHE_DIR`) keys an executable on the program
     and its options but leaves the dump options out, so an identical earlier compile would be
-    served from the cache and nothing would be dumped. A never-seen key forces the compile."""
-    return {**options, "xla_debug_buffer_assignment_show_max": next(_fresh)}
+    served from the cache and nothing would be dumped. No other compile sets this option, and
+    `_cache_writes_off` keeps these compiles out of the cache, so the key is never found."""
+    return {**options, "xla_debug_buffer_assignment_show_max": _NEVER_CACHED}
 
 
-_fresh = itertools.count(1_000_003 + os.getpid() * 7919)
+_NEVER_CACHED = 1_000_003  # any value but XLA's default; it only bounds a debug listing
 
 
 @contextlib.contextmanager
 def _cache_writes_off():
-    """No cache entry for a key that is never looked up again (`_uncached_options`)."""
+    """No cache entry for the key `_uncached_options` makes, so it is never served from the cache."""
     import jax
 
     saved = jax.config.jax_persistent_cache_min_compile_time_secs
