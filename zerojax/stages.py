@@ -143,6 +143,17 @@ def fit_to(x, shape):
     return jnp.pad(x, [(0, t - s) for s, t in zip(x.shape, shape)])
 
 
+def join_shards(rows, leaf: LeafLayout):
+    """(fsdp, n) -> the whole leaf: row i is device i's shard of `leaf` flattened, the shards joined
+    on `leaf.axis` and the padding cropped."""
+    import jax.numpy as jnp
+
+    shard_shape = list(leaf.padded_shape)
+    shard_shape[leaf.axis] //= rows.shape[0]
+    whole = jnp.moveaxis(rows.reshape(rows.shape[0], *shard_shape), 0, leaf.axis)
+    return fit_to(whole.reshape(leaf.padded_shape), leaf.shape)
+
+
 def describe(layouts) -> list[dict]:
     """Rows for reports: each leaf's path, shape, sharded axis and the reason."""
     import jax

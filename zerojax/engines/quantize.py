@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from zerojax.errors import UserError
-from zerojax.stages import FSDP_AXIS, LeafLayout, fit_to
+from zerojax.stages import FSDP_AXIS, LeafLayout, join_shards
 
 # code dtype, largest code, whether the codes are rounded to integers
 _KINDS = {"int8": (jnp.int8, 127.0, True), "fp8": (jnp.float8_e4m3fn, 448.0, False)}
@@ -83,9 +83,7 @@ def gather(shard, leaf: LeafLayout, quant: Quantizer, dtype):
     gather moving block-quantized codes and their scales."""
     codes, scale = quant.quantize(shard.reshape(1, -1))
     codes, scale = _all_gather(codes[0]), _all_gather(scale[0])  # (fsdp, blocks, block), (fsdp, blocks)
-    whole = quant.dequantize(codes, scale, shard.size).astype(dtype)
-    whole = jnp.moveaxis(whole.reshape(codes.shape[0], *shard.shape), 0, leaf.axis)
-    return fit_to(whole.reshape(leaf.padded_shape), leaf.shape)
+    return join_shards(quant.dequantize(codes, scale, shard.size).astype(dtype), leaf)
 
 
 def reduce_scatter(ct, leaf: LeafLayout, quant: Quantizer):

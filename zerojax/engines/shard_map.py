@@ -61,15 +61,17 @@ def _local_shape(leaf: LeafLayout, fsdp: int) -> tuple[int, ...]:
 
 
 class _LayerHook:
-    """Called by the model on each layer's stored params inside its scanned, rematerialised body."""
+    """Called by the model on each layer's stored params inside its scanned, rematerialised body;
+    the layer's leaves are materialised together (`Reduce.group_materializer`: one gather a layer)."""
 
-    def __init__(self, layouts, materialize):
+    def __init__(self, layouts, materialize_group):
         self.layouts = layouts  # per-layer LeafLayouts, same dict structure as one layer's params
-        self.materialize = materialize
+        self.materialize_group = materialize_group
 
     def __call__(self, layer_state: nnx.State) -> nnx.State:
-        values = nnx.to_pure_dict(layer_state)
-        return nnx.State(jax.tree.map(self.materialize, self.layouts, values, is_leaf=_is_layout))
+        leaves, treedef = jax.tree.flatten(self.layouts, is_leaf=_is_layout)
+        values = treedef.flatten_up_to(nnx.to_pure_dict(layer_state))
+        return nnx.State(treedef.unflatten(self.materialize_group(leaves, values)))
 
 
 class _PrefetchLoop:
@@ -129,10 +131,11 @@ def _gather_all(materialize, layouts, raw):
     return jax.tree.map(materialize, layouts, raw, is_leaf=_is_layout)
 
 
-def _route(layout: StateLayout, model, static, options: EngineOptions, materialize,
+def _route(layout: StateLayout, model, static, options: EngineOptions, reduce: Reduce,
            inputs, model_state) -> tuple[GatherReport, RunModel]:
     """The report and the model runner of the route this stage, model and options take."""
     stage, leaves = layout.stage.index, layout.leaves
+    materialize = reduce.materializer(stage)
     stacks = stack_paths(model, leaves, options)
     rule = wrap_lib.as_rule(options.wrap)  # checked even where unused
     if stage < 2:
@@ -140,7 +143,7 @@ def _route(layout: StateLayout, model, static, options: EngineOptions, materiali
         return report, lambda raw, ms, x, key, train=True: model.apply(raw, ms, static, x, rng=key, train=train,
                                                                      sync=BATCH_AXES)
     if stacks and (model.stacks or len(stacks) == 1):
-        return _layer_route(layout, model, static, stacks, materialize, options.prefetch and stage == 3)
+        return _layer_route(layout, model, static, stacks, reduce, options.prefetch and stage == 3)
     if rule is None:
         report = GatherReport("whole", wrap_lib.describe([], {}, None))
         return report, lambda raw, ms, x, key, train=True: model.apply(_gather_all(materialize, leaves, raw), ms,
@@ -149,18 +152,18 @@ def _route(layout: StateLayout, model, static, options: EngineOptions, materiali
     return _unit_route(layout, model, static, rule, materialize, inputs, model_state, options.prefetch and stage == 3)
 
 
-def _layer_route(layout, model, static, stacks, materialize, prefetch: bool):
+def _layer_route(layout, model, static, stacks, reduce: Reduce, prefetch: bool):
     """One layer of each stack materialised per scan iteration (a layer hook per stack); the rest at once."""
-    leaves = layout.leaves
+    leaves, stage = layout.leaves, layout.stage.index
     prefetch = prefetch and model.accepts_layer_loop
     report = GatherReport("layers", f"per layer: {describe_stacks(stacks)} gathered one layer per scan iteration"
                           + (", next layer prefetched" if prefetch else ""))
-    hooks = {s: _LayerHook(jax.tree.map(_layer_layout, at(leaves, s), is_leaf=_is_layout), materialize)
-             for s in stacks}
+    hooks = {s: _LayerHook(jax.tree.map(_layer_layout, at(leaves, s), is_leaf=_is_layout),
+                           reduce.group_materializer(stage)) for s in stacks}
     loops = {s: _PrefetchLoop(hook) for s, hook in hooks.items()} if prefetch else None
 
     def run(raw, model_state, inputs, key, train=True):
-        params = outside_stacks(materialize, stacks, leaves, raw)
+        params = outside_stacks(reduce.materializer(stage), stacks, leaves, raw)
         return model.apply(params, model_state, static, inputs, rng=key, train=train, layer_hook=hooks,
                            layer_loop=loops if train else None, sync=BATCH_AXES)
 
@@ -337,7 +340,7 @@ def build(layout: StateLayout, model, static, loss_fn, tx, options: EngineOption
     replicas = tuple(a for a in BATCH_AXES if a != FSDP_AXIS and mesh.shape[a] > 1)
     reduce = Reduce(replicas, prec.compute_dtype, prec.reduce_dtype, prec.master_dtype,
                     *_quantizers(options, stage), hierarchical=_hierarchical(options, stage, grad_accum))
-    report, run_model = _route(layout, model, static, options, reduce.materializer(stage), inputs, model_state or {})
+    report, run_model = _route(layout, model, static, options, reduce, inputs, model_state or {})
     train_report = report
     keep = stage == 3 and not options.reshard_after_forward
     if grad_accum > 1 or keep:
