@@ -29,7 +29,9 @@ from zerojax.remat import check as check_remat
 from zerojax.remat import unit_policy
 
 Path = tuple[str, ...]
-Materialize = Callable[[str, Any], Any]  # ("a/b/kernel", stored value) -> compute-dtype array
+# (["a/b/kernel", ...], their stored values) -> the compute-dtype arrays: the leaves a unit uses
+# together, so an engine may move them in one collective
+Materialize = Callable[[list[str], list[Any]], list[Any]]
 Policy = Any  # "full", "none" or a `jax.checkpoint` policy (`zerojax.remat.unit_policy`)
 
 
@@ -330,7 +332,7 @@ def nnx_around(units: list[Path], materialize: Materialize, reshard_after_forwar
         by_path = dict(nodes)
         for p, n in nodes:  # the root's own params: gathered once, now
             if isinstance(n, nnx.Param) and owner(p, units) is None:
-                n.set_value(materialize(_key(p), n.get_value()))
+                n.set_value(materialize([_key(p)], [n.get_value()])[0])
         for u in units:
             sub = by_path[u]
             sub.__class__ = _unit_class(type(sub), materialize, reshard_after_forward, wait_for_grads, policy)
@@ -356,8 +358,12 @@ def _unit_class(cls: type, materialize: Materialize, reshard: bool, wait_for_gra
         names = list(flat)
 
         def gather(values_raw, token):
-            return [materialize(_key(prefix + p), tie(x, token)) if p in owned_set else x
-                    for p, x in zip(names, values_raw)]
+            values = list(values_raw)
+            owned = [i for i, p in enumerate(names) if p in owned_set]
+            gathered = materialize([_key(prefix + names[i]) for i in owned], [tie(values[i], token) for i in owned])
+            for i, x in zip(owned, gathered):
+                values[i] = x
+            return values
 
         def run(values, dynamic_args, rest_leaves):
             unit = nnx.merge(graphdef, nnx.State(nnx.traversals.unflatten_mapping(dict(zip(names, values)))),

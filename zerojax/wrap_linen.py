@@ -96,15 +96,14 @@ def _unit_gather(m: nn.Module, args, kwargs, unit: Path, units: list[Path], mate
     roots = [tuple(s.path) for s in kept]
 
     def gather(groups, token):
-        out = []
-        for root, group in zip(roots, groups):
-            flat = nnx.traversals.flatten_mapping(_as_dict(group.get("params", {})))
-            for rel, x in flat.items():
-                leaf = root + tuple(str(k) for k in rel)
-                if owner(leaf, units) == unit:
-                    flat[rel] = materialize(_key(leaf), tie(x, token))
-            out.append({**group, "params": nnx.traversals.unflatten_mapping(flat)} if flat else group)
-        return tuple(out)
+        flats = [nnx.traversals.flatten_mapping(_as_dict(group.get("params", {}))) for group in groups]
+        owned = [(flat, rel, root + tuple(str(k) for k in rel)) for root, flat in zip(roots, flats) for rel in flat]
+        owned = [(flat, rel, leaf) for flat, rel, leaf in owned if owner(leaf, units) == unit]
+        gathered = materialize([_key(leaf) for _, _, leaf in owned], [tie(flat[rel], token) for flat, rel, _ in owned])
+        for (flat, rel, _), x in zip(owned, gathered):
+            flat[rel] = x
+        return tuple({**group, "params": nnx.traversals.unflatten_mapping(flat)} if flat else group
+                     for group, flat in zip(groups, flats))
 
     return gather
 
@@ -148,9 +147,9 @@ def _unit_transform(fn, gather, inside: list, reshard: bool, wait_for_grads: boo
 
 def _put_gathered(m: nn.Module, path: Path, leaves: list[Path], materialize: Materialize) -> None:
     tree = nnx.traversals.flatten_mapping(_as_dict(m.variables.get("params", {})))
-    for leaf in leaves:
+    for leaf in leaves:  # each on its own: the root's leaves are used at different times
         rel = leaf[len(path):]
-        tree[rel] = materialize(_key(leaf), tree[rel])
+        tree[rel] = materialize([_key(leaf)], [tree[rel]])[0]
     nested = nnx.traversals.unflatten_mapping(tree)
     for name in {leaf[len(path)] for leaf in leaves}:
         m.put_variable("params", name, nested[name])

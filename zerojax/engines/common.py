@@ -145,7 +145,7 @@ def _updated(layout: StateLayout, tx: optax.GradientTransformation, state: Train
 def unit_around(layout: StateLayout, model, rule, materialize, inputs, model_state, wait_for_grads=False,
                 prefetch=False):
     """(GatherReport, around) for a model whose submodules the wrap `rule` makes FSDP units:
-    `materialize(path, stored value)` turns a leaf into the whole compute-dtype weight;
+    `materialize(paths, stored values)` turns leaves used together into whole compute-dtype weights;
     `wait_for_grads`: a unit's input gradient waits for its reduced parameter gradients;
     `prefetch`: each unit gathers one unit ahead (`zerojax.wrap.Prefetch`)."""
     from zerojax.engines import GatherReport

@@ -66,11 +66,12 @@ def _units(layout, model, options, inputs, model_state):
     sharded = {l.path: NamedSharding(layout.mesh, l.spec(True))
                for l in jax.tree.leaves(layout.leaves, is_leaf=lambda x: isinstance(x, LeafLayout))}
 
-    def materialize(path, x):
+    def materialize(paths, values):
         # Sharded first, then whole: the partitioner gathers this (tied) value, not the untied param
         # it could otherwise propagate the whole sharding back to (and merge with the other pass's gather).
         # The gradient's transpose is the same pair, so each unit's gradient is reduced inside its backward.
-        return jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(x, sharded[path]), layout.replicated)
+        return [jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(x, sharded[path]), layout.replicated)
+                for path, x in zip(paths, values)]
 
     report, around = unit_around(layout, model, rule, materialize, inputs, model_state, wait_for_grads=True,
                                  prefetch=options.prefetch)

@@ -149,7 +149,8 @@ def _route(layout: StateLayout, model, static, options: EngineOptions, reduce: R
         return report, lambda raw, ms, x, key, train=True: model.apply(_gather_all(materialize, leaves, raw), ms,
                                                                        static, x, rng=key, train=train,
                                                                        sync=BATCH_AXES)
-    return _unit_route(layout, model, static, rule, materialize, inputs, model_state, options.prefetch and stage == 3)
+    return _unit_route(layout, model, static, rule, reduce.group_materializer(stage), inputs, model_state,
+                       options.prefetch and stage == 3)
 
 
 def _layer_route(layout, model, static, stacks, reduce: Reduce, prefetch: bool):
@@ -171,11 +172,12 @@ def _layer_route(layout, model, static, stacks, reduce: Reduce, prefetch: bool):
 
 
 def _unit_route(layout, model, static, rule, materialize, inputs, model_state, prefetch=False):
-    """Submodules chosen by the wrap rule gather their own params (see `zerojax.wrap`); with `prefetch`,
-    one unit ahead (`zerojax.wrap.Prefetch`)."""
+    """Submodules chosen by the wrap rule gather their own params (see `zerojax.wrap`), each unit's
+    leaves together (`materialize`: a `Reduce.group_materializer`); with `prefetch`, one unit ahead
+    (`zerojax.wrap.Prefetch`)."""
     by_path = {l.path: l for l in jax.tree.leaves(layout.leaves, is_leaf=_is_layout)}
-    report, around = unit_around(layout, model, rule, lambda path, x: materialize(by_path[path], x), inputs,
-                                 model_state, prefetch=prefetch)
+    report, around = unit_around(layout, model, rule, lambda paths, xs: materialize([by_path[p] for p in paths], xs),
+                                 inputs, model_state, prefetch=prefetch)
     return report, lambda raw, ms, x, key, train=True: model.apply(raw, ms, static, x, rng=key, train=train,
                                                                  around=around, sync=BATCH_AXES)
 
