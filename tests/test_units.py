@@ -47,7 +47,8 @@ def _compiled(width, depth, stage, engine, kind="nnx", precision="fp32", prefetc
                                         tempfile.mkdtemp(prefix="zerojax-hlo-"))
     m = compiled.memory_analysis()
     peak = peak_bytes(m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes, m.temp_size_in_bytes)
-    return {"temp": m.temp_size_in_bytes, "peak": peak, "traffic": collective_bytes(hlo)["bytes"],
+    traffic = collective_bytes(hlo)
+    return {"temp": m.temp_size_in_bytes, "peak": peak, "traffic": traffic["bytes"], "counts": traffic["counts"],
             "report": trainer.gather_report(), "gathers": _gather_levels(hlo)}
 
 
@@ -120,6 +121,15 @@ def test_shard_map_traffic_is_textbook():
     assert traffic["all-gather"] <= 2 * unit * 1.02
     assert traffic["all-gather"] >= 2 * unit * 0.9  # forward and backward, not once
     assert abs(traffic["reduce-scatter"] + traffic["all-reduce"] - unit) <= 0.02 * unit
+
+
+@pytest.mark.parametrize("kind,precision", [("nnx", "fp32"), ("linen", "bf16")])  # the depth tests' compiles
+def test_shard_map_gathers_each_unit_in_one_collective(kind, precision):
+    """A unit's sharded leaves (a block's two kernels) move in one all-gather forward and one in its
+    backward (`Reduce.gather_group`), not one per leaf: 2 per block, 2 for the output Linear, 1 for
+    the input Linear (its backward needs no weights)."""
+    depth = 8
+    assert _compiled(256, depth, 3, "shard_map", kind, precision)["counts"]["all-gather"] == 2 * depth + 3
 
 
 @pytest.mark.parametrize("kind,engine", [("nnx", "shard_map"), ("nnx", "gspmd"), ("linen", "gspmd")] + [
