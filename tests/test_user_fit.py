@@ -123,6 +123,7 @@ def _sigkill_and_resume(env, tmp_path, *sets) -> tuple[list[dict], list[dict]]:
     return _records(tmp_path / "ref"), _records(out)
 
 
+@pytest.mark.slow  # the default suite kills and resumes the RegularisedMLP target below
 def test_cli_train_with_targets_sigkill_and_resume_is_bit_exact(env, tmp_path):
     reference, got = _sigkill_and_resume(env, tmp_path)
     assert len(reference) == STEPS and reference[-1]["loss"] < reference[0]["loss"]

@@ -174,7 +174,7 @@ class Reduce:
         bits = [self._bits(values[i]) for i in joined]
         rows = jax.lax.all_gather(jnp.concatenate([b.ravel() for b in bits]), FSDP_AXIS, axis=0, tiled=False)
         rows = from_bits(rows, self.compute_dtype)  # (fsdp, elements of this device's shards)
-        out = [None if i in set(joined) else one(l, x) for i, (l, x) in enumerate(zip(leaves, values))]
+        out = [None if i in joined else one(l, x) for i, (l, x) in enumerate(zip(leaves, values))]
         start = 0
         for i, b in zip(joined, bits):
             whole = join_shards(rows[:, start:start + b.size], leaves[i])
