@@ -100,7 +100,20 @@ def _reseed(rng_state: nnx.State, key) -> nnx.State:
     return nnx.State(nnx.traversals.unflatten_mapping(out))
 
 
-def _nnx_functions(make: Callable[[Any], nnx.Module], concrete: nnx.Module | None) -> FunctionalModel:
+def _rngs_by_keyword(make) -> bool:
+    """Whether `make` (a Module class or a factory) takes `rngs` only by keyword, Flax-style
+    (`__init__(self, ..., *, rngs)`); otherwise it is passed positionally."""
+    fn = make.__init__ if isinstance(make, type) else make
+    try:
+        param = inspect.signature(fn).parameters.get("rngs")
+    except (TypeError, ValueError):
+        return False
+    return param is not None and param.kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def _nnx_functions(make: Callable[[Any], nnx.Module] | None, concrete: nnx.Module | None) -> FunctionalModel:
+    if make is not None and _rngs_by_keyword(make):
+        make = (lambda build: lambda rngs: build(rngs=rngs))(make)
     abstract = concrete if concrete is not None else nnx.eval_shape(lambda: make(nnx.Rngs(0)))
     graphdef = nnx.split(abstract, nnx.Param, nnx.RngState, ...)[0]
 

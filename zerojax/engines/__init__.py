@@ -46,6 +46,9 @@ class EngineOptions:
     # ZeRO++ hpZ, stage 3: the fp32 state sharded over fsdp x data, a compute-dtype secondary copy over
     # fsdp only, gathered over data once per step; the layers' gathers then never cross data
     hierarchical: bool = False
+    # also refuse a step whose new state (not only its loss and gradient norm) is non-finite: two
+    # optimizer passes, several times the compile time (docs/engines.md, "The checked update")
+    checked_update: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_stacks", tuple(self.layer_stacks))

@@ -70,40 +70,49 @@ def all_finite(tree) -> jax.Array:
 
 
 def apply_update(layout: StateLayout, tx: optax.GradientTransformation, state: TrainState, grads,
-                 loss, check_first: bool = True) -> tuple[TrainState, dict]:
+                 loss, checked: bool = False, check_first: bool = True) -> tuple[TrainState, dict]:
     """Optimizer update on the optimizer's layout (shards from stage 1 on), then back to the state's.
 
     `grads` arrive reduced: replicated (stages 0-1) or already sharded (stages 2-3). A step whose
-    loss, gradient norm or new state (params, compute copy, optimizer state) holds a non-finite
-    value keeps the old state (`bad_step` = 1), so nothing non-finite is ever committed or saved;
-    the step counter still advances, so the data position moves past the bad batch.
+    loss or gradient norm is not finite keeps the old state (`bad_step` = 1); the step counter still
+    advances, so the data position moves past the bad batch. The verdict is known before the update
+    runs, so the update is one pass written over the old state: for the registry's optimizers finite
+    gradients and state give a finite new state.
 
-    The update runs twice: once only to check it, then again, once the verdict is known, to write
-    it. For an elementwise optimizer (SGD, Adam) the check reads the new values as they are made and
-    the write can go over the old state in place. Run once, every new shard (master, moments) would
-    have to wait beside the old one until the last leaf's check: 12 bytes per parameter shard more
-    temp with Adam. What waits instead is the reduced gradient shard (2 bytes in bf16). The price is
-    a second pass of the optimizer's arithmetic (global-norm clipping and factored optimizers compute
-    their reductions twice too), and the tie `x + 0` writes -0.0 as +0.0.
-
-    That needs the gradient shards to be buffers of their own. `check_first=False` runs the update
-    once, for an engine whose fp32 gradient "shards" are slices of the full all-reduced gradient
-    (XLA:CPU's GSPMD has no reduce-scatter; measured there, not on GPU or TPU): a second reader would
-    keep each full gradient alive until the write.
+    `checked=True` (engine option `checked_update`) also refuses a non-finite *new* state (a custom
+    transformation, a schedule gone NaN): the update then runs twice, once to check and once, after
+    the verdict, to write in place (see `_checked_update`); it compiles several times slower.
     """
     grads = constrain(layout.to_opt(grads), layout.opt_shardings())  # each pass casts them to fp32 itself
     grad_norm = optax.tree.norm(cast_tree(grads, jnp.float32))
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    if checked:
+        new_state, finite = _checked_update(layout, tx, state, grads, finite, check_first)
+    else:
+        new_state, _ = _updated(layout, tx, state, grads)
+    kept = {k: getattr(state, k) for k in new_state}
+    new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, kept)
+    return state.replace(**new_state, step=state.step + 1), {"grad_norm": grad_norm, "bad_step": (~finite).astype(jnp.int32)}
+
+
+def _checked_update(layout, tx, state, grads, finite, check_first):
+    """(new state, verdict) with the new state itself checked for non-finite values.
+
+    The update runs twice: once only to check it, then again, once the verdict is known, to write
+    it, so every new shard need not wait beside the old one until the last leaf's check (12 bytes per
+    parameter shard with Adam); what waits instead is the gradient shard. That needs the gradient
+    shards to be buffers of their own: `check_first=False` runs it once, for an engine whose fp32
+    gradient "shards" are slices of the full all-reduced gradient (XLA:CPU's GSPMD), where a second
+    reader would keep each full gradient alive. The tie `x + 0` writes -0.0 as +0.0.
+    """
     new_state, checked = _updated(layout, tx, state, grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite(checked)
+    finite = finite & all_finite(checked)
     if check_first:
         # The write's inputs depend on the verdict, so it cannot run before it, and no common
         # subexpression of the two passes can be computed once and held for both.
         new_state, _ = _updated(layout, tx, state, grads, verdict=finite.astype(jnp.float32) * 0)
-    kept = {k: getattr(state, k) for k in new_state}
-    new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, kept)
-    if check_first:
         new_state["opt_state"] = wrap_lib.tie_tree(new_state["opt_state"], _written(new_state["params"]))
-    return state.replace(**new_state, step=state.step + 1), {"grad_norm": grad_norm, "bad_step": (~finite).astype(jnp.int32)}
+    return new_state, finite
 
 
 def _written(tree):

@@ -15,7 +15,7 @@ from zerojax.engines.common import (apply_update, compute_params, constrain, des
 from zerojax.engines.gspmd_accum import accumulated_grads
 from zerojax.errors import UserError
 
-SUPPORTS = ("layer_stacks", "prefetch", "wrap", "reshard_after_forward", "grad_accum")
+SUPPORTS = ("layer_stacks", "prefetch", "wrap", "reshard_after_forward", "grad_accum", "checked_update")
 
 
 def _replicated(layout, tree):
@@ -103,7 +103,7 @@ def build(layout, model, static, loss_fn, tx, options: EngineOptions, inputs=Non
     def step(state, batch):
         if accumulated is not None:
             loss, grads, model_state = accumulated(state, batch, step_key(state))
-            new_state, metrics = apply_update(layout, tx, state, grads, loss)
+            new_state, metrics = apply_update(layout, tx, state, grads, loss, options.checked_update)
             return keep_model_state(new_state, model_state, metrics["bad_step"]), {"loss": loss, **metrics}
         # One draw over the global batch: the masks depend on the global shape and the key, not on
         # the stage or (with jax_threefry_partitionable, the default) on the device count.
@@ -123,7 +123,8 @@ def build(layout, model, static, loss_fn, tx, options: EngineOptions, inputs=Non
         # backward (`zerojax.wrap._held`). An fp32 "shard" outside units is a slice of the full
         # all-reduced gradient on XLA:CPU, which a second reader would keep alive.
         shards_are_buffers = layout.precision.compute_dtype != jnp.float32 or around is not None
-        new_state, metrics = apply_update(layout, tx, state, grads, loss, check_first=shards_are_buffers)
+        new_state, metrics = apply_update(layout, tx, state, grads, loss, options.checked_update,
+                                          check_first=shards_are_buffers)
         return keep_model_state(new_state, model_state, metrics["bad_step"]), {"loss": loss, **metrics}
 
     report = units[0] if units else _report(layout, model)
