@@ -103,7 +103,8 @@ def build(layout, model, static, loss_fn, tx, options: EngineOptions, inputs=Non
     def step(state, batch):
         if accumulated is not None:
             loss, grads, model_state = accumulated(state, batch, step_key(state))
-            new_state, metrics = apply_update(layout, tx, state, grads, loss, options.checked_update)
+            new_state, metrics = apply_update(layout, tx, state, grads, loss, options.checked_update,
+                                              order_moments=around is None)
             return keep_model_state(new_state, model_state, metrics["bad_step"]), {"loss": loss, **metrics}
         # One draw over the global batch: the masks depend on the global shape and the key, not on
         # the stage or (with jax_threefry_partitionable, the default) on the device count.
@@ -124,7 +125,7 @@ def build(layout, model, static, loss_fn, tx, options: EngineOptions, inputs=Non
         # all-reduced gradient on XLA:CPU, which a second reader would keep alive.
         shards_are_buffers = layout.precision.compute_dtype != jnp.float32 or around is not None
         new_state, metrics = apply_update(layout, tx, state, grads, loss, options.checked_update,
-                                          check_first=shards_are_buffers)
+                                          check_first=shards_are_buffers, order_moments=around is None)
         return keep_model_state(new_state, model_state, metrics["bad_step"]), {"loss": loss, **metrics}
 
     report = units[0] if units else _report(layout, model)

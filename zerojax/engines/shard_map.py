@@ -370,7 +370,8 @@ def build(layout: StateLayout, model, static, loss_fn, tx, options: EngineOption
         params = state.params if stage == 3 else compute_params(layout, state)
         key = jax.random.key_data(step_key(state))
         loss, grads, model_state = grads_fn(params, state.model_state or {}, key, batch)
-        new_state, metrics = apply_update(layout, tx, state, grads, loss, options.checked_update)
+        new_state, metrics = apply_update(layout, tx, state, grads, loss, options.checked_update,
+                                          order_moments=report.route != "units")
         new_state = keep_model_state(new_state, model_state, metrics["bad_step"])
         if layout.keeps_compute_copy and layout.master_sharded:
             new_state = new_state.replace(compute=gather_compute(new_state.params))  # params already kept if bad
