@@ -277,9 +277,9 @@ def _state_copies(hlo_text: str) -> list[str]:
 
 @pytest.mark.parametrize("engine", ["shard_map", "gspmd"])
 def test_update_writes_the_state_in_place(engine):
-    """The checked update's second pass writes over the donated state: the compiled stage-3 step
-    (bf16, AdamW, scanned layers) copies none of its state arguments. Without the moments' writes
-    ordered after the params' (`common._written`), XLA copied both moments at the step's start."""
+    """The one-pass update writes over the donated state: the compiled stage-3 step (bf16, AdamW,
+    scanned layers) copies none of its state arguments. Without the moments' writes ordered after the
+    master's (`common._after_params`), XLA copied both moments at the step's start (24 copies)."""
     text = _tiny_stage_3_hlo(engine)
     assert "ENTRY" in text and _state_copies(text) == []
 

@@ -62,6 +62,7 @@ class ZeroConfig(_Section):
     quantize_grads: Optional[Literal["int8"]] = None  # ZeRO++ qgZ, shard_map stages 1-3
     quantize_block: PositiveInt = 256  # elements per quantization scale
     hierarchical: StrictBool = False  # ZeRO++ hpZ, shard_map stage 3 on a data x fsdp mesh
+    checked_update: StrictBool = False  # also refuse a non-finite new state: two optimizer passes
 
 
 class MeshConfig(_Section):

@@ -89,7 +89,8 @@ def build_experiment(c: Config, devices=None) -> Experiment:
         reduce_dtype=c.zero.reduce_dtype,
         engine_options=EngineOptions(prefetch=c.zero.prefetch, reshard_after_forward=c.zero.reshard_after_forward,
                                      quantize_weights=c.zero.quantize_weights, quantize_grads=c.zero.quantize_grads,
-                                     quantize_block=c.zero.quantize_block, hierarchical=c.zero.hierarchical),
+                                     quantize_block=c.zero.quantize_block, hierarchical=c.zero.hierarchical,
+                                     checked_update=c.zero.checked_update),
         grad_accum=c.train.grad_accum,
         offload=c.zero.offload,
     )

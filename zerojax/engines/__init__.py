@@ -47,7 +47,7 @@ class EngineOptions:
     # fsdp only, gathered over data once per step; the layers' gathers then never cross data
     hierarchical: bool = False
     # also refuse a step whose new state (not only its loss and gradient norm) is non-finite: two
-    # optimizer passes, several times the compile time (docs/engines.md, "The checked update")
+    # optimizer passes, several times the compile time (docs/engines.md, "The update")
     checked_update: bool = False
 
     def __post_init__(self) -> None:
