@@ -86,3 +86,26 @@ def test_report_and_lowering_are_public(engine):
     assert "func.func public @main" in trainer.lower(state, batch).as_text()
     abstract = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in batch.items()}
     assert trainer.lower(trainer.abstract_state(jax.random.key(0), batch), abstract).as_text()
+
+
+def _poisoned_step(checked: bool, engine: str):
+    """One step of a transformation that turns finite gradients into a NaN update (a schedule gone
+    NaN): (bad_step, whether the new params are finite, the params unchanged)."""
+    tx = optax.chain(optax.sgd(1e-2), optax.scale(jnp.nan))
+    trainer = zj.Trainer(UnevenMLP, tx, mesh=zj.make_mesh(fsdp=8), stage=1, engine=engine,
+                         engine_options={"checked_update": checked})
+    state = trainer.init(jax.random.key(0), classification_batch(0))
+    before = [np.asarray(x) for x in jax.tree.leaves(state.params)]
+    state, metrics = trainer.step(state, classification_batch(0))
+    after = [np.asarray(x) for x in jax.tree.leaves(state.params)]
+    return (int(metrics["bad_step"]), all(np.isfinite(x).all() for x in after),
+            all((a == b).all() for a, b in zip(after, before)))
+
+
+@pytest.mark.parametrize("engine", ["gspmd", "shard_map"])
+def test_checked_update_refuses_a_non_finite_new_state_the_default_does_not_check(engine):
+    """The one-pass default judges the step by its loss and gradient norm, both finite here, so it
+    writes the NaN update (the next step's loss is then non-finite and refused); `checked_update`
+    also checks the new state and keeps the old one."""
+    assert _poisoned_step(True, engine) == (1, True, True)
+    assert _poisoned_step(False, engine) == (0, False, False)
