@@ -23,7 +23,7 @@ def _error(*overrides: str) -> str:
 
 @pytest.mark.parametrize("override, message", [
     ("zero.stagee=1", "unknown config key 'zero.stagee'; valid keys here are: stage, engine, reduce_dtype, prefetch, "
-                      "reshard_after_forward, offload, quantize_weights, quantize_grads, quantize_block, hierarchical."),
+                      "reshard_after_forward, offload, quantize_weights, quantize_grads, quantize_block, hierarchical, checked_update."),
     ("train.log_every=10", "unknown config key 'train.log_every'"),
     ("mesh.tensor=1", "unknown config key 'mesh.tensor'; valid keys here are: data, fsdp."),
     ("train.steps=many", "train.steps must be a valid integer, got 'many'."),
