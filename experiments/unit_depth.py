@@ -32,7 +32,7 @@ MiB = 2**20
 def measure(kind, width, depth, stage, engine, optimizer, precision, checked=False):
     trainer = zj.Trainer(unit_model(kind, width, depth), OPTIMIZERS[optimizer](), mesh=zj.make_mesh(fsdp=8),
                          stage=stage, engine=engine, precision=precision,
-                         engine_options={"checked_update": True} if checked else None)
+                         engine_options={"checked_update": checked})
     batch = unit_batch(width)
     state = trainer.init(jax.random.key(0), batch)
     m = trainer.lower(state, trainer.shard_batch(batch)).compile().memory_analysis()

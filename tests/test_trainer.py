@@ -90,7 +90,8 @@ def test_report_and_lowering_are_public(engine):
 
 def _poisoned_step(checked: bool, engine: str):
     """One step of a transformation that turns finite gradients into a NaN update (a schedule gone
-    NaN): (bad_step, whether the new params are finite, the params unchanged)."""
+    NaN): (bad_step, whether the new params are finite, the params unchanged, the next step's
+    bad_step)."""
     tx = optax.chain(optax.sgd(1e-2), optax.scale(jnp.nan))
     trainer = zj.Trainer(UnevenMLP, tx, mesh=zj.make_mesh(fsdp=8), stage=1, engine=engine,
                          engine_options={"checked_update": checked})
@@ -98,8 +99,9 @@ def _poisoned_step(checked: bool, engine: str):
     before = [np.asarray(x) for x in jax.tree.leaves(state.params)]
     state, metrics = trainer.step(state, classification_batch(0))
     after = [np.asarray(x) for x in jax.tree.leaves(state.params)]
+    _, following = trainer.step(state, classification_batch(1))
     return (int(metrics["bad_step"]), all(np.isfinite(x).all() for x in after),
-            all((a == b).all() for a, b in zip(after, before)))
+            all((a == b).all() for a, b in zip(after, before)), int(following["bad_step"]))
 
 
 @pytest.mark.parametrize("engine", ["gspmd", "shard_map"])
@@ -107,5 +109,5 @@ def test_checked_update_refuses_a_non_finite_new_state_the_default_does_not_chec
     """The one-pass default judges the step by its loss and gradient norm, both finite here, so it
     writes the NaN update (the next step's loss is then non-finite and refused); `checked_update`
     also checks the new state and keeps the old one."""
-    assert _poisoned_step(True, engine) == (1, True, True)
-    assert _poisoned_step(False, engine) == (0, False, False)
+    assert _poisoned_step(True, engine) == (1, True, True, 1)
+    assert _poisoned_step(False, engine) == (0, False, False, 1)
