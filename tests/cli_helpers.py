@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -13,9 +14,15 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def without_device_count(flags: str) -> str:
+    """The session's XLA flags (tests/conftest.py) less the device count: each command sets its own
+    with --devices."""
+    return re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags).strip()
+
+
 def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     full_env = {**os.environ, **(env or {})}
-    full_env.pop("XLA_FLAGS", None)  # each command sets its own device count with --devices
+    full_env["XLA_FLAGS"] = without_device_count(full_env.get("XLA_FLAGS", ""))
     return subprocess.run([sys.executable, "-m", "zerojax.cli", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout, env=full_env)
 
@@ -60,7 +67,7 @@ def cli_env(cache_dir) -> dict:
     step, so all but the first are cheap); each sets its own device count with --devices."""
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache_dir), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
            "PYTHONPATH": REPO, "COLUMNS": "200"}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = without_device_count(env.get("XLA_FLAGS", ""))
     return env
 
 

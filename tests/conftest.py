@@ -1,19 +1,27 @@
-"""Simulate 8 CPU devices before JAX initialises its backends, and share compiled programs.
+"""Simulate 8 CPU devices before JAX initialises its backends, compile fast, and share compiled programs.
 
-Many tests compile the same program (the stage-0 reference a test compares against, the CLI's tiny
-GPT in each subprocess). A persistent compilation cache, new for each session and removed after it,
-compiles each once; every test still runs what it compiles. Set in the environment, so the
-subprocesses a test launches share it. `zerojax.accounting.hlo.compile_partitioned` always
-compiles, since its HLO dump is what it reads.
+- `--xla_backend_optimization_level=0`: XLA:CPU's LLVM code generation at its lowest level. It runs
+  after every HLO pass, so the programs, buffer assignments (`memory_analysis`) and collectives these
+  tests measure are the same as at the default level; only the machine code is slower, which the tiny
+  models here never notice. It halves their compile time.
+- A persistent compilation cache, new for each session (and each `-n` worker pool) and removed after
+  it, compiles each distinct program once: the stage-0 reference many tests compare against, the CLI's
+  tiny GPT in each subprocess. Set in the environment, so the subprocesses a test launches share both.
+  `zerojax.accounting.hlo.compile_partitioned` always compiles, since its HLO dump is what it reads.
 """
 
 import os
 import shutil
 import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+TEST_XLA_FLAGS = ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0",
+                  "--xla_llvm_disable_expensive_passes=true")
+
+_flags = os.environ.get("XLA_FLAGS", "")
+for _flag in TEST_XLA_FLAGS:
+    if _flag.split("=")[0] not in _flags:
+        _flags += " " + _flag
+os.environ["XLA_FLAGS"] = _flags.strip()
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache_dir = tempfile.mkdtemp(prefix="zerojax-test-compile-cache-")
@@ -22,4 +30,5 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
     def pytest_sessionfinish(session, exitstatus):
-        shutil.rmtree(_cache_dir, ignore_errors=True)
+        if not hasattr(session.config, "workerinput"):  # the controller, not an `-n` worker
+            shutil.rmtree(_cache_dir, ignore_errors=True)
