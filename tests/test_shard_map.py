@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 import zerojax as zj
+from tests.programs import KEY, lower_abstract
 from tests.models import LinenMLP, UnevenMLP, classification_batch, tiny_gpt, token_batch
 from zerojax.accounting.analytic import peak_bytes
 from zerojax.accounting.hlo import collective_bytes, compile_partitioned, partitioned_hlo_text
@@ -118,9 +119,7 @@ def test_nested_units_train_the_same():
 def _all_gathers(wrap) -> int:
     trainer = _trainer(UnevenMLP, 3, "shard_map", zj.make_mesh(fsdp=8), wrap=wrap)
     batch = classification_batch(0)
-    state = trainer.init(jax.random.key(0), batch)
-    hlo = partitioned_hlo_text(trainer.lower(state, trainer.shard_batch(batch)),
-                               tempfile.mkdtemp(prefix="zerojax-hlo-"))
+    hlo = partitioned_hlo_text(lower_abstract(trainer, batch), tempfile.mkdtemp(prefix="zerojax-hlo-"))
     return collective_bytes(hlo)["counts"]["all-gather"]
 
 
@@ -164,9 +163,7 @@ BIG = gpt_config("20m", n_layers=8)  # 8 layers of the shipped 20m shape: ~27.5M
 
 
 def _hlo_and_memory(trainer, batch):
-    state = trainer.init(jax.random.key(0), batch)
-    lowered = trainer.lower(state, trainer.shard_batch(batch))
-    compiled, hlo = compile_partitioned(lowered, tempfile.mkdtemp(prefix="zerojax-hlo-"))
+    compiled, hlo = compile_partitioned(lower_abstract(trainer, batch), tempfile.mkdtemp(prefix="zerojax-hlo-"))
     m = compiled.memory_analysis()
     peak = peak_bytes(m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes, m.temp_size_in_bytes)
     return {"traffic": collective_bytes(hlo), "cpu_traffic": collective_bytes(compiled.as_text()),
@@ -248,11 +245,9 @@ def test_reduce_dtype_fp32_doubles_only_the_gradient_bytes():
     model, batches = MODELS["gpt"]
     trainer = zj.Trainer(model, optax.adamw(1e-3), mesh=mesh, stage=3, engine="shard_map", precision="bf16",
                          reduce_dtype="fp32")
-    state = trainer.init(jax.random.key(0), batches(0))
-    hlo = partitioned_hlo_text(trainer.lower(state, trainer.shard_batch(batches(0))),
-                               tempfile.mkdtemp(prefix="zerojax-hlo-"))
+    hlo = partitioned_hlo_text(lower_abstract(trainer, batches(0)), tempfile.mkdtemp(prefix="zerojax-hlo-"))
     traffic = collective_bytes(hlo)["bytes"]
-    params = sum(x.size for x in jax.tree.leaves(state.params))
+    params = sum(x.size for x in jax.tree.leaves(trainer.prepare(KEY, batches(0)).abstract.params))
     unit = params * 7 / 8
     assert traffic["reduce-scatter"] / (4 * unit) == pytest.approx(1.0, rel=0.01)  # fp32 gradients
     assert traffic["all-gather"] / (2 * unit) < 2.0  # bf16 weights (at most twice per leaf)
@@ -264,8 +259,7 @@ def _tiny_stage_3_hlo(engine: str) -> str:
     model, _ = tiny_gpt()
     trainer = zj.Trainer(model, optax.adamw(1e-3), mesh=zj.make_mesh(fsdp=8), stage=3, engine=engine,
                          precision="bf16")
-    state = trainer.init(jax.random.key(0), token_batch(0))
-    return trainer.lower(state, trainer.shard_batch(token_batch(0))).compile().as_text()
+    return lower_abstract(trainer, token_batch(0)).compile().as_text()
 
 
 def _state_copies(hlo_text: str) -> list[str]:

@@ -1,14 +1,15 @@
 """Stage 3 gathers a user's model unit by unit in both engines: temp memory stops growing with depth.
 
 Models of L identical blocks (NNX: an `nnx.List`; Linen: `nn.compact` and setup-style lists), compiled
-only. Between L = 4 and L = 8 the step's temp memory per device may grow by, for each extra block:
+only. Between L = 2 and L = 4 (4 and 8 under -m slow) the step's temp memory per device may grow by,
+for each extra block:
   - 0.15 of the block's full weights in the compute dtype. Most of it is the block's reduced gradient
     shard (1/8 of the block, in the compute dtype), which waits for the step's finiteness verdict
     before the update writes over the old state in place (`engines.common.apply_update`); no
     gathered block may stay alive (before units, it grew by one to two blocks' full weights per block);
   - its saved activations: each unit keeps only its fp32 input, rows/8 x width x 4 bytes (8 KiB
     a block at width 256, 16 KiB at 512).
-That is the issue's 0.15 x 4 blocks' full weights plus the activations, in fp32 and bf16. Plain SGD
+That is 0.15 of a block's full weights per added block plus the activations, in fp32 and bf16. Plain SGD
 in most tests, so the optimizer's own temporaries do not blur what the gathers hold; one test runs
 AdamW, whose new state does not wait for the verdict either.
 """
@@ -25,11 +26,15 @@ from flax import nnx
 
 import zerojax as zj
 from tests.models import classification_batch, tiny_gpt, token_batch
+from tests.programs import KEY, lower_abstract
 from tests.unit_models import (BLOCK_CLASS, DEVICES, OPTIMIZERS, ROWS, block_bytes, unit_allowance,
                                  unit_batch, unit_model)
 from zerojax.accounting.analytic import peak_bytes
 from zerojax.accounting.hlo import _parse, collective_bytes, compile_partitioned
 from zerojax.wrap import WrapRule
+
+SHALLOW, DEEP = 2, 4  # the depths the default suite compares; the slow cases add 8 and 16
+
 
 def _trainer(width, depth, stage, engine, optimizer=None, kind="nnx", precision="fp32", prefetch=False):
     return zj.Trainer(unit_model(kind, width, depth), optimizer or OPTIMIZERS["sgd"](), mesh=zj.make_mesh(fsdp=DEVICES),
@@ -42,24 +47,23 @@ def _compiled(width, depth, stage, engine, kind="nnx", precision="fp32", prefetc
     tx = OPTIMIZERS[optimizer]()
     trainer = _trainer(width, depth, stage, engine, tx, kind=kind, precision=precision, prefetch=prefetch)
     batch = unit_batch(width)
-    state = trainer.init(jax.random.key(0), batch)
-    compiled, hlo = compile_partitioned(trainer.lower(state, trainer.shard_batch(batch)),
-                                        tempfile.mkdtemp(prefix="zerojax-hlo-"))
+    compiled, hlo = compile_partitioned(lower_abstract(trainer, batch), tempfile.mkdtemp(prefix="zerojax-hlo-"))
     m = compiled.memory_analysis()
     peak = peak_bytes(m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes, m.temp_size_in_bytes)
     traffic = collective_bytes(hlo)
     return {"temp": m.temp_size_in_bytes, "peak": peak, "traffic": traffic["bytes"], "counts": traffic["counts"],
-            "report": trainer.gather_report(), "gathers": _gather_levels(hlo)}
+            "report": trainer.prepare(KEY, batch).report, "gathers": _gather_levels(hlo)}
 
 
-def _grown_and_allowance(kind, engine, precision, width, optimizer="sgd"):
-    """temp(8 blocks) - temp(4 blocks) per device, and what the module docstring allows it."""
-    shallow = _compiled(width, 4, 3, engine, kind, precision, optimizer=optimizer)
-    deep = _compiled(width, 8, 3, engine, kind, precision, optimizer=optimizer)
+def _grown_and_allowance(kind, engine, precision, width, optimizer="sgd", depths=(SHALLOW, DEEP)):
+    """temp(deeper) - temp(shallower) per device, and what the module docstring allows it."""
+    low, high = depths
+    shallow = _compiled(width, low, 3, engine, kind, precision, optimizer=optimizer)
+    deep = _compiled(width, high, 3, engine, kind, precision, optimizer=optimizer)
     assert deep["report"].route == "units"
-    assert deep["report"].description.startswith(f"FSDP units: 8 x {BLOCK_CLASS[kind]}") or \
-        f", 8 x {BLOCK_CLASS[kind]}" in deep["report"].description, deep["report"].description
-    return deep["temp"] - shallow["temp"], 4 * unit_allowance(width, 2 if precision == "bf16" else 4)
+    assert deep["report"].description.startswith(f"FSDP units: {high} x {BLOCK_CLASS[kind]}") or \
+        f", {high} x {BLOCK_CLASS[kind]}" in deep["report"].description, deep["report"].description
+    return deep["temp"] - shallow["temp"], (high - low) * unit_allowance(width, 2 if precision == "bf16" else 4)
 
 
 # (model, engine, precision, width): each model, precision and engine once in the default suite
@@ -69,10 +73,11 @@ _SLOW_DEPTH_CASES = [(k, e, p, w) for k in ("nnx", "linen") for e in ("shard_map
 _SLOW_DEPTH_CASES += [("linen_setup", e, "fp32", 256) for e in ("shard_map", "gspmd")]
 
 
-@pytest.mark.parametrize("kind,engine,precision,width", _DEPTH_CASES + [
-    pytest.param(*case, marks=pytest.mark.slow) for case in _SLOW_DEPTH_CASES])
-def test_stage_3_temp_memory_does_not_grow_with_depth(kind, engine, precision, width):
-    grown, allowance = _grown_and_allowance(kind, engine, precision, width)
+@pytest.mark.parametrize("kind,engine,precision,width,depths", [(*case, (SHALLOW, DEEP)) for case in _DEPTH_CASES] + [
+    pytest.param(*case, depths, marks=pytest.mark.slow) for case in _SLOW_DEPTH_CASES for depths in ((SHALLOW, DEEP),)] + [
+    pytest.param(*case, (4, 8), marks=pytest.mark.slow) for case in _DEPTH_CASES])
+def test_stage_3_temp_memory_does_not_grow_with_depth(kind, engine, precision, width, depths):
+    grown, allowance = _grown_and_allowance(kind, engine, precision, width, depths=depths)
     assert grown <= allowance, (grown, allowance)
 
 
@@ -95,18 +100,19 @@ def test_adamw_new_state_does_not_wait_beside_the_old(engine, precision):
     block with shard_map, 0.35 with gspmd; fp32 0.13 of an fp32 block with either; 0.73 of a bf16
     block when the update ran once and its results waited, and gspmd in fp32 ran it once, 0.39 of an
     fp32 block, until each unit's gradient shard was held as a buffer of its own)."""
-    shallow = _compiled(256, 4, 3, engine, "nnx", precision, optimizer="adamw")["temp"]
-    deep = _compiled(256, 8, 3, engine, "nnx", precision, optimizer="adamw")["temp"]
+    shallow = _compiled(256, SHALLOW, 3, engine, "nnx", precision, optimizer="adamw")["temp"]
+    deep = _compiled(256, DEEP, 3, engine, "nnx", precision, optimizer="adamw")["temp"]
     activations = (ROWS // DEVICES) * 256 * 4
     new_state = 12 * (block_bytes(256) // 4) / DEVICES  # fp32 master, mu, nu shards of one block
-    assert deep - shallow - 4 * activations <= 4 * new_state / 2, (deep - shallow, new_state)
+    added = DEEP - SHALLOW
+    assert deep - shallow - added * activations <= added * new_state / 2, (deep - shallow, new_state)
 
 
 @pytest.mark.parametrize("kind,engine", [("nnx", "shard_map"), ("nnx", "gspmd")] + [
     pytest.param("linen", e, marks=pytest.mark.slow) for e in ("shard_map", "gspmd")])
 def test_stage_3_peak_below_stage_2(kind, engine):
     precision = "bf16" if (kind, engine) == ("linen", "shard_map") else "fp32"  # the temp test's compiles
-    for depth in (4, 8):
+    for depth in (SHALLOW, DEEP):
         stage_3 = _compiled(256, depth, 3, engine, kind, precision)["peak"]
         assert stage_3 < _compiled(256, depth, 2, engine, kind, precision)["peak"]
 
@@ -114,7 +120,7 @@ def test_stage_3_peak_below_stage_2(kind, engine):
 def test_shard_map_traffic_is_textbook():
     """All-gathers: at most two per unit (forward, backward; the first layer's backward needs no
     weights); reduce-scatters and all-reduces: one gradient; within 2%, on the partitioned HLO."""
-    width, depth = 256, 8
+    width, depth = 256, DEEP
     traffic = _compiled(width, depth, 3, "shard_map")["traffic"]
     params = depth * 2 * (width * width + width) + (width * width + width) + (width * 10 + 10)
     unit = 4 * params * (DEVICES - 1) / DEVICES
@@ -128,7 +134,7 @@ def test_shard_map_gathers_each_unit_in_one_collective(kind, precision):
     """A unit's sharded leaves (a block's two kernels) move in one all-gather forward and one in its
     backward (`Reduce.gather_group`), not one per leaf: 2 per block, 2 for the output Linear, 1 for
     the input Linear (its backward needs no weights)."""
-    depth = 8
+    depth = DEEP
     assert _compiled(256, depth, 3, "shard_map", kind, precision)["counts"]["all-gather"] == 2 * depth + 3
 
 
@@ -206,13 +212,13 @@ def test_prefetch_gathers_one_unit_ahead(kind, engine):
     assert on["gathers"] == _one_unit_earlier(off, forward_dots), (on["gathers"], off)
 
 
-# The 16-block programs (a slow compile, unrolled) run under -m slow; 4 and 8 blocks by default.
-@pytest.mark.parametrize("kind,engine,depths", [(*case, (4, 8)) for case in _PREFETCH_CASES[:1]] + [
-    pytest.param("nnx", "shard_map", (16,), marks=pytest.mark.slow)] + [
+# The 8- and 16-block programs (a slow compile, unrolled) run under -m slow; 2 and 4 blocks by default.
+@pytest.mark.parametrize("kind,engine,depths", [(*case, (SHALLOW, DEEP)) for case in _PREFETCH_CASES[:1]] + [
+    pytest.param("nnx", "shard_map", (8, 16), marks=pytest.mark.slow)] + [
     pytest.param(*case.values, (4, 8, 16), marks=pytest.mark.slow) for case in _PREFETCH_CASES[1:]])
 def test_prefetch_temp_growth_is_bounded(kind, engine, depths):
     """Prefetch holds about one more unit's gathered weights (the next unit's, forward and backward),
-    at every depth: temp(prefetch) - temp(without) <= 1.5 blocks at 4, 8 and 16 blocks. A prefetch
+    at every depth: temp(prefetch) - temp(without) <= 1.5 blocks at 2, 4, 8 and 16 blocks. A prefetch
     that kept anything per block would pass 1.5 blocks by 16 (0.15 of a block per block from 1.27).
 
     The extra is not a smooth function of depth, so no difference of two depths is asserted: with
