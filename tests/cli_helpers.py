@@ -27,6 +27,31 @@ def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subpro
                           text=True, timeout=timeout, env=full_env)
 
 
+def cli_in_process(*args: str) -> subprocess.CompletedProcess:
+    """`zerojax ARGS` through the CLI's own `main` in this process, as `run_cli` reports it: for a test
+    that checks what a command says, with no new interpreter to start. JAX is up here with 8
+    devices, so `--devices` may only say 8 (or a count it refuses); the environment a command changes is restored after it."""
+    import contextlib
+    import io
+
+    from zerojax import cli
+
+    devices = [args[i + 1] for i, a in enumerate(args) if a == "--devices"]
+    assert all(int(d) in (8,) or int(d) < 1 for d in devices), "a command on another device count needs run_cli"
+    environ = dict(os.environ)
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = cli.main(list(args))
+            except SystemExit as e:  # argparse's errors
+                code = e.code
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+    return subprocess.CompletedProcess(["zerojax", *args], code, out.getvalue(), err.getvalue())
+
+
 def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> None:
     """Exit status 2, exactly one `error:` line on stderr, no traceback."""
     assert result.returncode == 2, (result.returncode, result.stderr[-2000:])

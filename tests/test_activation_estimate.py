@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import zerojax as zj
-from tests.cli_helpers import REPO, assert_one_line_error, run_cli
+from tests.cli_helpers import REPO, assert_one_line_error, cli_in_process
 from zerojax.accounting import analytic as A
 from zerojax.accounting import measure
 from zerojax.models.gpt import GPT, gpt_config
@@ -81,4 +81,4 @@ def test_plan_config_flags_override_the_config():
     (["--params", "7e9", "--devices", "8", "--set", "model.preset=7b"], ["--set needs a CONFIG"]),
 ])
 def test_plan_config_bad_input_exits_2_with_one_line(args, needles):
-    assert_one_line_error(run_cli("plan", *args), *needles)
+    assert_one_line_error(cli_in_process("plan", *args), *needles)

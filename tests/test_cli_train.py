@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tests.cli_helpers import assert_one_line_error, run_cli
+from tests.cli_helpers import assert_one_line_error, cli_in_process, run_cli
 
 TINY = "configs/tiny.yaml"
 
@@ -50,22 +50,22 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_override_is_one_line_exit_2(case, tmp_path):
     extra, needles = CASES[case]
-    result = run_cli("train", TINY, "--out", str(tmp_path / "out"), *extra)
+    result = cli_in_process("train", TINY, "--out", str(tmp_path / "out"), *extra)
     assert_one_line_error(result, *needles)
 
 
 def test_empty_corpus(empty_corpus, tmp_path):
-    result = run_cli("train", TINY, "--devices", "8", "--out", str(tmp_path), "--set", f"data.path={empty_corpus}")
+    result = cli_in_process("train", TINY, "--devices", "8", "--out", str(tmp_path), "--set", f"data.path={empty_corpus}")
     assert_one_line_error(result, "data.path", "empty")
 
 
 def test_malformed_yaml(bad_yaml):
-    assert_one_line_error(run_cli("train", bad_yaml), bad_yaml, "YAML")
+    assert_one_line_error(cli_in_process("train", bad_yaml), bad_yaml, "YAML")
 
 
 def test_missing_yaml():
-    assert_one_line_error(run_cli("train", "configs/does-not-exist.yaml"), "does-not-exist.yaml")
+    assert_one_line_error(cli_in_process("train", "configs/does-not-exist.yaml"), "does-not-exist.yaml")
 
 
 def test_bad_device_count():
-    assert_one_line_error(run_cli("train", TINY, "--devices", "0"), "--devices")
+    assert_one_line_error(cli_in_process("train", TINY, "--devices", "0"), "--devices")

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tests.cli_helpers import assert_one_line_error, run_cli
+from tests.cli_helpers import assert_one_line_error, cli_in_process, run_cli
 from zerojax.commands.compare import engine_available
 
 TINY = "configs/tiny.yaml"
@@ -86,8 +86,8 @@ def test_both_engines(tmp_path):
     (["--set", "zero.stagee=1"], ["zero.stagee"]),
 ])
 def test_bad_arguments_exit_2_with_one_line(args, needles):
-    assert_one_line_error(run_cli("compare", TINY, *args), *needles)
+    assert_one_line_error(cli_in_process("compare", TINY, *args), *needles)
 
 
 def test_missing_config_is_one_line():
-    assert_one_line_error(run_cli("compare", "configs/none.yaml"), "configs/none.yaml")
+    assert_one_line_error(cli_in_process("compare", "configs/none.yaml"), "configs/none.yaml")

@@ -9,6 +9,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.cli_helpers import assert_one_line_error, cli_env, dir_digest, read_records, wait_for
+from tests.cli_helpers import assert_one_line_error, cli_env, cli_in_process, dir_digest, read_records, wait_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "tiny.yaml")
@@ -53,6 +54,20 @@ def reference(tmp_path_factory, env) -> list[dict]:
     done = _run(_cmd(out), env)
     assert done.returncode == 0, done.stderr[-3000:]
     return _records(out)
+
+
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory, env):
+    """A run of the first 4 steps (checkpoints 2 and 4), which each test copies before changing it."""
+    out = tmp_path_factory.mktemp("four_steps") / "run"
+    done = _run(_cmd(out, "train.steps=4"), env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def _copy(run, tmp_path):
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run"
 
 
 def _assert_matches(out, reference: list[dict]) -> None:
@@ -168,10 +183,8 @@ def _limit_file_size(limit: int):
     return preexec
 
 
-def test_a_failed_checkpoint_write_is_one_line_and_the_last_checkpoint_resumes(env, reference, tmp_path):
-    out = tmp_path / "run"
-    done = _run(_cmd(out, "train.steps=4"), env)  # checkpoints 2 and 4, written normally
-    assert done.returncode == 0, done.stderr[-3000:]
+def test_a_failed_checkpoint_write_is_one_line_and_the_last_checkpoint_resumes(env, reference, four_steps, tmp_path):
+    out = _copy(four_steps, tmp_path)  # checkpoints 2 and 4, written normally
     before = {s: dir_digest(out / "checkpoints" / str(s)) for s in (2, 4)}
     # Checkpoint data files are ~1 MB; metrics.jsonl stays far below the limit. Every program is in
     # the shared compilation cache already (the reference ran this config), so the cache only reads.
@@ -203,7 +216,7 @@ def test_a_blown_up_loss_stops_with_exit_3_and_never_saves_a_non_finite_value(en
     assert saved and saved[-1] == len(records) - 3  # bad steps write no checkpoint
     for step in saved:
         npz = tmp_path / f"p{step}.npz"
-        done = _run([sys.executable, "-m", "zerojax.cli", "export", str(out / "checkpoints" / str(step)), str(npz)], env)
+        done = cli_in_process("export", str(out / "checkpoints" / str(step)), str(npz))
         assert done.returncode == 0, done.stderr[-3000:]
         with np.load(npz) as f:
             assert all(np.isfinite(f[k]).all() for k in f.files)
@@ -234,21 +247,19 @@ def test_each_trajectory_key_changed_on_resume_is_named(tmp_path):
         check_resume_config(saved, load_config(CONFIG, [*SETS, safe]).to_dict(), "ckpt")
 
 
-def test_resume_refuses_a_new_learning_rate_and_accepts_a_new_stage_and_length(env, reference, tmp_path):
-    out = tmp_path / "run"
-    done = _run(_cmd(out, "train.steps=6"), env)
-    assert done.returncode == 0, done.stderr[-3000:]
+def test_resume_refuses_a_new_learning_rate_and_accepts_a_new_stage_and_length(env, four_steps, tmp_path):
+    out = _copy(four_steps, tmp_path)
     before = dir_digest(out)
-    done = _run(_cmd(out, "optimizer.lr=0.01", "train.batch_size=8"), env)
+    done = cli_in_process(*_cmd(out, "train.steps=4", "optimizer.lr=0.01", "train.batch_size=8")[3:])
     assert_one_line_error(done, "optimizer.lr is 0.01 here but 0.003 in the checkpoint",
                           "train.batch_size is 8 here but 16 in the checkpoint")
     assert dir_digest(out) == before
-    done = _run(_cmd(out, "train.steps=8", "zero.stage=1", "zero.engine=shard_map"), env)
+    done = _run(_cmd(out, "train.steps=6", "zero.stage=1", "zero.engine=shard_map"), env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "warning: resuming with changed settings: train.steps 6 -> 8, zero.engine 'gspmd' -> 'shard_map', " \
-           "zero.stage 3 -> 1; the learning-rate schedule now spans the new train.steps." in done.stderr.replace(
-               "\n", " ") or "resuming with changed settings" in done.stderr, done.stderr[-2000:]
-    assert [r["step"] for r in _records(out)] == list(range(1, 9))
+    assert "warning: resuming with changed settings: train.steps 4 -> 6, zero.engine 'gspmd' -> 'shard_map', " \
+           "zero.stage 3 -> 1; the learning-rate schedule now spans the new train.steps." in " ".join(
+               done.stderr.split()), done.stderr[-2000:]
+    assert [r["step"] for r in _records(out)] == list(range(1, 7))
 
 
 # ---- outputs that cannot be written --------------------------------------------------------------
@@ -258,8 +269,8 @@ def test_out_naming_a_file_or_under_one_is_one_line(env, tmp_path):
     a_file = tmp_path / "file"
     a_file.write_text("x")
     before = dir_digest(tmp_path)
-    assert_one_line_error(_run(_cmd(a_file), env), f"--out {str(a_file)!r} is a file")
-    assert_one_line_error(_run(_cmd(a_file / "sub"), env), f"is under {str(a_file)!r}, which is a file")
+    assert_one_line_error(cli_in_process(*_cmd(a_file)[3:]), f"--out {str(a_file)!r} is a file")
+    assert_one_line_error(cli_in_process(*_cmd(a_file / "sub")[3:]), f"is under {str(a_file)!r}, which is a file")
     assert dir_digest(tmp_path) == before
 
 
@@ -274,14 +285,12 @@ def test_out_in_a_read_only_folder_is_one_line(env, tmp_path):
         ro.chmod(0o755)
 
 
-def test_export_refuses_folders_in_the_way(env, tmp_path):
-    out = tmp_path / "run"
-    done = _run(_cmd(out, "train.steps=2"), env)
-    assert done.returncode == 0, done.stderr[-3000:]
+def test_export_refuses_folders_in_the_way(four_steps, tmp_path):
+    out = four_steps
     (tmp_path / "p.npz.partial").mkdir()
     (tmp_path / "q.npz").mkdir()
     before = dir_digest(tmp_path)
-    export = [sys.executable, "-m", "zerojax.cli", "export", str(out)]
-    assert_one_line_error(_run([*export, str(tmp_path / "p.npz")], env), "p.npz.partial' is a folder")
-    assert_one_line_error(_run([*export, str(tmp_path / "q.npz")], env), "q.npz' is a folder")
+    export = ["export", str(out)]
+    assert_one_line_error(cli_in_process(*export, str(tmp_path / "p.npz")), "p.npz.partial' is a folder")
+    assert_one_line_error(cli_in_process(*export, str(tmp_path / "q.npz")), "q.npz' is a folder")
     assert dir_digest(tmp_path) == before and (tmp_path / "p.npz.partial").is_dir()

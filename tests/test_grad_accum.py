@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 import zerojax as zj
-from tests.cli_helpers import assert_one_line_error, run_cli
+from tests.cli_helpers import assert_one_line_error, cli_in_process
 from tests.models import UnevenMLP, classification_batch, tiny_gpt, token_batch
 from zerojax.accounting.hlo import collective_bytes, compile_partitioned
 from zerojax.errors import UserError
@@ -241,8 +241,8 @@ def test_config_rejects_an_indivisible_batch():
 
 
 def test_cli_indivisible_batch_is_one_line_exit_2(tmp_path):
-    result = run_cli("train", "configs/tiny.yaml", "--devices", "8", "--out", str(tmp_path),
-                     "--set", "train.grad_accum=3")
+    result = cli_in_process("train", "configs/tiny.yaml", "--devices", "8", "--out", str(tmp_path),
+                            "--set", "train.grad_accum=3")
     assert_one_line_error(result, "train.grad_accum=3", "train.batch_size=16")
 
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tests.cli_helpers import assert_one_line_error, run_cli
+from tests.cli_helpers import assert_one_line_error, cli_in_process, run_cli
 from zerojax.accounting import analytic as A
 
 TINY = "configs/tiny.yaml"
@@ -75,8 +75,8 @@ def test_table_lists_replicated_and_padded_leaves(three_devices, capsys):
     (["--set", "precision=fp8"], ["precision", "fp8"]),
 ])
 def test_bad_arguments_exit_2_with_one_line(args, needles):
-    assert_one_line_error(run_cli("inspect", TINY, *args), *needles)
+    assert_one_line_error(cli_in_process("inspect", TINY, *args), *needles)
 
 
 def test_missing_config_is_one_line():
-    assert_one_line_error(run_cli("inspect", "configs/none.yaml"), "configs/none.yaml")
+    assert_one_line_error(cli_in_process("inspect", "configs/none.yaml"), "configs/none.yaml")

@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import zerojax as zj
-from tests.cli_helpers import assert_one_line_error, run_cli
+from tests.cli_helpers import assert_one_line_error, cli_in_process, run_cli
 from zerojax.accounting import analytic as A
 from zerojax.accounting import picks
 from zerojax.accounting.activations import GPTShape
@@ -140,7 +140,7 @@ def test_plan_cli_ranks_and_prints_the_overrides_of_the_best():
 @pytest.mark.parametrize("flag, value", [("--memory", "lots"), ("--memory", "-3GB"), ("--memory", "0"),
                                          ("--host-memory", "x"), ("--headroom", "1.5")])
 def test_bad_budgets_are_one_line_errors(flag, value):
-    assert_one_line_error(run_cli("plan", "--params", "7e9", "--devices", "8", flag, value), flag)
+    assert_one_line_error(cli_in_process("plan", "--params", "7e9", "--devices", "8", flag, value), flag)
 
 
 def test_host_memory_rules_out_offload_that_does_not_fit_on_the_host():

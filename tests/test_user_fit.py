@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import zerojax as zj
-from tests.cli_helpers import assert_one_line_error, cli_env, read_records, run_cli
+from tests.cli_helpers import assert_one_line_error, cli_env, cli_in_process, read_records, run_cli
 from tests.user_code import MLP, blobs
 from zerojax.sources import ArraySource, IterableSource, global_batch
 
@@ -161,7 +161,7 @@ BAD = {
 def test_bad_target_is_one_line_exit_2(case, tmp_path):
     sets, needles = BAD[case]
     args = [a for s in sets for a in ("--set", s)]
-    assert_one_line_error(run_cli("train", "configs/tiny.yaml", "--devices", "8", "--out", str(tmp_path), *args),
+    assert_one_line_error(cli_in_process("train", "configs/tiny.yaml", "--devices", "8", "--out", str(tmp_path), *args),
                           *needles)
 
 
