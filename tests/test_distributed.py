@@ -174,9 +174,16 @@ def _losses(out_dir) -> list[float]:
         return [json.loads(line)["loss"] for line in f]
 
 
+def _plain(args: list[str]) -> subprocess.CompletedProcess:
+    """`zerojax train` as one process of 8 devices, outside any launcher or cluster."""
+    return subprocess.run([sys.executable, "-m", "zerojax.cli", "train", TINY, *FAST, "--devices", "8", *args],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT)
+
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """`launched(stage, processes)`: a 5-step tiny run through `zerojax launch`, run once per module.
+    """`launched(stage, processes)`: a 5-step tiny run, run once per module: through `zerojax launch`
+    (processes >= 1), or as a plain process of 8 devices (processes 0).
 
     Checkpoints at steps 3 and 5, written by every process, for the cross-process restore test.
     """
@@ -185,9 +192,12 @@ def launched(tmp_path_factory):
     def run(stage: int, processes: int):
         if (stage, processes) not in cache:
             out = tmp_path_factory.mktemp(f"stage{stage}-p{processes}")
-            done = _launch(["--processes", str(processes), "--devices-per-process", str(8 // processes), "--",
-                            "train", TINY, *FAST, "--set", f"zero.stage={stage}", "--set", "checkpoint.every=3",
-                            "--out", str(out)])
+            args = ["--set", f"zero.stage={stage}", "--set", "checkpoint.every=3", "--out", str(out)]
+            if processes:
+                done = _launch(["--processes", str(processes), "--devices-per-process", str(8 // processes), "--",
+                                "train", TINY, *FAST, *args])
+            else:
+                done = _plain(args)
             assert done.returncode == 0, done.stderr[-3000:]
             cache[stage, processes] = (out, done)
         return cache[stage, processes]
@@ -195,17 +205,23 @@ def launched(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 3])  # stage 0: 36 s more
-def test_two_processes_match_one_process(stage, launched):
-    """2 processes x 4 devices and 1 process x 8 devices: the same global batches, the same losses."""
+# Stage 0, and the one-process launch against the plain process, under -m slow (36 s more each).
+@pytest.mark.parametrize("stage, one", [(3, 0), pytest.param(3, 1, marks=pytest.mark.slow),
+                                        pytest.param(0, 1, marks=pytest.mark.slow)])
+def test_two_processes_match_one_process(stage, one, launched):
+    """2 processes x 4 devices and 1 process x 8 devices (plain, or launched): the same global batches,
+    the same losses."""
     losses = {}
-    for processes in (2, 1):
+    for processes in (2, one):
         out, done = launched(stage, processes)
         losses[processes] = _losses(out)
+        if not processes:
+            continue
         assert f"[0] zerojax: process 0 of {processes}: {8 // processes} local cpu devices, 8 in all" in done.stderr
         # Only process 0 reports: progress and the summary table carry its prefix, never another's.
         assert re.search(r"^\[0\] .*zerojax run", done.stdout, re.M)
         assert not re.search(r"^\[1\] .*(zerojax run|step \d)", done.stdout + done.stderr, re.M)
+    losses[1] = losses[one]
     assert len(losses[2]) == len(losses[1]) == 5
     for two, one in zip(losses[2], losses[1]):
         assert two == pytest.approx(one, rel=1e-6)
@@ -215,7 +231,7 @@ def test_two_processes_match_one_process(stage, launched):
 def test_a_two_process_checkpoint_resumes_in_one_process(launched, tmp_path):
     """Both processes wrote their shards of step 3; one process with 8 devices reads them all back."""
     two, _ = launched(3, 2)
-    one, _ = launched(3, 1)
+    one, _ = launched(3, 0)
     # Orbax keeps each process's shards in its own store: both processes wrote theirs.
     written = sorted(p.name for p in (two / "checkpoints" / "3" / "state").glob("ocdbt.process_*"))
     assert written == ["ocdbt.process_0", "ocdbt.process_1"]
@@ -223,8 +239,7 @@ def test_a_two_process_checkpoint_resumes_in_one_process(launched, tmp_path):
     shutil.copytree(two / "checkpoints", ckpt)
     shutil.rmtree(ckpt / "5")  # resume from step 3, written by the two processes
     out = tmp_path / "resumed"
-    done = _launch(["--processes", "1", "--devices-per-process", "8", "--", "train", TINY, *FAST,
-                    "--set", "zero.stage=3", "--set", f"checkpoint.dir={ckpt}", "--out", str(out), "--resume"])
+    done = _plain(["--set", "zero.stage=3", "--set", f"checkpoint.dir={ckpt}", "--out", str(out), "--resume"])
     assert done.returncode == 0, done.stderr[-3000:]
     resumed = _losses(out)
     assert len(resumed) == 2  # steps 4 and 5 only
