@@ -28,6 +28,7 @@ DEVICES, WIDTH, ROWS = 8, 128, 4096
 ACTIVATION = (ROWS // DEVICES) * WIDTH * 4
 BLOCK = 2 * (WIDTH * WIDTH + WIDTH) * 4
 SAVED_PER_BLOCK = {"full": 1, "dots": 2}
+SHALLOW, DEEP = 2, 4  # the depths whose difference the memory tests read
 
 
 def _batch(seed: int = 0) -> dict:
@@ -47,7 +48,7 @@ def _temp_and_step(kind, engine, depth, remat, prefetch=False):
     """(compiled temp bytes per device, the state after one step as numpy leaves)"""
     trainer = _trainer(kind, engine, depth, remat, prefetch)
     state = trainer.init(jax.random.key(0), _batch())
-    temp = trainer.lower(state, trainer.shard_batch(_batch())).compile().memory_analysis().temp_size_in_bytes
+    temp = trainer.compile(state, _batch()).memory_analysis().temp_size_in_bytes  # `step` runs this program
     state, metrics = trainer.step(state, _batch())
     assert trainer.gather_report().route == "units"
     return temp, float(metrics["loss"]), [np.asarray(x) for x in jax.tree.leaves(state.params)]
@@ -56,22 +57,23 @@ def _temp_and_step(kind, engine, depth, remat, prefetch=False):
 @pytest.mark.parametrize("kind,engine", [("nnx", "shard_map")] + [
     pytest.param(k, e, marks=pytest.mark.slow) for k, e in [("linen", "gspmd"), ("nnx", "gspmd"), ("linen", "shard_map")]])
 def test_policies_keep_what_they_name_and_never_the_gathered_weights(kind, engine):
-    temps = {r: _temp_and_step(kind, engine, 8, r)[0] for r in ("none", "dots", "full")}
+    temps = {r: _temp_and_step(kind, engine, DEEP, r)[0] for r in ("none", "dots", "full")}
     assert temps["none"] > temps["dots"] > temps["full"]
-    grown = temps["none"] - _temp_and_step(kind, engine, 4, "none")[0]
-    assert grown >= 4 * 3 * ACTIVATION  # at least fc1's and gelu's outputs beside the input
+    added = DEEP - SHALLOW
+    grown = temps["none"] - _temp_and_step(kind, engine, SHALLOW, "none")[0]
+    assert grown >= added * 3 * ACTIVATION  # at least fc1's and gelu's outputs beside the input
     for remat, saved in SAVED_PER_BLOCK.items():
-        grown = temps[remat] - _temp_and_step(kind, engine, 4, remat)[0]
-        # 4 more blocks: their saved activations plus at most 0.15 of a block each (no gathered block
+        grown = temps[remat] - _temp_and_step(kind, engine, SHALLOW, remat)[0]
+        # Each added block: its saved activations plus at most 0.15 of a block (no gathered block
         # kept; the new master shards alone are 1/8 of a block, see tests/test_units.py).
-        assert 4 * saved * ACTIVATION <= grown <= 4 * (saved * ACTIVATION + 0.15 * BLOCK), (remat, grown)
+        assert added * saved * ACTIVATION <= grown <= added * (saved * ACTIVATION + 0.15 * BLOCK), (remat, grown)
 
 
 @pytest.mark.parametrize("kind,engine", [("nnx", "shard_map"), ("linen", "gspmd")])
 def test_policies_change_memory_not_values(kind, engine):
-    _, loss, params = _temp_and_step(kind, engine, 8, "full")
+    _, loss, params = _temp_and_step(kind, engine, DEEP, "full")
     for remat in ("none", "dots"):
-        other_loss, other = _temp_and_step(kind, engine, 8, remat)[1:]
+        other_loss, other = _temp_and_step(kind, engine, DEEP, remat)[1:]
         assert other_loss == pytest.approx(loss, rel=1e-6)
         for a, b in zip(params, other):
             np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
@@ -82,10 +84,10 @@ def _dots_policy(prim, *args, **params):  # a policy of the user's own: dots' de
 
 
 def test_a_checkpoint_policy_works_as_its_name():
-    named = _temp_and_step("nnx", "shard_map", 4, "dots")
-    given = _temp_and_step("nnx", "shard_map", 4, _dots_policy)
+    named = _temp_and_step("nnx", "shard_map", SHALLOW, "dots")
+    given = _temp_and_step("nnx", "shard_map", SHALLOW, _dots_policy)
     assert given[0] == named[0] and given[1] == named[1]
-    assert given[0] > _temp_and_step("nnx", "shard_map", 4, "full")[0]
+    assert given[0] > _temp_and_step("nnx", "shard_map", SHALLOW, "full")[0]
 
 
 @pytest.mark.slow
