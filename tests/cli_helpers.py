@@ -75,6 +75,11 @@ def dir_digest(path) -> dict:
     return out
 
 
+# How often a test re-reads a run's metrics.jsonl while waiting for a step: each read parses the file,
+# and a faster loop takes a core from the run it waits for.
+RECORDS_POLL_S = 0.01
+
+
 def wait_for(predicate, proc, what: str, timeout: float = 300, poll: float = 0.0005) -> None:
     """Poll `predicate` until it holds; fail (killing `proc` on a timeout) if `proc` ends first."""
     deadline = time.monotonic() + timeout

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tests.cli_helpers import assert_one_line_error, cli_in_process, run_cli
+from tests.cli_helpers import assert_one_line_error, cli_in_process
 from zerojax.commands.compare import engine_available
 
 TINY = "configs/tiny.yaml"
@@ -15,7 +15,7 @@ FIELDS = {"stage", "engine", "persistent_bytes_per_device", "ideal_persistent_by
 
 def _compare(tmp_path, *args):
     out = tmp_path / "compare.json"
-    r = run_cli("compare", TINY, "--devices", "8", "--steps", "2", "--set", "train.batch_size=8",
+    r = cli_in_process("compare", TINY, "--devices", "8", "--steps", "2", "--set", "train.batch_size=8",
                 "--json", str(out), *args)
     assert r.returncode == 0, r.stderr[-3000:]
     return r, json.loads(out.read_text())

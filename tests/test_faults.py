@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.cli_helpers import assert_one_line_error, cli_env, cli_in_process, dir_digest, read_records, wait_for
+from tests.cli_helpers import RECORDS_POLL_S, assert_one_line_error, cli_env, cli_in_process, dir_digest, read_records, wait_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "tiny.yaml")
@@ -89,7 +89,7 @@ def _assert_matches(out, reference: list[dict]) -> None:
 
 
 def _wait_records(out, n: int, proc, timeout: float = 300) -> None:
-    wait_for(lambda: len(_records(out)) >= n, proc, f"step {n}", timeout, poll=0.001)
+    wait_for(lambda: len(_records(out)) >= n, proc, f"step {n}", timeout, poll=RECORDS_POLL_S)
 
 
 def _complete(out) -> list[int]:

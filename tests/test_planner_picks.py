@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import zerojax as zj
-from tests.cli_helpers import assert_one_line_error, cli_in_process, run_cli
+from tests.cli_helpers import assert_one_line_error, cli_in_process
 from zerojax.accounting import analytic as A
 from zerojax.accounting import picks
 from zerojax.accounting.activations import GPTShape
@@ -116,8 +116,7 @@ def test_accumulation_splits_the_rows_and_stage_3_pays_per_micro_batch():
 
 
 def test_plan_cli_ranks_and_prints_the_overrides_of_the_best():
-    r = run_cli("plan", "configs/tiny.yaml", "--devices", "8", "--memory", "2MB", "--headroom", "0", "--json",
-                timeout=120)
+    r = cli_in_process("plan", "configs/tiny.yaml", "--devices", "8", "--memory", "2MB", "--headroom", "0", "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
     assert out["memory_bytes"] == 2e6 and out["rows_per_device"] == 2
@@ -132,7 +131,7 @@ def test_plan_cli_ranks_and_prints_the_overrides_of_the_best():
         c = load_config("configs/tiny.yaml", best["overrides"])
         assert (c.zero.stage, c.train.grad_accum, c.model.remat) == (
             ranked[0]["stage"], ranked[0]["grad_accum"], ranked[0]["remat"])
-    table = run_cli("plan", "configs/tiny.yaml", "--devices", "8", "--memory", "2MB", timeout=120)
+    table = cli_in_process("plan", "configs/tiny.yaml", "--devices", "8", "--memory", "2MB")
     assert "Best combination: --set zero.stage=" in table.stdout, table.stdout[-2000:]
     assert "less 10% headroom" in table.stdout
 

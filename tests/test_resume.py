@@ -22,7 +22,7 @@ from zerojax.engines.common import cross_entropy
 from zerojax.errors import UserError
 from zerojax.experiment import build_experiment
 from zerojax.run import fit
-from tests.cli_helpers import dir_digest, read_records, wait_for
+from tests.cli_helpers import RECORDS_POLL_S, dir_digest, read_records, wait_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "tiny.yaml")
@@ -92,7 +92,7 @@ def test_sigkill_mid_run_and_mid_save_then_resume_is_bit_exact(reference, env, t
 
     # 1. Killed between steps, with checkpoints written and possibly one in flight.
     proc = subprocess.Popen(_train_cmd(out), env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for(lambda: len(_records(out)) >= 5, proc, "step 5")
+    wait_for(lambda: len(_records(out)) >= 5, proc, "step 5", poll=RECORDS_POLL_S)
     proc.kill()
     proc.wait()
     first_kill = complete_steps(str(ckpt_dir), report=False)

@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import zerojax as zj
-from tests.cli_helpers import assert_one_line_error, cli_env, cli_in_process, read_records, run_cli
+from tests.cli_helpers import RECORDS_POLL_S, assert_one_line_error, cli_env, cli_in_process, read_records, run_cli
 from tests.user_code import MLP, blobs
 from zerojax.sources import ArraySource, IterableSource, global_batch
 
@@ -115,7 +115,7 @@ def _sigkill_and_resume(env, tmp_path, *sets) -> tuple[list[dict], list[dict]]:
     proc = subprocess.Popen(_cmd(out, *sets), env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while len(_records(out)) < 5 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.001)
+        time.sleep(RECORDS_POLL_S)
     proc.kill()
     proc.wait()
     done = subprocess.run(_cmd(out, "--resume", *sets), env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -167,10 +167,10 @@ def test_bad_target_is_one_line_exit_2(case, tmp_path):
 
 def test_plan_and_inspect_count_a_target_model(tmp_path):
     n = 12 * 24 + 24 + 24 * 4 + 4
-    plan = run_cli("plan", "configs/tiny.yaml", *TARGETS, "--devices", "8", "--json")
+    plan = cli_in_process("plan", "configs/tiny.yaml", *TARGETS, "--devices", "8", "--json")
     assert plan.returncode == 0, plan.stderr[-3000:]
     assert json.loads(plan.stdout)["params"] == n
-    inspect = run_cli("inspect", "configs/tiny.yaml", *TARGETS, "--devices", "8", "--json")
+    inspect = cli_in_process("inspect", "configs/tiny.yaml", *TARGETS, "--devices", "8", "--json")
     assert inspect.returncode == 0, inspect.stderr[-3000:]
     report = json.loads(inspect.stdout)
     assert report["params"] == n and {l["path"] for l in report["leaves"]} >= {"hidden/kernel", "out/kernel"}
