@@ -131,6 +131,7 @@ def test_cpu_final_hlo_moves_bf16_collectives_as_f32():
 # --- a 20M GPT ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the tiny GPT's persistent and stage-3 traffic tests assert the same by default
 def test_20m_stage_3_persistent_and_traffic():
     engine = ENGINES[-1]
     m, layer, other = _measured("20m", 3, engine)
