@@ -110,6 +110,20 @@ def test_reshard_matrix_across_stages_and_device_counts(sources, stream):
     assert four[3].layout.shapes(True)["blocks"]["w_down"] == (1, 100, 36)
 
 
+def test_restore_and_load_params_accept_relative_paths(sources, stream, tmp_path, monkeypatch):
+    src = sources[3]
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(src.step_dir)))  # the folder holding stage3/
+    relative = os.path.relpath(src.step_dir)
+    assert not os.path.isabs(relative)
+    state, meta = restore(src.trainer, relative, KEY, stream.host_batch(SAVE_AT))
+    assert meta["step"] == SAVE_AT
+    jax.tree.map(np.testing.assert_array_equal, _logical_params(src.trainer, state), src.params)
+    export_params(os.path.dirname(relative), str(tmp_path / "params.npz"))
+    monkeypatch.chdir(tmp_path)
+    loaded = load_params("params.npz")
+    jax.tree.map(np.testing.assert_array_equal, loaded, src.params)
+
+
 def test_export_round_trip_equals_live_master_params(sources, tmp_path):
     src = sources[3]  # padded on 8 devices: export must crop
     info = export_params(os.path.dirname(src.step_dir), str(tmp_path / "params.npz"))

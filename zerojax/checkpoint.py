@@ -134,10 +134,11 @@ def run_metadata(trainer, *, seed: int, config: dict | None = None, model: dict 
 
 
 def item_path(step_dir: str, name: str):
-    """The path of one item (`state` or `meta`) of a step directory."""
+    """The path of one item (`state` or `meta`) of a step directory, made absolute (Orbax reads only
+    absolute paths; a relative one was reported as a damaged checkpoint)."""
     from etils import epath
 
-    return epath.Path(step_dir) / name
+    return epath.Path(os.path.abspath(step_dir)) / name
 
 
 def state_handler():
