@@ -30,14 +30,15 @@ def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subpro
 def cli_in_process(*args: str) -> subprocess.CompletedProcess:
     """`zerojax ARGS` through the CLI's own `main` in this process, as `run_cli` reports it: for a test
     that checks what a command says, with no new interpreter to start. JAX is up here with 8
-    devices, so `--devices` may only say 8 (or a count it refuses); the environment a command changes is restored after it."""
+    devices, so `--devices` may only say 8 (or a count it refuses); the environment a command
+    changes is restored after it."""
     import contextlib
     import io
 
     from zerojax import cli
 
     devices = [args[i + 1] for i, a in enumerate(args) if a == "--devices"]
-    assert all(int(d) in (8,) or int(d) < 1 for d in devices), "a command on another device count needs run_cli"
+    assert all(int(d) == 8 or int(d) < 1 for d in devices), "a command on another device count needs run_cli"
     environ = dict(os.environ)
     out, err = io.StringIO(), io.StringIO()
     try:

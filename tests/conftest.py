@@ -30,5 +30,4 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
     def pytest_sessionfinish(session, exitstatus):
-        if not hasattr(session.config, "workerinput"):  # the controller, not an `-n` worker
-            shutil.rmtree(_cache_dir, ignore_errors=True)
+        shutil.rmtree(_cache_dir, ignore_errors=True)  # the controller's: `-n` workers inherit the variable
