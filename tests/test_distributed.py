@@ -223,8 +223,8 @@ def test_two_processes_match_one_process(stage, one, launched):
         assert not re.search(r"^\[1\] .*(zerojax run|step \d)", done.stdout + done.stderr, re.M)
     losses[1] = losses[one]
     assert len(losses[2]) == len(losses[1]) == 5
-    for two, one in zip(losses[2], losses[1]):
-        assert two == pytest.approx(one, rel=1e-6)
+    for got, want in zip(losses[2], losses[1]):
+        assert got == pytest.approx(want, rel=1e-6)
     assert losses[2][-1] < losses[2][0]  # it did train
 
 

@@ -18,7 +18,8 @@ import time
 import numpy as np
 import pytest
 
-from tests.cli_helpers import RECORDS_POLL_S, assert_one_line_error, cli_env, cli_in_process, dir_digest, read_records, wait_for
+from tests.cli_helpers import (RECORDS_POLL_S, assert_one_line_error, cli_env, cli_in_process, dir_digest,
+                               read_records, wait_for)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "tiny.yaml")
@@ -31,12 +32,14 @@ def _records(out) -> list[dict]:
     return read_records(out)
 
 
+def _train_args(out, *sets, resume=True) -> list[str]:
+    """`zerojax train`'s arguments for this module's runs (for `cli_in_process`, or `_cmd`)."""
+    args = ["train", CONFIG, "--devices", "8", "--out", str(out)] + (["--resume"] if resume else [])
+    return args + [a for s in (*SETS, *sets) for a in ("--set", s)]
+
+
 def _cmd(out, *sets, resume=True) -> list[str]:
-    cmd = [sys.executable, "-m", "zerojax.cli", "train", CONFIG, "--devices", "8", "--out", str(out)]
-    cmd += ["--resume"] if resume else []
-    for s in (*SETS, *sets):
-        cmd += ["--set", s]
-    return cmd
+    return [sys.executable, "-m", "zerojax.cli", *_train_args(out, *sets, resume=resume)]
 
 
 @pytest.fixture(scope="module")
@@ -261,7 +264,7 @@ def test_each_trajectory_key_changed_on_resume_is_named(tmp_path):
 def test_resume_refuses_a_new_learning_rate_and_accepts_a_new_stage_and_length(env, four_steps, tmp_path):
     out = _copy(four_steps, tmp_path)
     before = dir_digest(out)
-    done = cli_in_process(*_cmd(out, "optimizer.lr=0.01", "train.batch_size=8")[3:])
+    done = cli_in_process(*_train_args(out, "optimizer.lr=0.01", "train.batch_size=8"))
     assert_one_line_error(done, "optimizer.lr is 0.01 here but 0.003 in the checkpoint",
                           "train.batch_size is 8 here but 16 in the checkpoint")
     assert dir_digest(out) == before
@@ -276,12 +279,12 @@ def test_resume_refuses_a_new_learning_rate_and_accepts_a_new_stage_and_length(e
 # ---- outputs that cannot be written --------------------------------------------------------------
 
 
-def test_out_naming_a_file_or_under_one_is_one_line(env, tmp_path):
+def test_out_naming_a_file_or_under_one_is_one_line(tmp_path):
     a_file = tmp_path / "file"
     a_file.write_text("x")
     before = dir_digest(tmp_path)
-    assert_one_line_error(cli_in_process(*_cmd(a_file)[3:]), f"--out {str(a_file)!r} is a file")
-    assert_one_line_error(cli_in_process(*_cmd(a_file / "sub")[3:]), f"is under {str(a_file)!r}, which is a file")
+    assert_one_line_error(cli_in_process(*_train_args(a_file)), f"--out {str(a_file)!r} is a file")
+    assert_one_line_error(cli_in_process(*_train_args(a_file / "sub")), f"is under {str(a_file)!r}, which is a file")
     assert dir_digest(tmp_path) == before
 
 

@@ -20,7 +20,7 @@ import pytest
 
 import zerojax as zj
 from tests.models import unrolled_blocks
-from tests.unit_models import LinenDeep
+from tests.unit_models import DEEP, SHALLOW, LinenDeep
 from zerojax.errors import UserError
 from zerojax.wrap import WrapRule
 
@@ -28,7 +28,6 @@ DEVICES, WIDTH, ROWS = 8, 128, 4096
 ACTIVATION = (ROWS // DEVICES) * WIDTH * 4
 BLOCK = 2 * (WIDTH * WIDTH + WIDTH) * 4
 SAVED_PER_BLOCK = {"full": 1, "dots": 2}
-SHALLOW, DEEP = 2, 4  # the depths whose difference the memory tests read
 
 
 def _batch(seed: int = 0) -> dict:

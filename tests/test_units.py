@@ -27,14 +27,11 @@ from flax import nnx
 import zerojax as zj
 from tests.models import classification_batch, tiny_gpt, token_batch
 from tests.programs import KEY, lower_abstract
-from tests.unit_models import (BLOCK_CLASS, DEVICES, OPTIMIZERS, ROWS, block_bytes, unit_allowance,
-                                 unit_batch, unit_model)
+from tests.unit_models import (BLOCK_CLASS, DEEP, DEVICES, OPTIMIZERS, ROWS, SHALLOW, block_bytes,
+                                 unit_allowance, unit_batch, unit_model)
 from zerojax.accounting.analytic import peak_bytes
 from zerojax.accounting.hlo import _parse, collective_bytes, compile_partitioned
 from zerojax.wrap import WrapRule
-
-SHALLOW, DEEP = 2, 4  # the depths the default suite compares; the slow cases add 8 and 16
-
 
 def _trainer(width, depth, stage, engine, optimizer=None, kind="nnx", precision="fp32", prefetch=False):
     return zj.Trainer(unit_model(kind, width, depth), optimizer or OPTIMIZERS["sgd"](), mesh=zj.make_mesh(fsdp=DEVICES),

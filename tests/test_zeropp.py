@@ -15,7 +15,7 @@ import pytest
 
 import zerojax as zj
 from tests.models import tiny_gpt, token_batch
-from tests.unit_models import block_bytes, unit_allowance, unit_batch, unit_model
+from tests.unit_models import DEEP, SHALLOW, block_bytes, unit_allowance, unit_batch, unit_model
 from zerojax.accounting import measure
 from zerojax.accounting.analytic import GPTShape, peak_bytes
 from zerojax.accounting.zeropp import ZeroPP, stage_3_traffic_by_axis, totals
@@ -184,9 +184,9 @@ def test_hpz_on_a_user_models_units():
     own bound (0.15 of a block and its saved input): each unit's gathers stay tied to its input and
     cotangent. Untied (the secondary copy skipped by `wrap.tie`), every gathered block was kept:
     1.0 block per block."""
-    (shallow, loss), (deep, _) = _unit_route_temp(2, hierarchical=True), _unit_route_temp(4, hierarchical=True)
-    assert loss == pytest.approx(_unit_route_temp(2)[1], rel=1e-6)
-    block, added = block_bytes(256), 2
+    (shallow, loss), (deep, _) = _unit_route_temp(SHALLOW, hierarchical=True), _unit_route_temp(DEEP, hierarchical=True)
+    assert loss == pytest.approx(_unit_route_temp(SHALLOW)[1], rel=1e-6)
+    block, added = block_bytes(256), DEEP - SHALLOW
     assert deep - shallow <= added * (block / 4 + unit_allowance(256, 4)), (deep - shallow) / block / added
 
 

@@ -10,6 +10,9 @@ from tests.models import unrolled_blocks
 
 DEVICES = 8
 ROWS = 64
+# The two depths whose difference in compiled temp memory the default unit tests read (per added
+# block); the slow cases compare 4 and 8 blocks.
+SHALLOW, DEEP = 2, 4
 
 
 class LinenBlock(nn.Module):
