@@ -18,15 +18,17 @@ import time
 
 import pytest
 
+from tests.cli_helpers import cli_in_process
 from zerojax import cli, distributed
 from zerojax.commands import launch
 from zerojax.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
-# Five tiny steps on 8 rows; no eval split, so no second compile.
+# Five steps of a one-layer, 32-wide GPT on 8 rows of 16 bytes; no eval split, so no second compile.
 FAST = ["--set", "train.steps=5", "--set", "train.batch_size=8", "--set", "data.max_bytes=200000",
-        "--set", "data.eval_fraction=0"]
+        "--set", "data.eval_fraction=0", "--set", "model.n_layers=1", "--set", "model.d_model=32",
+        "--set", "model.d_ff=64", "--set", "model.seq_len=16"]
 RUN_TIMEOUT_S = 300  # a hung run fails the test instead of the CI job
 
 
@@ -175,9 +177,9 @@ def _losses(out_dir) -> list[float]:
 
 
 def _plain(args: list[str]) -> subprocess.CompletedProcess:
-    """`zerojax train` as one process of 8 devices, outside any launcher or cluster."""
-    return subprocess.run([sys.executable, "-m", "zerojax.cli", "train", TINY, *FAST, "--devices", "8", *args],
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT)
+    """`zerojax train` as one process of 8 devices, outside any launcher or cluster: this test process,
+    which needs no new interpreter."""
+    return cli_in_process("train", TINY, *FAST, "--devices", "8", *args)
 
 
 @pytest.fixture(scope="module")
@@ -321,8 +323,7 @@ class _Lines:
         return "".join(self.lines)
 
 
-LONG = ["--set", "train.steps=100000", "--set", "train.batch_size=8", "--set", "data.max_bytes=200000",
-        "--set", "data.eval_fraction=0"]
+LONG = ["--set", "train.steps=100000", *FAST[2:]]
 
 
 def test_killing_a_process_stops_the_launcher_and_its_peer(tmp_path):
