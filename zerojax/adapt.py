@@ -38,7 +38,8 @@ class FunctionalModel:
     accepts_layer_loop: bool = False  # the model hands its layer loop to a `layer_loop` (prefetch)
     # (logical params, static, abstract inputs) -> [(path, class, parameter leaves)] of its submodules
     modules: Callable[[Any, Any, Any], list] | None = None
-    # (unit paths, materialize, param paths, reshard_after_forward, wait_for_grads, prefetch) -> around(module)
+    # (unit paths, materialize, param paths, reshard_after_forward, wait_for_grads, prefetch, policy, loose)
+    #   -> around(module); `loose`: unit-owned leaf paths the root gathers instead (read outside their unit)
     unit_around: Callable[..., Callable] | None = None
     # (module, axis names) -> context in which the model's BatchNorms average over those mesh axes
     sync_batch_stats: Callable[..., Any] | None = None
@@ -150,9 +151,9 @@ def _nnx_functions(make: Callable[[Any], nnx.Module] | None, concrete: nnx.Modul
         return out, _nnx_split(module)[3] if model_state else model_state
 
     def unit_around(units, materialize, param_paths, reshard_after_forward=True, wait_for_grads=False,
-                    prefetch=False, policy=None):
+                    prefetch=False, policy=None, loose=frozenset()):
         del param_paths  # an NNX module finds its params itself
-        return wrap.nnx_around(units, materialize, reshard_after_forward, wait_for_grads, prefetch, policy)
+        return wrap.nnx_around(units, materialize, reshard_after_forward, wait_for_grads, prefetch, policy, loose)
 
     def sync_batch_stats(module, axes):
         for _, node in nnx.iter_graph(module):
@@ -211,9 +212,9 @@ def _linen_functions(module: nn.Module, rng_streams: tuple[str, ...]) -> Functio
         return out, {**model_state, **{k: v for k, v in updates.items() if k in model_state}}
 
     def unit_around(units, materialize, param_paths, reshard_after_forward=True, wait_for_grads=False,
-                    prefetch=False, policy=None):
+                    prefetch=False, policy=None, loose=frozenset()):
         return wrap_linen.linen_around(units, materialize, param_paths, reshard_after_forward, wait_for_grads,
-                                       prefetch, policy)
+                                       prefetch, policy, loose)
 
     def modules(params, model_state, inputs):
         return wrap_linen.linen_modules(module, params, model_state, inputs, **mode(False))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -320,10 +321,12 @@ def nnx_modules(module: nnx.Module) -> list[tuple[Path, type, int]]:
 
 
 def nnx_around(units: list[Path], materialize: Materialize, reshard_after_forward: bool = True,
-               wait_for_grads: bool = False, prefetch: bool = False, policy: Policy = None):
+               wait_for_grads: bool = False, prefetch: bool = False, policy: Policy = None,
+               loose: frozenset = frozenset()):
     """`around(module)` for `FunctionalModel.apply`: makes the submodules at `units` FSDP units;
     `prefetch`: each unit's gathers one unit ahead (see `Prefetch`); `policy`: what a unit saves for
-    its backward (`zerojax.remat.unit_policy`)."""
+    its backward (`zerojax.remat.unit_policy`); `loose`: leaves the root gathers though a unit holds
+    them (the model reads them outside it, `zerojax.unit_reads`)."""
     policy = unit_policy(policy, reshard_after_forward)
 
     def around(module: nnx.Module):
@@ -331,11 +334,11 @@ def nnx_around(units: list[Path], materialize: Materialize, reshard_after_forwar
         nodes = [(tuple(str(k) for k in p), n) for p, n in nnx.iter_graph(module)]
         by_path = dict(nodes)
         for p, n in nodes:  # the root's own params: gathered once, now
-            if isinstance(n, nnx.Param) and owner(p, units) is None:
+            if isinstance(n, nnx.Param) and (owner(p, units) is None or p in loose):
                 n.set_value(materialize([_key(p)], [n.get_value()])[0])
         for u in units:
             sub = by_path[u]
-            sub.__class__ = _unit_class(type(sub), materialize, reshard_after_forward, wait_for_grads, policy)
+            sub.__class__ = _unit_class(type(sub), materialize, reshard_after_forward, wait_for_grads, policy, loose)
             sub._fsdp_path = u
             sub._fsdp_prefetch = record
         return contextlib.nullcontext()
@@ -343,45 +346,83 @@ def nnx_around(units: list[Path], materialize: Materialize, reshard_after_forwar
     return around
 
 
-def _unit_class(cls: type, materialize: Materialize, reshard: bool, wait_for_grads: bool, policy: Policy) -> type:
-    def __call__(self, *args, **kwargs):
-        prefix = self._fsdp_path
-        graphdef, params, rest = nnx.split(self, nnx.Param, ...)
-        flat = nnx.traversals.flatten_mapping(nnx.to_pure_dict(params))
-        inner = [tuple(str(k) for k in p) for p, n in nnx.iter_graph(self)
-                 if p and isinstance(n, nnx.Module) and hasattr(n, "_fsdp_path")]
-        owned_set = {p for p in flat if owner(tuple(str(k) for k in p), inner) is None}
-        leaves, treedef = jax.tree.flatten((args, kwargs))
-        dynamic = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+def _unit_class(cls: type, materialize: Materialize, reshard: bool, wait_for_grads: bool, policy: Policy,
+                loose: frozenset) -> type:
+    """`cls` with each compute method a unit call: `__call__` and every public method its own classes
+    define (not `nnx.Module`'s), when called with an array (`Embed.attend(x)`); one called with none
+    (`set_view(deterministic=True)`) runs as it is."""
 
-        rest_leaves, rest_def = jax.tree.flatten(rest)  # passed in, so the unit may update it inside
-        names = list(flat)
+    def entry(name: str):
+        method = getattr(cls, name)
 
-        def gather(values_raw, token):
-            values = list(values_raw)
-            owned = [i for i, p in enumerate(names) if p in owned_set]
-            gathered = materialize([_key(prefix + names[i]) for i in owned], [tie(values[i], token) for i in owned])
-            for i, x in zip(owned, gathered):
-                values[i] = x
-            return values
+        def call(self, *args, **kwargs):
+            leaves = jax.tree.leaves((args, kwargs))
+            if not any(isinstance(x, jax.Array) for x in leaves):
+                return method(self, *args, **kwargs)
+            return _unit_call(self, method, cls, args, kwargs, materialize, reshard, wait_for_grads, policy, loose)
 
-        def run(values, dynamic_args, rest_leaves):
-            unit = nnx.merge(graphdef, nnx.State(nnx.traversals.unflatten_mapping(dict(zip(names, values)))),
-                             jax.tree.unflatten(rest_def, rest_leaves))
-            call_leaves = list(leaves)
-            for i, x in zip(dynamic, dynamic_args):
-                call_leaves[i] = x
-            a, k = jax.tree.unflatten(treedef, call_leaves)
-            out = cls.__call__(unit, *a, **k)
-            return out, nnx.split(unit, nnx.Param, ...)[2]  # BatchStats and RNG counters it updated
+        call.__name__ = name
+        return call
 
-        args = ([flat[p] for p in names], [leaves[i] for i in dynamic], rest_leaves)
-        if reshard:  # the gathered weights are not kept for the backward pass: gathered again there
-            out, updated = rematerialized(run, gather, *args, policy=policy, wait_for_grads=wait_for_grads,
-                                          prefetch=self._fsdp_prefetch)
-        else:
-            out, updated = kept_weights(run, gather, *args, policy=policy)
-        nnx.update(self, updated)
-        return out
+    return type(f"FSDPUnit_{cls.__name__}", (cls,), {name: entry(name) for name in _compute_methods(cls)})
 
-    return type(f"FSDPUnit_{cls.__name__}", (cls,), {"__call__": __call__})
+
+def _compute_methods(cls: type) -> list[str]:
+    names = {"__call__"} if callable(getattr(cls, "__call__", None)) else set()
+    for klass in cls.__mro__:
+        if klass is nnx.Module or not issubclass(klass, nnx.Module):
+            break
+        names |= {n for n, a in vars(klass).items() if not n.startswith("_") and isinstance(a, types.FunctionType)}
+    return sorted(names)
+
+
+def _unit_call(self, method, cls: type, args, kwargs, materialize: Materialize, reshard: bool, wait_for_grads: bool,
+               policy: Policy, loose: frozenset):
+    """`method(self, *args, **kwargs)` on the unit's gathered params (see `rematerialized`)."""
+    prefix = self._fsdp_path
+    graphdef, params, rest = nnx.split(self, nnx.Param, ...)
+    flat = nnx.traversals.flatten_mapping(nnx.to_pure_dict(params))
+    inner = [tuple(str(k) for k in p) for p, n in nnx.iter_graph(self)
+             if p and isinstance(n, nnx.Module) and hasattr(n, "_fsdp_path")]
+    owned_set = {p for p in flat if owner(tuple(str(k) for k in p), inner) is None
+                 and prefix + tuple(str(k) for k in p) not in loose}
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    dynamic = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+
+    rest_leaves, rest_def = jax.tree.flatten(rest)  # passed in, so the unit may update it inside
+    names = list(flat)
+    outputs = []  # (treedef, leaves, which are arrays) of the method's result: only arrays cross the unit
+
+    def gather(values_raw, token):
+        values = list(values_raw)
+        owned = [i for i, p in enumerate(names) if p in owned_set]
+        gathered = materialize([_key(prefix + names[i]) for i in owned], [tie(values[i], token) for i in owned])
+        for i, x in zip(owned, gathered):
+            values[i] = x
+        return values
+
+    def run(values, dynamic_args, rest_leaves):
+        unit = nnx.merge(graphdef, nnx.State(nnx.traversals.unflatten_mapping(dict(zip(names, values)))),
+                         jax.tree.unflatten(rest_def, rest_leaves))
+        unit.__class__ = cls  # its own methods, called from inside, run on the gathered params as they are
+        call_leaves = list(leaves)
+        for i, x in zip(dynamic, dynamic_args):
+            call_leaves[i] = x
+        a, k = jax.tree.unflatten(treedef, call_leaves)
+        out_leaves, out_def = jax.tree.flatten(method(unit, *a, **k))
+        arrays = [i for i, x in enumerate(out_leaves) if isinstance(x, jax.Array)]
+        outputs[:] = [(out_def, out_leaves, arrays)]
+        return [out_leaves[i] for i in arrays], nnx.split(unit, nnx.Param, ...)[2]  # BatchStats, RNG counters
+
+    operands = ([flat[p] for p in names], [leaves[i] for i in dynamic], rest_leaves)
+    if reshard:  # the gathered weights are not kept for the backward pass: gathered again there
+        arrays, updated = rematerialized(run, gather, *operands, policy=policy, wait_for_grads=wait_for_grads,
+                                         prefetch=self._fsdp_prefetch)
+    else:
+        arrays, updated = kept_weights(run, gather, *operands, policy=policy)
+    nnx.update(self, updated)
+    out_def, out_leaves, where = outputs[0]
+    out_leaves = list(out_leaves)
+    for i, x in zip(where, arrays):
+        out_leaves[i] = x
+    return jax.tree.unflatten(out_def, out_leaves)

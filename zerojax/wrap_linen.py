@@ -9,9 +9,10 @@ cotangent (backward, recomputing the unit) exactly as for NNX units. The pure fu
 once, so the RNG counters advance once (dropout masks are those of a plain call), and the mutable
 collections it updates (BatchNorm's `batch_stats`) are written back into the calling scope.
 
-Limits: a unit's own `setup` still runs once outside the transform, on its stored (sharded) params,
-so it may create submodules and read params but not compute with them; modules passed into a unit
-as arguments or attributes are gathered by their own owner (the root, or the unit they belong to).
+A unit's own `setup` runs only inside its calls, on its gathered params: outside them, what its setup
+defines (`nn.Embed`'s `self.embedding`) does not exist, so a parent reading it fails instead of
+reading a shard. Modules passed into a unit as arguments or attributes are gathered by their own
+owner (the root, or the unit they belong to).
 """
 
 from __future__ import annotations
@@ -49,13 +50,14 @@ def linen_modules(module: nn.Module, params, model_state, inputs, **call_kwargs)
 
 def linen_around(units: list[Path], materialize: Materialize, params_paths: list[Path],
                  reshard_after_forward: bool = True, wait_for_grads: bool = False, prefetch: bool = False,
-                 policy: Policy = None):
+                 policy: Policy = None, loose: frozenset = frozenset()):
     """`around(module)` for a Linen model: the root's params are written, gathered, into its scope when
     it is first entered; each call of a unit's method gathers the unit's params inside the call
     (`prefetch`: one unit ahead, see `zerojax.wrap.Prefetch`; `policy`: what it saves for the backward,
-    see `zerojax.remat.unit_policy`)."""
+    see `zerojax.remat.unit_policy`); `loose`: leaves the root gathers though a unit holds them (the
+    model reads them outside it, `zerojax.unit_reads`)."""
     policy = unit_policy(policy, reshard_after_forward)
-    root_leaves = [p for p in params_paths if owner(p, units) is None]
+    root_leaves = [p for p in params_paths if owner(p, units) is None or p in loose]
     unit_set = set(units)
 
     def around(module: nn.Module):
@@ -71,9 +73,13 @@ def linen_around(units: list[Path], materialize: Materialize, params_paths: list
             if not path and not done[0]:
                 done[0] = True
                 _put_gathered(m, path, root_leaves, materialize)
-            if path not in unit_set or context.method_name == "setup":
+            if path not in unit_set:
                 return next_fun(*args, **kwargs)
-            gather = _unit_gather(m, args, kwargs, path, units, materialize)
+            if context.method_name == "setup":
+                # Not on the stored shards (its `self.param` checks their shape): the unit's setup
+                # runs inside each unit call, on the gathered params, where its methods use it.
+                return None
+            gather = _unit_gather(m, args, kwargs, path, units, materialize, loose)
             lifted = decorator_lift_transform(_unit_transform, context.orig_method.func, gather=gather, inside=inside,
                                               reshard=reshard_after_forward, wait_for_grads=wait_for_grads,
                                               prefetch=record, policy=policy)
@@ -84,7 +90,8 @@ def linen_around(units: list[Path], materialize: Materialize, params_paths: list
     return around
 
 
-def _unit_gather(m: nn.Module, args, kwargs, unit: Path, units: list[Path], materialize: Materialize):
+def _unit_gather(m: nn.Module, args, kwargs, unit: Path, units: list[Path], materialize: Materialize,
+                 loose: frozenset):
     """`gather(params per lifted scope, token)`: the leaves `unit` owns materialised, tied to `token`.
     The lifted scopes are `get_module_scopes`' list without those nested in another of them (the order
     and the deduplication `flax.core.lift.pack` uses)."""
@@ -98,7 +105,7 @@ def _unit_gather(m: nn.Module, args, kwargs, unit: Path, units: list[Path], mate
     def gather(groups, token):
         flats = [nnx.traversals.flatten_mapping(_as_dict(group.get("params", {}))) for group in groups]
         owned = [(flat, rel, root + tuple(str(k) for k in rel)) for root, flat in zip(roots, flats) for rel in flat]
-        owned = [(flat, rel, leaf) for flat, rel, leaf in owned if owner(leaf, units) == unit]
+        owned = [(flat, rel, leaf) for flat, rel, leaf in owned if owner(leaf, units) == unit and leaf not in loose]
         gathered = materialize([_key(leaf) for _, _, leaf in owned], [tie(flat[rel], token) for flat, rel, _ in owned])
         for (flat, rel, _), x in zip(owned, gathered):
             flat[rel] = x

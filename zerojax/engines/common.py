@@ -167,12 +167,13 @@ def _updated(layout: StateLayout, tx: optax.GradientTransformation, state: Train
         new_state["compute"] = constrain(layout.to_layout(compute, sharded=False), layout.shardings(False))
     return new_state, checked
 
-def unit_around(layout: StateLayout, model, rule, materialize, inputs, model_state, wait_for_grads=False,
+def unit_around(layout: StateLayout, model, static, rule, materialize, inputs, model_state, wait_for_grads=False,
                 prefetch=False):
     """(GatherReport, around) for a model whose submodules the wrap `rule` makes FSDP units:
     `materialize(paths, stored values)` turns leaves used together into whole compute-dtype weights;
     `wait_for_grads`: a unit's input gradient waits for its reduced parameter gradients;
-    `prefetch`: each unit gathers one unit ahead (`zerojax.wrap.Prefetch`)."""
+    `prefetch`: each unit gathers one unit ahead (`zerojax.wrap.Prefetch`). A unit's leaf the model
+    also reads outside the unit (`zerojax.unit_reads`) is gathered by the root instead."""
     from zerojax.engines import GatherReport
     from zerojax.stages import LeafLayout
 
@@ -182,13 +183,30 @@ def unit_around(layout: StateLayout, model, rule, materialize, inputs, model_sta
                            is_leaf=lambda x: isinstance(x, LeafLayout))
     modules = model.modules(logical, model_state, inputs)
     units = wrap_lib.choose_units(modules, rule)
+    paths = [tuple(l.path.split("/")) for l in leaves]
+    loose = _read_outside_units(model, static, units, paths, logical, model_state, inputs) if units else ()
     text = wrap_lib.describe(units, {p: c for p, c, _ in modules}, rule)
+    if loose:
+        text += f"; read outside their units, so gathered by the root: {', '.join('/'.join(p) for p in loose)}"
     prefetch = prefetch and bool(units) and rule.reshard_after_forward
     report = GatherReport("whole" if text.startswith("whole") else "units",
                           text + (", next unit prefetched" if prefetch else ""))
-    paths = [tuple(l.path.split("/")) for l in leaves]
     return report, model.unit_around(units, materialize, paths, rule.reshard_after_forward, wait_for_grads,
-                                     prefetch=prefetch, policy=rule.remat)
+                                     prefetch=prefetch, policy=rule.remat, loose=frozenset(loose))
+
+
+def _read_outside_units(model, static, units, paths, logical, model_state, inputs) -> list[tuple]:
+    """The unit-owned leaves (by path) that the model's outputs depend on other than through their
+    unit's gather: traced once with marked gathers (`zerojax.unit_reads`)."""
+    from zerojax import unit_reads
+
+    probe = model.unit_around(units, unit_reads.marked, paths, reshard_after_forward=False, policy="none")
+
+    def run(params, model_state, inputs):
+        return model.apply(params, model_state, static, inputs, rng=jax.random.key(0), train=True, around=probe)
+
+    raw = unit_reads.raw_reads(run, logical, model_state, inputs)
+    return [p for p, r in zip(paths, raw) if r and wrap_lib.owner(p, units) is not None]
 
 
 def stack_paths(model, leaves, options) -> tuple[tuple, ...]:

@@ -56,7 +56,7 @@ def _report(layout, model) -> GatherReport:
     return GatherReport("whole", "whole model gathered at once (no layer hook)")
 
 
-def _units(layout, model, options, inputs, model_state):
+def _units(layout, model, static, options, inputs, model_state):
     """Stage 3, a model without a layer hook: (report, around) making the wrap rule's submodules FSDP
     units, each asking for its whole weights inside its own rematerialised call (see `zerojax.wrap`),
     or None where no unit matches (the whole model is then gathered at once)."""
@@ -73,14 +73,14 @@ def _units(layout, model, options, inputs, model_state):
         return [jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(x, sharded[path]), layout.replicated)
                 for path, x in zip(paths, values)]
 
-    report, around = unit_around(layout, model, rule, materialize, inputs, model_state, wait_for_grads=True,
+    report, around = unit_around(layout, model, static, rule, materialize, inputs, model_state, wait_for_grads=True,
                                  prefetch=options.prefetch)
     return (report, around) if report.route == "units" else None
 
 
 def build(layout, model, static, loss_fn, tx, options: EngineOptions, inputs=None, model_state=None,
           grad_accum: int = 1) -> BuiltStep:
-    units = _units(layout, model, options, inputs, model_state or {})
+    units = _units(layout, model, static, options, inputs, model_state or {})
     around = units[1] if units else None
     if options.prefetch and layout.compute_sharded and model.accepts_layer_hook:
         raise UserError("the gspmd engine prefetches FSDP units only (user models without zj.Stacked or a layer "

@@ -176,7 +176,7 @@ def _unit_route(layout, model, static, rule, materialize, inputs, model_state, p
     leaves together (`materialize`: a `Reduce.group_materializer`); with `prefetch`, one unit ahead
     (`zerojax.wrap.Prefetch`)."""
     by_path = {l.path: l for l in jax.tree.leaves(layout.leaves, is_leaf=_is_layout)}
-    report, around = unit_around(layout, model, rule, lambda paths, xs: materialize([by_path[p] for p in paths], xs),
+    report, around = unit_around(layout, model, static, rule, lambda paths, xs: materialize([by_path[p] for p in paths], xs),
                                  inputs, model_state, prefetch=prefetch)
     return report, lambda raw, ms, x, key, train=True: model.apply(raw, ms, static, x, rng=key, train=train,
                                                                  around=around, sync=BATCH_AXES)
