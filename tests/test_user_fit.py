@@ -145,6 +145,7 @@ def test_cli_sigkill_and_resume_with_dropout_and_batchnorm_is_bit_exact(env, tmp
     assert evals[0] is not None and evals[0] == evals[1]
 
 
+_MLP = ["model.target=tests.user_code:MLP", "data.target=tests.user_code:blobs"]
 BAD = {
     "missing module": (["model.target=no_such_pkg.models:Net"], ["model.target", "no_such_pkg"]),
     "missing name": (["model.target=tests.user_code:Nope"], ["model.target", "Nope"]),
@@ -154,6 +155,13 @@ BAD = {
     "data returns the wrong kind": (["model.target=tests.user_code:MLP", "data.target=tests.user_code:not_a_source"],
                                     ["data.target", "batch source"]),
     "bad model kwargs": (["model.target=tests.user_code:MLP", "model.kwargs={colour: red}"], ["model.kwargs", "colour"]),
+    # the model, the loss and the batch do not fit: found on abstract shapes before compiling
+    "output vs targets": (["model.target=tests.user_code:FlatMLP", "data.target=tests.user_code:blobs"],
+                          ["model's output is float32[16]", "targets are int32[16]", "[16, 'classes']"]),
+    "no targets": (["model.target=tests.user_code:MLP", "data.target=tests.user_code:unlabelled"],
+                   ["no 'targets' key", "['inputs']"]),
+    "per-row loss": ([*_MLP, "loss.target=tests.user_code:per_row_loss"], ["loss function returned shape [16]"]),
+    "labels outside the classes": ([*_MLP, "model.kwargs={classes: 3}"], ["a target is 3", "3 output classes"]),
 }
 
 

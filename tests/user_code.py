@@ -63,3 +63,25 @@ def not_a_source(seed, batch_size):
 
 
 NOT_CALLABLE = 5
+
+
+# ---- a user's mistakes, each one line from the CLI ------------------------------------------------
+
+
+class FlatMLP(MLP):
+    """Returns one score per row: no class dimension for the cross-entropy."""
+
+    def __call__(self, x):
+        return super().__call__(x).sum(-1)
+
+
+def per_row_loss(outputs, batch):
+    """Per-row losses, not their mean."""
+    import optax
+
+    return optax.softmax_cross_entropy_with_integer_labels(outputs, batch["targets"])
+
+
+def unlabelled(seed: int, batch_size: int) -> ArraySource:
+    """Inputs without targets."""
+    return ArraySource({"inputs": blobs(seed, batch_size).arrays["inputs"]}, batch_size=batch_size, seed=seed)

@@ -13,6 +13,7 @@ and reuses it; `init` and `restore_state` make it the one `step`, `evaluate` and
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -22,6 +23,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from zerojax import checks
 from zerojax.adapt import functional
 from zerojax.engines import EngineOptions, GatherReport, get_engine
 from zerojax.engines.accum import check_accum_batch, check_grad_accum
@@ -60,6 +62,7 @@ class Prepared:
     step_fn: Callable  # jitted (state, batch) -> (state, metrics)
     eval_fn: Callable  # jitted (state, batch, loss_fn) -> loss, in eval mode
     report: GatherReport  # how the step materialises the compute params
+    classes: int | None = None  # the output's classes, which the default loss's integer targets index
 
 
 class Trainer:
@@ -108,7 +111,16 @@ class Trainer:
     def batch_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, P(BATCH_AXES))
 
+    def check_batch(self, batch: dict) -> None:
+        """A `UserError` unless `step` can train on `batch`: its keys, rows and labels."""
+        checks.check_keys(batch, default_loss=self.loss_fn is cross_entropy)
+        self._check_batch(batch)
+        if self._active is not None and self._active.classes is not None:
+            checks.check_targets(batch, self._active.classes)
+
     def _check_batch(self, batch) -> None:
+        """What any use of `batch` needs (init and evaluation too): inputs, rows the mesh divides."""
+        checks.check_keys(batch, default_loss=False)
         check_batch(batch["inputs"].shape[0], data_parallel_size(self.mesh))
         check_accum_batch(batch["inputs"].shape[0], data_parallel_size(self.mesh), self.grad_accum)
 
@@ -123,8 +135,20 @@ class Trainer:
         if token not in self._preparations:
             if len(self._preparations) >= _KEEP_PREPARED:
                 self._preparations.pop(next(iter(self._preparations)))
-            self._preparations[token] = self._build(key, inputs)
-        return self._preparations[token]
+            prep = self._build(key, inputs)
+            self._preparations[token] = dataclasses.replace(prep, classes=self._check_model(prep, key, batch))
+        prep = self._preparations[token]
+        if prep.classes is not None:
+            checks.check_targets(batch, prep.classes)
+        return prep
+
+    def _check_model(self, prep: Prepared, key, batch: dict) -> int | None:
+        """The model and the loss on this batch's shapes, abstractly (`zerojax.checks`)."""
+        def run_model(params, model_state, static, inputs):
+            return self.model.apply(params, model_state, static, inputs, rng=key, train=True)[0]
+
+        args = (prep.param_shapes, prep.abstract.model_state or {}, prep.static)
+        return checks.check_model_and_loss(run_model, args, self.loss_fn, batch, self.loss_fn is cross_entropy)
 
     def _build(self, key, inputs: jax.ShapeDtypeStruct) -> Prepared:
         param_shapes, model_state_shapes, static_shapes = jax.eval_shape(self.model.init, key, inputs)  # one trace
@@ -274,6 +298,7 @@ class Trainer:
     def compile(self, state: TrainState, batch: dict):
         """The `jax.stages.Compiled` train step for these shapes (for memory and HLO analysis)."""
         prep = self.prepared
+        self.check_batch(batch)
         compiled = prep.step_fn.lower(state, self.shard_batch(batch)).compile()
         self._compiled = (prep, compiled)
         return compiled
@@ -287,6 +312,7 @@ class Trainer:
     def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict[str, Any]]:
         """One train step; a batch of other input shapes than prepared for raises (no silent retrace)."""
         prep = self.prepared
+        self.check_batch(batch)
         batch = self.shard_batch(batch)
         self._check_inputs(prep, batch)
         if self._compiled is not None and self._compiled[0] is prep:

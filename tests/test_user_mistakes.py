@@ -1,0 +1,52 @@
+"""A model, loss or batch that do not fit each other: one `UserError` naming shapes, raised by
+`Trainer.init` (or `step`, for a later batch's labels) before anything compiles or trains."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import zerojax as zj
+from tests.user_code import MLP, FlatMLP, per_row_loss
+from zerojax.errors import UserError
+
+X = np.ones((8, 12), np.float32)
+LABELS = np.arange(8, dtype=np.int32) % 4
+
+
+def _trainer(model=MLP, loss=None, engine="shard_map"):
+    return zj.Trainer(model, optax.sgd(0.1), mesh=zj.make_mesh(fsdp=8), stage=3, engine=engine, loss_fn=loss)
+
+
+@pytest.mark.parametrize("model, loss, batch, needles", [
+    (FlatMLP, None, {"inputs": X, "targets": LABELS}, ["output is float32[8]", "targets are int32[8]"]),
+    (MLP, None, {"inputs": X, "targets": LABELS[:, None]}, ["output is float32[8, 4]", "int32[8, 1]"]),
+    (MLP, None, {"inputs": X, "targets": LABELS.astype(np.float32)}, ["integer class targets"]),
+    (MLP, per_row_loss, {"inputs": X, "targets": LABELS}, ["returned shape [8]"]),
+    (MLP, lambda out, batch: out.sum() + batch["weights"].sum(), {"inputs": X, "targets": LABELS},
+     ["loss function failed", "KeyError: 'weights'"]),
+    (MLP, None, {"inputs": X, "targets": LABELS + 1}, ["a target is 4", "4 output classes"]),
+    (MLP, None, {"inputs": X, "targets": LABELS - 1}, ["a target is -1"]),
+])
+@pytest.mark.parametrize("engine", ["shard_map", "gspmd"])
+def test_a_mistake_is_one_sentence_before_compiling(model, loss, batch, needles, engine):
+    with pytest.raises(UserError) as e:
+        _trainer(model, loss, engine).init(jax.random.key(0), batch)
+    assert "\n" not in str(e.value)
+    for needle in needles:
+        assert needle in str(e.value), (needle, str(e.value))
+
+
+def test_a_batch_the_step_cannot_train_on_is_refused_at_its_step():
+    """`init` needs only the inputs' shapes; a step needs targets, and labels within the classes."""
+    trainer = _trainer()
+    state = trainer.init(jax.random.key(0), {"inputs": X})
+    with pytest.raises(UserError, match=r"the batch has no 'targets' key .* it has \['inputs'\]"):
+        trainer.step(state, {"inputs": X})
+    with pytest.raises(UserError, match="a target is 7, outside the model's 4 output classes"):
+        trainer.step(state, {"inputs": X, "targets": LABELS + 4})
+    sharded = trainer.shard_batch({"inputs": X, "targets": LABELS + 4})  # device arrays: read from the shards
+    with pytest.raises(UserError, match="a target is 7"):
+        trainer.step(state, sharded)

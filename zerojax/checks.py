@@ -1,0 +1,104 @@
+"""The user's model, loss and batch checked against each other before anything compiles.
+
+Each mistake is one sentence naming shapes (a `UserError`), instead of a traceback from inside the
+step or, worse, a silent NaN: a model output that does not fit the targets, a missing batch key, a
+loss that is not a scalar or a `(total, weight)` pair, integer targets outside the output's classes.
+The model and the loss run once on abstract values (`jax.eval_shape`, global shapes): nothing is
+computed, and the check is the same whatever the stage or engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from zerojax.errors import UserError
+
+
+def _shape(x) -> str:
+    return f"{np.dtype(x.dtype).name}{list(x.shape)}"
+
+
+def check_keys(batch: dict, default_loss: bool) -> None:
+    """'inputs', and 'targets' for the default loss."""
+    if not hasattr(batch, "keys"):
+        raise UserError(f"a batch is a dict with an 'inputs' array, got a {type(batch).__name__}.")
+    needed = ("inputs", "targets") if default_loss else ("inputs",)
+    missing = [k for k in needed if k not in batch]
+    if missing:
+        why = " (the default loss, softmax cross-entropy, reads 'targets')" if "targets" in missing else ""
+        raise UserError(f"the batch has no {' or '.join(repr(k) for k in missing)} key{why}; "
+                        f"it has {sorted(batch)}.")
+
+
+def check_model_and_loss(run_model: Callable, model_args: tuple, loss_fn: Callable, batch: dict,
+                         default_loss: bool) -> int | None:
+    """Run `run_model(*model_args, inputs) -> outputs` and `loss_fn(outputs, batch)` on abstract
+    values; one sentence for what does not fit. Returns the number of classes the default loss reads
+    targets against (the output's last dimension), or None."""
+    abstract = {k: jax.ShapeDtypeStruct(np.shape(v), v.dtype) for k, v in batch.items()}
+    out = jax.eval_shape(run_model, *model_args, abstract["inputs"])
+    if default_loss:
+        _check_for_cross_entropy(out, abstract.get("targets"))
+    if default_loss and "targets" not in abstract:  # a batch for shapes only (init): the step checks the rest
+        return int(out.shape[-1])
+    try:
+        value = jax.eval_shape(loss_fn, out, abstract)
+    except Exception as e:  # the user's loss: report what it was given, and its own first line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise UserError(f"the loss function failed on the model's output {_describe(out)} and the batch "
+                        f"({', '.join(f'{k} {_shape(v)}' for k, v in abstract.items())}): {type(e).__name__}: {first}") from None
+    _check_loss_value(value)
+    return int(out.shape[-1]) if default_loss else None
+
+
+def _describe(out: Any) -> str:
+    leaves = jax.tree.leaves(out)
+    if len(leaves) == 1 and leaves[0] is out:
+        return _shape(out)
+    return str(jax.tree.map(_shape, out))
+
+
+def _check_for_cross_entropy(out, targets) -> None:
+    if not hasattr(out, "shape") or not np.issubdtype(out.dtype, np.floating) or not out.shape:
+        raise UserError(f"the default loss (softmax cross-entropy) needs the model to return one float array of "
+                        f"logits; it returned {_describe(out)}.")
+    if targets is None:
+        return
+    if not np.issubdtype(targets.dtype, np.integer):
+        raise UserError(f"the default loss (softmax cross-entropy) needs integer class targets; the batch's "
+                        f"'targets' are {_shape(targets)}.")
+    if tuple(out.shape[:-1]) != tuple(targets.shape):
+        raise UserError(f"the model's output is {_shape(out)} but the batch's targets are {_shape(targets)}: the "
+                        f"default loss (softmax cross-entropy) needs logits of shape {list(targets.shape) + ['classes']}.")
+
+
+def _check_loss_value(value) -> None:
+    if isinstance(value, (tuple, list)):
+        shapes = [getattr(v, "shape", None) for v in value]
+        if len(value) == 2 and all(s == () for s in shapes):
+            return
+        raise UserError(f"the loss function returned {len(value)} values of shapes {shapes}; it must return a scalar "
+                        f"or a (total, weight) pair of scalars.")
+    if getattr(value, "shape", None) != ():
+        raise UserError(f"the loss function returned shape {list(getattr(value, 'shape', []))}; it must return a "
+                        f"scalar (the batch's mean) or a (total, weight) pair of scalars, summed over the batch.")
+
+
+def check_targets(batch: dict, classes: int) -> None:
+    """Integer targets in [0, classes): an out-of-range label would make the default loss NaN (a
+    skipped step, not an error). Read on the host: a NumPy batch as it is, a `jax.Array` batch from
+    this process's shards (a copy of the labels, small beside the step)."""
+    targets = batch.get("targets")
+    if targets is None:
+        return
+    parts = [np.asarray(s.data) for s in targets.addressable_shards] if isinstance(targets, jax.Array) \
+        else [np.asarray(targets)]
+    if not parts or not np.issubdtype(parts[0].dtype, np.integer):
+        return
+    low, high = min(int(p.min()) for p in parts if p.size), max(int(p.max()) for p in parts if p.size)
+    if low < 0 or high >= classes:
+        raise UserError(f"a target is {low if low < 0 else high}, outside the model's {classes} output classes "
+                        f"(0..{classes - 1}).")
