@@ -217,19 +217,20 @@ def test_prefetch_gathers_one_unit_ahead(kind, engine):
     pytest.param(*case.values, (4, 8, 16), marks=pytest.mark.slow) for case in _PREFETCH_CASES[1:]])
 def test_prefetch_temp_growth_is_bounded(kind, engine, depths):
     """Prefetch holds about one more unit's gathered weights (the next unit's, forward and backward),
-    at every depth: temp(prefetch) - temp(without) <= 1.5 blocks at 2, 4, 8 and 16 blocks. A prefetch
-    that kept anything per block would pass 1.5 blocks by 16 (0.15 of a block per block from 1.27).
+    at every depth: temp(prefetch) - temp(without) <= 1.6 blocks at 2, 4, 8 and 16 blocks. A prefetch
+    that kept anything per block would pass 1.6 blocks by 16 (0.15 of a block per block from 1.27).
 
     The extra is not a smooth function of depth, so no difference of two depths is asserted: with
     NNX, `shard_map`, fp32, it measured 0.88, 1.15, 0.88, 0.88 blocks at 4, 8, 12, 16 blocks on jax
     0.10.2 and 0.35, 1.27, 1.27, 1.27 on jax 0.12.0.1 (XLA's scheduler places the 4-block program's
-    prefetched gathers its own way)."""
+    prefetched gathers its own way); with Linen, `shard_map`, 1.51, 1.51, 1.48, 1.49 at 2, 4, 8, 16
+    on jax 0.10.2 (flat: the bound was 1.5 blocks until that case ran)."""
     width = 256
     block = block_bytes(width)
     for depth in depths:
         extra = _compiled(width, depth, 3, engine, kind, prefetch=True)["temp"] - \
             _compiled(width, depth, 3, engine, kind)["temp"]
-        assert extra <= 1.5 * block, (depth, extra / block)
+        assert extra <= 1.6 * block, (depth, extra / block)
 
 
 @pytest.mark.parametrize("kind,engine", [("nnx", "shard_map")] + [
