@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 
 import jax
 from rich.console import Console
@@ -28,6 +30,29 @@ def training_progress(total_steps: int):
                             tps=f"{record['tokens_per_s']:,.0f}")
 
         yield on_step
+
+
+@contextlib.contextmanager
+def compiling(what: str):
+    """On a terminal, a status line while `what` compiles ("compiling the step ... 41 s"), gone when
+    it is done; elsewhere (a log, a pipe) nothing: the run's summary reports the compile time."""
+    if jax.process_index() != 0 or not console.is_terminal:
+        yield
+        return
+    start, done = time.perf_counter(), threading.Event()
+    with console.status(f"compiling {what} ...") as status:
+
+        def tick() -> None:
+            while not done.wait(1.0):
+                status.update(f"compiling {what} ... {time.perf_counter() - start:.0f} s")
+
+        ticker = threading.Thread(target=tick, daemon=True)
+        ticker.start()
+        try:
+            yield
+        finally:
+            done.set()
+            ticker.join()
 
 
 def _loss(value: float | None, bad: int | None = 0) -> str:

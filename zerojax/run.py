@@ -109,7 +109,7 @@ def _start(trainer, source, o: FitOptions, ckpt_dir: str, resume: bool) -> tuple
     step_dir = os.path.join(ckpt_dir, str(steps[-1]))
     meta = checkpoint.read_meta(step_dir)
     if isinstance(meta.get("config"), dict) and o.config is not None:
-        check_resume_config(meta["config"], o.config, step_dir)
+        check_resume_config(meta["config"], o.config, step_dir, meta.get("mesh"), dict(trainer.mesh.shape))
     elif meta.get("seed") != o.seed:
         raise UserError(f"train.seed={o.seed} differs from the seed {meta.get('seed')} the checkpoint in "
                         f"{ckpt_dir} was trained with; resume with --set train.seed={meta.get('seed')}.")
@@ -139,10 +139,12 @@ def _safe(key: str) -> bool:
     return any(key == s or (s.endswith(".") and key.startswith(s)) for s in SAFE_ON_RESUME)
 
 
-def check_resume_config(saved: dict, current: dict, step_dir: str) -> None:
+def check_resume_config(saved: dict, current: dict, step_dir: str, saved_mesh: dict | None = None,
+                        mesh: dict | None = None) -> None:
     """Stop a resume that changes the trajectory (naming each key and both values); warn about the
-    safe changes it makes. A longer or shorter `train.steps` rebuilds the learning-rate schedule over
-    the new total, so with warm-up and cosine decay the rate from the resumed step on follows it."""
+    safe changes it makes, a new device count or mesh among them. A longer or shorter `train.steps`
+    rebuilds the learning-rate schedule over the new total, so with warm-up and cosine decay the rate
+    from the resumed step on follows it."""
     from zerojax.config import Config
 
     # A key the checkpoint's config predates (e.g. train.grad_accum) held its default there.
@@ -153,10 +155,17 @@ def check_resume_config(saved: dict, current: dict, step_dir: str) -> None:
         what = "; ".join(f"{k} is {new.get(k)!r} here but {old.get(k)!r} in the checkpoint" for k in fatal)
         raise UserError(f"cannot resume from {step_dir!r} with a config that changes the training trajectory: "
                         f"{what}. Resume with the checkpoint's values, or start a new run in another --out.")
-    if changed:
+    changes = [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in changed]
+    if saved_mesh and mesh and {k: int(v) for k, v in saved_mesh.items()} != {k: int(v) for k, v in mesh.items()}:
+        changes.insert(0, f"devices {_describe_mesh(saved_mesh)} -> {_describe_mesh(mesh)}")
+    if changes:
         note = "; the learning-rate schedule now spans the new train.steps" if "train.steps" in changed else ""
-        warn("resuming with changed settings: " + ", ".join(f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in changed)
-             + note + ".")
+        warn("resuming with changed settings: " + ", ".join(changes) + note + ".")
+
+
+def _describe_mesh(mesh: dict) -> str:
+    sizes = [f"{axis} {int(n)}" for axis, n in mesh.items() if int(n) > 1]
+    return f"{math.prod(int(n) for n in mesh.values())} ({' x '.join(sizes) or 'one device'})"
 
 
 @dataclass
@@ -298,7 +307,12 @@ def fit(trainer, source=None, out_dir: str | None = None, *, steps: int | None =
         raise TypeError("fit needs an output folder")
     o, sharding = options, trainer.batch_sharding
     ckpt_dir = _ckpt_dir(o, out_dir)
-    begun = start or prepare(trainer, source, out_dir, o, resume=resume)
+    if start is None:
+        from zerojax.report import compiling
+
+        with compiling("the step"):
+            start = prepare(trainer, source, out_dir, o, resume=resume)
+    begun = start
     first = sources.global_batch(source, begun.step, sharding)
     run = _Run(begun.state, begun.step, [], [], sources.items_per_step(first["inputs"]), last_saved=begun.step)
     out = _Outputs(trainer, o, out_dir, run.start)

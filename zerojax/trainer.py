@@ -83,6 +83,9 @@ class Trainer:
         grad_accum: int = 1,
         offload: str = "none",
     ):
+        # what `verify` builds its stage-0 reference from
+        self.arguments = {"model": model, "precision": precision, "loss_fn": loss_fn, "reduce_dtype": reduce_dtype,
+                          "replicate_below_bytes": replicate_below_bytes, "rng_streams": tuple(rng_streams)}
         self._engine = get_engine(engine)
         self.engine = engine
         self.options = EngineOptions.of(engine_options)
@@ -324,6 +327,14 @@ class Trainer:
         BatchNorm on its running statistics. `loss_fn` (default: the trainer's) may be any metric of
         the same form, e.g. `(correct, rows)` for accuracy."""
         return self.prepared.eval_fn(state, self.shard_batch(batch), loss_fn or self.loss_fn)
+
+    def verify(self, batch, steps: int = 3, key=None, tolerance: tuple[float, float] | None = None):
+        """This trainer against the same model at stage 0 (same key, same batches) for `steps` steps:
+        a `zerojax.verify.Verification` of the largest loss, gradient-norm and per-parameter update
+        differences; `.passed` within the precision's tolerance. Run it once on a new model."""
+        from zerojax.verify import verify
+
+        return verify(self, batch, steps, key=key, tolerance=tolerance)
 
     def persistent_bytes_per_device(self, state: TrainState) -> int:
         """Bytes of the state's shards of the first local device that live in its device memory

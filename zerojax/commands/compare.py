@@ -47,6 +47,7 @@ def engine_available(engine: str) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     from zerojax.accounting.compare import add_loss_differences, run_row
+    from zerojax.report import compiling
     from zerojax.config import load_config
     from zerojax.engines import ENGINES
     from zerojax.mesh import simulate_cpu_devices
@@ -69,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
     rows, params, devices = [], None, None
     for engine in engines:
         for stage in stages:
-            row, params, devices = run_row(load_config(args.config, _overrides(args, stage, engine)), args.steps)
+            with compiling(f"stage {stage} ({engine}) and running {args.steps} steps"):
+                row, params, devices = run_row(load_config(args.config, _overrides(args, stage, engine)), args.steps)
             rows.append(row)
     add_loss_differences(rows)
     result = {"config": args.config, "overrides": list(args.overrides), "steps": args.steps, "params": params,

@@ -46,14 +46,15 @@ def run(args: argparse.Namespace) -> int:
     from zerojax.experiment import build_experiment
     from zerojax.log import quiet_orbax, release_thread_errors
     from zerojax.run import FitOptions, fit, prepare
-    from zerojax.report import training_progress, summary_table
+    from zerojax.report import compiling, summary_table, training_progress
 
     quiet_orbax(logging.CRITICAL)  # a failed write is reported once, as an `error:` line
     with distributed.fail_fast(spec):  # a dead peer ends this process too, never a hang
         exp = build_experiment(config)
         options = FitOptions.from_config(config, exp.model_meta)
         # A bad checkpoint fails here, before the progress bar.
-        start = prepare(exp.trainer, exp.train_data, args.out, options, resume=args.resume)
+        with compiling("the step"):
+            start = prepare(exp.trainer, exp.train_data, args.out, options, resume=args.resume)
         try:
             with training_progress(config.train.steps) as on_step:
                 summary = fit(exp.trainer, exp.train_data, args.out, eval_source=exp.eval_data, options=options,
