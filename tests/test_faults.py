@@ -268,11 +268,12 @@ def test_resume_refuses_a_new_learning_rate_and_accepts_a_new_stage_and_length(e
     assert_one_line_error(done, "optimizer.lr is 0.01 here but 0.003 in the checkpoint",
                           "train.batch_size is 8 here but 16 in the checkpoint")
     assert dir_digest(out) == before
-    done = _run(_cmd(out, "train.steps=6", "zero.stage=1", "zero.engine=shard_map"), env)
+    cmd = _cmd(out, "train.steps=6", "zero.stage=1", "zero.engine=shard_map")
+    done = _run([*cmd[:cmd.index("--devices") + 1], "4", *cmd[cmd.index("--devices") + 2:]], env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "warning: resuming with changed settings: train.steps 8 -> 6, zero.engine 'gspmd' -> 'shard_map', " \
-           "zero.stage 3 -> 1; the learning-rate schedule now spans the new train.steps." in " ".join(
-               done.stderr.split()), done.stderr[-2000:]
+    assert "warning: resuming with changed settings: devices 8 (fsdp 8) -> 4 (fsdp 4), train.steps 8 -> 6, " \
+           "zero.engine 'gspmd' -> 'shard_map', zero.stage 3 -> 1; the learning-rate schedule now spans the new " \
+           "train.steps." in " ".join(done.stderr.split()), done.stderr[-2000:]
     assert [r["step"] for r in _records(out)] == list(range(1, 7))
 
 

@@ -37,6 +37,16 @@ def test_table_output_names_the_recommendation():
     assert "Recommendation:" in r.stdout and "stage 0" in r.stdout  # 2 GB fits everywhere
 
 
+def test_a_small_model_is_shown_in_units_it_can_be_read_in():
+    """5,000 parameters: 80 KB of stage-0 state, not 0.00 GB."""
+    r = _plan("--params", "5000", "--devices", "8")
+    assert r.returncode == 0, r.stderr
+    assert "ZeRO plan: 5,000 params on 8" in r.stdout and "model state KB" in r.stdout
+    stage_0 = next(line for line in r.stdout.splitlines() if line.strip("│ ").startswith("0 "))
+    assert "80.00" in stage_0, stage_0  # 16 bytes x 5,000 = 80 KB
+    assert "device KB" in r.stdout
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [

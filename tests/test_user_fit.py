@@ -155,6 +155,7 @@ BAD = {
     "data returns the wrong kind": (["model.target=tests.user_code:MLP", "data.target=tests.user_code:not_a_source"],
                                     ["data.target", "batch source"]),
     "bad model kwargs": (["model.target=tests.user_code:MLP", "model.kwargs={colour: red}"], ["model.kwargs", "colour"]),
+    "GPT key with a target": ([*_MLP, "model.remat=dots"], ["model.remat configures the shipped GPT", "model.kwargs"]),
     # the model, the loss and the batch do not fit: found on abstract shapes before compiling
     "output vs targets": (["model.target=tests.user_code:FlatMLP", "data.target=tests.user_code:blobs"],
                           ["model's output is float32[16]", "targets are int32[16]", "[16, 'classes']"]),

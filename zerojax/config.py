@@ -242,6 +242,11 @@ def validate(c: Config) -> None:
     if c.model.kwargs and not c.model.target:
         raise UserError("model.kwargs needs a model.target to pass them to; the shipped GPT takes model.preset, "
                         "model.d_model, ... instead.")
+    gpt_only = [k for k in ("d_model", "n_layers", "n_heads", "d_ff", "seq_len", "remat")
+                if c.model.target and getattr(c.model, k) is not None]
+    if gpt_only:
+        raise UserError(f"model.{gpt_only[0]} configures the shipped GPT, not model.target={c.model.target!r}: pass "
+                        "your model's sizes through model.kwargs, and rematerialise inside it (nnx.remat, nn.remat).")
     if (c.data.kwargs or c.data.eval_kwargs is not None) and not c.data.target:
         raise UserError("data.kwargs and data.eval_kwargs need a data.target to pass them to.")
     from zerojax.targets import import_target

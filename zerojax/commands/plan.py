@@ -277,6 +277,21 @@ def _gb(x: float) -> str:
     return f"{x / 1e9:,.2f}"
 
 
+def _unit(largest: float) -> tuple[str, float]:
+    """The decimal unit that shows `largest` (and so a table's column of bytes) with digits to read."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if largest >= scale:
+            return unit, scale
+    return "bytes", 1.0
+
+
+def _count(n: float) -> str:
+    """A parameter count for people: 7B, 20.7M, 5,000."""
+    if n >= 1e9:
+        return f"{n / 1e9:g}B"
+    return f"{n / 1e6:.3g}M" if n >= 1e6 else f"{n:,.0f}"
+
+
 def _time(s: float) -> str:
     if s < 1e-3:
         return f"{s * 1e6:,.1f} us"
@@ -293,17 +308,25 @@ def _print_table(p, config: str | None = None, remat: str = "full", replicas: in
     console = Console(width=None if Console().is_terminal else 140)
     source = f" ({config}: {p.shape.n_layers} layers, d_model {p.shape.d_model})" if config and p.shape else ""
     act = p.stages[0].activation_bytes
+    kept = {r.stage: analytic.kept_state_bytes(p.params, p.devices, r.stage, p.precision, p.optimizer)["total"]
+            for r in p.stages}
+    unit, scale = _unit(max(max(r.memory["total"], r.traffic["param_allgather"], r.traffic["grad_reduce"])
+                            for r in p.stages))
+
+    def size(x: float) -> str:
+        return f"{x / scale:,.2f}"
+
     activations = ("Activations not included." if act is None else
-                   f"'fits' includes {_gb(act)} GB of activations (remat={remat}), not in the state columns.")
+                   f"'fits' includes {size(act)} {unit} of activations (remat={remat}), not in the state columns.")
     table = Table(
         title=(
-            f"ZeRO plan: {p.params / 1e9:g}B params{source} on {p.devices * replicas} x {hw.name}"
+            f"ZeRO plan: {_count(p.params)} params{source} on {p.devices * replicas} x {hw.name}"
             f"{f' (state sharded over {p.devices}, {replicas} replicas)' if replicas > 1 else ''} "
             f"({hw.hbm_bytes / 1e9:.0f} GB, {hw.peak_flops / 1e12:.0f} TFLOP/s, "
             f"{hw.link_bytes_per_s / 1e9:.0f} GB/s per direction), {p.precision.name} + {p.optimizer.name}"
         ),
         caption=(
-            f"GB = 1e9 bytes per device. model state: the textbook ZeRO accounting (compute params, fp32 "
+            f"{unit} = {scale:.0e}".replace("e+0", "e") + f" bytes per device. model state: the textbook ZeRO accounting (compute params, fp32 "
             f"master, optimizer, gradients); kept: what zerojax keeps between steps (no gradients; stage 3 "
             f"casts each fp32 shard when it gathers it, so no bf16 copy). Traffic per step; {p.grad_accum} x {p.micro_batch} x {p.seq_len} tokens per device per step "
             f"(micro-batches x rows x seq; stage 3 gathers per micro-batch"
@@ -313,17 +336,15 @@ def _print_table(p, config: str | None = None, remat: str = "full", replicas: in
                "included." if replicas > 1 else "")
         ),
     )
-    for col in ("stage", "params", "master", "optim", "grads", "model state GB", "kept GB", "gather GB",
-                "reduce GB", "compute", "comm", "fits", "bound"):
+    for col in ("stage", "params", "master", "optim", "grads", f"model state {unit}", f"kept {unit}",
+                f"gather {unit}", f"reduce {unit}", "compute", "comm", "fits", "bound"):
         table.add_column(col, justify="left" if col in ("fits", "bound") else "right")
     for r in p.stages:
         m = r.memory
         table.add_row(
-            str(r.stage), _gb(m["compute_params"]), _gb(m["master"]), _gb(m["optimizer"]),
-            _gb(m["grads"]), _gb(m["total"]),
-            _gb(analytic.kept_state_bytes(p.params, p.devices, r.stage, p.precision, p.optimizer)["total"]),
-            _gb(r.traffic["param_allgather"]),
-            _gb(r.traffic["grad_reduce"]), _time(r.time.compute_s), _time(r.time.comm_s),
+            str(r.stage), size(m["compute_params"]), size(m["master"]), size(m["optimizer"]),
+            size(m["grads"]), size(m["total"]), size(kept[r.stage]), size(r.traffic["param_allgather"]),
+            size(r.traffic["grad_reduce"]), _time(r.time.compute_s), _time(r.time.comm_s),
             "yes" if r.fits else "[red]no[/red]", r.time.bound,
         )
     console.print(table)
@@ -346,7 +367,7 @@ def _print_picks(ranked, top: int, hw, rows: int, seq_len: int, headroom: float)
 
     console = Console(width=None if Console().is_terminal else 140)
     fitting = sum(p.fits for p in ranked)
-    unit, scale = ("GB", 1e9) if hw.hbm_bytes >= 1e9 else ("MB", 1e6)
+    unit, scale = _unit(max((max(p.device_peak_bytes, p.host_bytes) for p in ranked[:top]), default=0.0))
     table = Table(
         title=(f"Combinations: {fitting} of {len(ranked)} fit in {hw.hbm_bytes * (1 - headroom) / 1e9:,.2f} GB per "
                f"device ({hw.hbm_bytes / 1e9:,.2f} GB less {headroom:.0%} headroom) "
