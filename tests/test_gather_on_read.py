@@ -126,3 +126,35 @@ def test_linen_attend_is_a_unit_call():
 def test_bf16_stage_3_tracks_stage_0(engine):
     """bf16 rounds differently when a gather moves; the losses stay within 2% of stage 0's, bf16."""
     np.testing.assert_allclose(_run("nnx", engine, 3, "bf16")[0], _run("nnx", "gspmd", 0, "bf16")[0], rtol=2e-2)
+
+
+def _listed(name: str):
+    """A decoder whose list of blocks is the attribute `name`."""
+
+    class Listed(nnx.Module):
+        def __init__(self, *, rngs: nnx.Rngs):
+            self.embed = nnx.Embed(VOCAB, WIDTH, rngs=rngs)
+            setattr(self, name, nnx.List([Block(rngs) for _ in range(2)]))
+
+        def __call__(self, tokens):
+            x = self.embed(tokens)
+            for block in getattr(self, name):
+                x = block(x)
+            return self.embed.attend(x)
+
+    return Listed
+
+
+def _layout(name: str) -> dict:
+    trainer = zj.Trainer(_listed(name), optax.sgd(0.1), mesh=zj.make_mesh(fsdp=8), stage=3, replicate_below_bytes=0)
+    leaves = jax.tree.leaves(trainer.prepare(jax.random.key(0), _batch(0)).layout.leaves,
+                             is_leaf=lambda x: hasattr(x, "padded_shape"))
+    return {l.path.replace(f"{name}/", "list/"): (l.axis, l.reason) for l in leaves}
+
+
+def test_a_list_named_blocks_is_sharded_like_any_other_list():
+    """Only a declared stack keeps a layer axis whole: an `nnx.List` called `blocks` is not one."""
+    named_blocks = _layout("blocks")
+    assert named_blocks == _layout("layers")
+    assert named_blocks["list/0/fc/bias"] == (0, "sharded on axis 0")  # not "no dimension to shard"
+    assert named_blocks["list/0/fc/kernel"][0] == 0  # its largest (first) dimension, not a layer axis

@@ -45,6 +45,9 @@ class FunctionalModel:
     sync_batch_stats: Callable[..., Any] | None = None
     # param paths of the model's `zj.Stacked` layer stacks (leaves keep axis 0 whole; one hook each)
     stacks: tuple[tuple, ...] = ()
+    # a model taking `layer_hook`: the params it declares as its layer stack (its class's `layer_stacks`
+    # names, e.g. the shipped GPT's "blocks"); never found from a name alone
+    declared_stacks: tuple[tuple, ...] = ()
 
 
 def _takes(fn, name: str) -> bool:
@@ -127,6 +130,7 @@ def _nnx_functions(make: Callable[[Any], nnx.Module] | None, concrete: nnx.Modul
     hooked = _takes(type(abstract).__call__, "layer_hook")
     looped = hooked and _takes(type(abstract).__call__, "layer_loop")
     stacks = () if hooked else stacked_lib.stack_paths(abstract)
+    declared = tuple((name,) for name in getattr(type(abstract), "layer_stacks", ())) if hooked else ()
 
     def apply(params, model_state, static, inputs, *, rng=None, train=True, layer_hook=None, around=None,
               layer_loop=None, sync=None):
@@ -162,7 +166,8 @@ def _nnx_functions(make: Callable[[Any], nnx.Module] | None, concrete: nnx.Modul
 
     return FunctionalModel(init, apply, hooked or bool(stacks), type(abstract), looped or bool(stacks),
                            modules=lambda params, static, inputs: wrap.nnx_modules(abstract),
-                           unit_around=unit_around, sync_batch_stats=sync_batch_stats, stacks=stacks)
+                           unit_around=unit_around, sync_batch_stats=sync_batch_stats, stacks=stacks,
+                           declared_stacks=declared)
 
 
 def _single(hooks):

@@ -177,11 +177,11 @@ class StateLayout:
         """The persistent compute copy of master `params`: logical shapes, compute dtype, replicated."""
         return cast_tree(self.to_layout(params, sharded=False), self.precision.compute_dtype)
 
-def make_layout(mesh, stage: Stage, precision: Precision, param_shapes, *, layer_stacks=("blocks",),
-                replicate_below_bytes: int = 2048, pad_free_optimizer: bool = False,
-                stack_paths: tuple = (), offload: str = "none", hierarchical: bool = False) -> StateLayout:
-    """One `LeafLayout` per parameter; leaves under a `layer_stacks` name, or under one of the
-    `stack_paths` (param paths of `zj.Stacked` layer stacks), keep axis 0 whole.
+def make_layout(mesh, stage: Stage, precision: Precision, param_shapes, *, replicate_below_bytes: int = 2048,
+                pad_free_optimizer: bool = False, stack_paths: tuple = (), offload: str = "none",
+                hierarchical: bool = False) -> StateLayout:
+    """One `LeafLayout` per parameter; leaves under one of the `stack_paths` (the param paths of the
+    model's layer stacks: `zj.Stacked`, or what a model taking `layer_hook` declares) keep axis 0 whole.
 
     `pad_free_optimizer`: the optimizer group keeps padded leaves replicated in their logical shape
     (for an optimizer whose update is not elementwise, which the zero padding would change).
@@ -193,7 +193,7 @@ def make_layout(mesh, stage: Stage, precision: Precision, param_shapes, *, layer
     def rule(path, leaf):
         name = path_str(path)
         keys = tuple(getattr(k, "key", k) for k in path)
-        stacked = any(part in layer_stacks for part in name.split("/")) or under(keys, stack_paths)
+        stacked = under(keys, stack_paths)
         itemsize = np.dtype(precision.master_dtype).itemsize
         return leaf_layout(name, leaf.shape, itemsize, fsdp, layer_axis=0 if stacked else None,
                            replicate_below_bytes=replicate_below_bytes, over=over)

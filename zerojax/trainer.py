@@ -27,7 +27,7 @@ from zerojax import checks
 from zerojax.adapt import functional
 from zerojax.engines import EngineOptions, GatherReport, get_engine
 from zerojax.engines.accum import check_accum_batch, check_grad_accum
-from zerojax.engines.common import compute_params, cross_entropy, global_loss
+from zerojax.engines.common import compute_params, cross_entropy, global_loss, stack_paths
 from zerojax.errors import UserError
 from zerojax import offload as offload_lib
 from zerojax.layout import StateLayout, make_layout
@@ -156,8 +156,8 @@ class Trainer:
     def _build(self, key, inputs: jax.ShapeDtypeStruct) -> Prepared:
         param_shapes, model_state_shapes, static_shapes = jax.eval_shape(self.model.init, key, inputs)  # one trace
         layout = make_layout(self.mesh, self.stage, self.precision, param_shapes,
-                             layer_stacks=self.options.layer_stacks, replicate_below_bytes=self.replicate_below_bytes,
-                             pad_free_optimizer=not self._pads_exactly, stack_paths=self.model.stacks,
+                             replicate_below_bytes=self.replicate_below_bytes, pad_free_optimizer=not self._pads_exactly,
+                             stack_paths=stack_paths(self.model, param_shapes, self.options),
                              offload=self.offload, hierarchical=self.options.hierarchical)
         opt_state_shapes = layout.opt_state_shapes(self.tx)
         has_model_state = bool(jax.tree.leaves(model_state_shapes))

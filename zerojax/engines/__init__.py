@@ -31,7 +31,9 @@ ENGINES = tuple(_BUILTIN)  # the names a config may choose
 class EngineOptions:
     """Every engine option; each engine supports some of them (see `Engine.supports`)."""
 
-    layer_stacks: tuple[str, ...] = ("blocks",)  # top-level param names stacking layers on axis 0
+    # a model taking `layer_hook` that declares no `layer_stacks` of its own: the top-level param names
+    # stacking its layers on axis 0 (an explicit opt-in; never guessed from a name)
+    layer_stacks: tuple[str, ...] = ()
     prefetch: bool = False  # stage 3: gather layer (or FSDP unit) i+1 while layer i computes
     wrap: Any = "auto"  # FSDP units for models without a layer hook: "auto", "none", classes, a WrapRule
     # stage 3: False keeps the gathered weights for the whole step (every micro-batch of a gradient

@@ -210,12 +210,14 @@ def _read_outside_units(model, static, units, paths, logical, model_state, input
 
 
 def stack_paths(model, leaves, options) -> tuple[tuple, ...]:
-    """The param paths the "layers" route gathers one layer at a time: the model's `zj.Stacked`
-    stacks, or for a model taking `layer_hook` (the shipped GPT) its top-level `layer_stacks` entries."""
+    """The param paths whose leaves stack layers on axis 0, which the "layers" route gathers one layer
+    at a time: the model's `zj.Stacked` stacks; for a model taking `layer_hook`, the stack its class
+    declares (`layer_stacks`, the shipped GPT's "blocks") or, opted into, `options.layer_stacks`."""
     if model.stacks:
         return tuple(model.stacks)
     if model.accepts_layer_hook and isinstance(leaves, dict):
-        return tuple((k,) for k in options.layer_stacks if k in leaves)
+        named = model.declared_stacks or tuple((k,) for k in options.layer_stacks)
+        return tuple(s for s in named if s[0] in leaves)
     return ()
 
 

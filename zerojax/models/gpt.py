@@ -147,6 +147,10 @@ class Block(nnx.Module):
 
 
 class GPT(nnx.Module):
+    # The params whose leaves stack the layers on axis 0 (built by one `nnx.vmap`): zerojax keeps
+    # that axis whole and gathers one layer at a time through `layer_hook`.
+    layer_stacks = ("blocks",)
+
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = _normal(rngs, (cfg.vocab_size, cfg.d_model), 0.02)
