@@ -64,7 +64,30 @@ class LinenSetupDeep(nn.Module):
         return self.out(x)
 
 
-MODELS = {"nnx": unrolled_blocks, "linen": LinenDeep, "linen_setup": LinenSetupDeep}
+class LinenScanBlock(nn.Module):
+    width: int
+
+    @nn.compact
+    def __call__(self, x, _):
+        return x + nn.Dense(self.width)(jax.nn.gelu(nn.Dense(self.width)(x))), None
+
+
+class LinenScanDeep(nn.Module):
+    """The layers as Flax's docs scan them: `nn.scan(nn.remat(Block))` over stacked params."""
+
+    width: int
+    depth: int
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(self.width)(x)
+        stack = nn.scan(nn.remat(LinenScanBlock), variable_axes={"params": 0}, split_rngs={"params": True},
+                        length=self.depth)
+        x, _ = stack(self.width, name="layers")(x, None)
+        return nn.Dense(10)(x)
+
+
+MODELS = {"nnx": unrolled_blocks, "linen": LinenDeep, "linen_setup": LinenSetupDeep, "linen_scan": LinenScanDeep}
 BLOCK_CLASS = {"nnx": "Block", "linen": "LinenBlock", "linen_setup": "LinenSetupBlock"}
 
 

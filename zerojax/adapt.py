@@ -48,6 +48,9 @@ class FunctionalModel:
     # a model taking `layer_hook`: the params it declares as its layer stack (its class's `layer_stacks`
     # names, e.g. the shipped GPT's "blocks"); never found from a name alone
     declared_stacks: tuple[tuple, ...] = ()
+    # Linen: (logical params, model state, abstract inputs) -> the param paths of its `nn.scan` /
+    # `nn.vmap` layer stacks (found by tracing: inside one, its modules see one layer's params)
+    lifted_stacks: Callable[[Any, Any, Any], tuple] | None = None
 
 
 def _takes(fn, name: str) -> bool:
@@ -155,8 +158,8 @@ def _nnx_functions(make: Callable[[Any], nnx.Module] | None, concrete: nnx.Modul
         return out, _nnx_split(module)[3] if model_state else model_state
 
     def unit_around(units, materialize, param_paths, reshard_after_forward=True, wait_for_grads=False,
-                    prefetch=False, policy=None, loose=frozenset()):
-        del param_paths  # an NNX module finds its params itself
+                    prefetch=False, policy=None, loose=frozenset(), stacks=(), ranks=None):
+        del param_paths, stacks, ranks  # an NNX module finds its params itself; its stacks take the layers route
         return wrap.nnx_around(units, materialize, reshard_after_forward, wait_for_grads, prefetch, policy, loose)
 
     def sync_batch_stats(module, axes):
@@ -217,15 +220,18 @@ def _linen_functions(module: nn.Module, rng_streams: tuple[str, ...]) -> Functio
         return out, {**model_state, **{k: v for k, v in updates.items() if k in model_state}}
 
     def unit_around(units, materialize, param_paths, reshard_after_forward=True, wait_for_grads=False,
-                    prefetch=False, policy=None, loose=frozenset()):
+                    prefetch=False, policy=None, loose=frozenset(), stacks=(), ranks=None):
         return wrap_linen.linen_around(units, materialize, param_paths, reshard_after_forward, wait_for_grads,
-                                       prefetch, policy, loose)
+                                       prefetch, policy, loose, stacks, ranks or {})
 
     def modules(params, model_state, inputs):
-        return wrap_linen.linen_modules(module, params, model_state, inputs, **mode(False))
+        return wrap_linen.linen_structure(module, params, model_state, inputs, **mode(False))[0]
+
+    def lifted_stacks(params, model_state, inputs):
+        return wrap_linen.linen_structure(module, params, model_state, inputs, **mode(False))[1]
 
     return FunctionalModel(init, apply, False, type(module), modules=modules, unit_around=unit_around,
-                           sync_batch_stats=lambda m, axes: _linen_sync(axes))
+                           sync_batch_stats=lambda m, axes: _linen_sync(axes), lifted_stacks=lifted_stacks)
 
 
 def _linen_sync(axes):

@@ -35,6 +35,8 @@ class StateLayout:
     opt_leaves: Any = None
     # `zero.offload`: which groups live in host memory between steps (see `zerojax.offload`)
     offload: str = "none"
+    # param paths whose leaves stack layers on axis 0, kept whole (`make_layout`'s `stack_paths`)
+    stacks: tuple = ()
 
     @property
     def fsdp_size(self) -> int:
@@ -204,4 +206,4 @@ def make_layout(mesh, stage: Stage, precision: Precision, param_shapes, *, repli
         opt_leaves = jax.tree.map(
             lambda l: LeafLayout(l.path, l.shape, l.shape, None, "replicated in the optimizer: padding would "
                                  "change a non-elementwise update") if l.padded else l, leaves, is_leaf=_is_layout)
-    return StateLayout(mesh, stage, precision, leaves, opt_leaves, offload)
+    return StateLayout(mesh, stage, precision, leaves, opt_leaves, offload, tuple(stack_paths))

@@ -69,6 +69,11 @@ class LeafLayout:
     def padded(self) -> bool:
         return self.padded_shape != self.shape
 
+    def one_layer(self) -> "LeafLayout":
+        """One layer of a stacked leaf (its layer axis 0 is never sharded): what a scan body sees."""
+        axis = None if self.axis is None else self.axis - 1
+        return dataclasses.replace(self, shape=self.shape[1:], padded_shape=self.padded_shape[1:], axis=axis)
+
     def spec(self, sharded: bool):
         from jax.sharding import PartitionSpec as P
 

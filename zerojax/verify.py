@@ -37,6 +37,7 @@ class Verification:
     worst_leaf: str  # the parameter whose total update differs most from stage 0's
     update_diff: float  # its relative difference (norm of the difference / norm of stage 0's update)
     tolerance: tuple[float, float]  # (loss and gradient norm, updates)
+    update_diffs: dict  # every parameter's relative update difference, by path
     route: str  # how the trainer gathers the params (its gather report)
 
     @property
@@ -80,7 +81,7 @@ def verify(trainer, batches: dict | Iterable[dict], steps: int = 3, key=None,
     if tolerance is None:
         tolerance = TOLERANCE["bf16" if trainer.precision.compute_dtype != np.float32 else "fp32"]
     return Verification(steps, losses, ref_losses, _largest(losses, ref_losses), _largest(norms, ref_norms), worst,
-                        diffs.get(worst, 0.0), tolerance, trainer.gather_report().description)
+                        diffs.get(worst, 0.0), tolerance, diffs, trainer.gather_report().description)
 
 
 def _train(trainer, batches: list[dict], key):

@@ -25,18 +25,29 @@ from flax import nnx
 from flax.core import DenyList, lift
 from flax.linen.transforms import decorator_lift_transform, get_module_scopes
 
+from zerojax.errors import UserError
 from zerojax.remat import unit_policy
 from zerojax.wrap import Materialize, Path, Policy, Prefetch, _key, kept_weights, owner, rematerialized, tie
 
 
-def linen_modules(module: nn.Module, params, model_state, inputs, **call_kwargs) -> list[tuple[Path, type, int]]:
-    """Every submodule the model calls, found by tracing it once on abstract values."""
+def linen_structure(module: nn.Module, params, model_state, inputs, **call_kwargs):
+    """(every submodule the model calls as `(path, class, parameter leaves)`, its lifted layer stacks),
+    found by tracing it once on abstract values.
+
+    A lifted stack (`nn.scan` or `nn.vmap` with `variable_axes={"params": 0}`) is known from the
+    transform, not a name: inside it, its modules see their params with the leading layer axis
+    sliced off. Its path is the outermost whose calls see such slices."""
     seen: dict[Path, type] = {}
+    sliced: set[Path] = set()
+    stored = {tuple(str(k) for k in p): tuple(v.shape) for p, v in nnx.traversals.flatten_mapping(params).items()}
 
     def record(next_fun, args, kwargs, context):
         scope = context.module.scope
         if scope is not None:
-            seen.setdefault(tuple(scope.path), type(context.module))
+            path = tuple(scope.path)
+            seen.setdefault(path, type(context.module))
+            if _sees_slices(context.module, path, stored):
+                sliced.add(path)
         return next_fun(*args, **kwargs)
 
     def run(p, ms, x):
@@ -44,19 +55,38 @@ def linen_modules(module: nn.Module, params, model_state, inputs, **call_kwargs)
 
     with nn.intercept_methods(record):
         jax.eval_shape(run, params, model_state, inputs)
-    leaves = [tuple(str(k) for k in p) for p in nnx.traversals.flatten_mapping(params)]
-    return [(p, c, sum(q[: len(p)] == p for q in leaves)) for p, c in seen.items() if p]
+    leaves = list(stored)
+    modules = [(p, c, sum(q[: len(p)] == p for q in leaves)) for p, c in seen.items() if p]
+    stacks = sorted(p for p in sliced if not any(q != p and p[: len(q)] == q for q in sliced))
+    return modules, tuple(stacks)
+
+
+def _sees_slices(m: nn.Module, path: Path, stored: dict) -> bool:
+    """Whether `m`, called at `path`, sees its params with their leading (layer) axis sliced off."""
+    own = nnx.traversals.flatten_mapping(_as_dict(m.variables.get("params", {}))) if m.scope is not None else {}
+    for rel, value in own.items():
+        full = path + tuple(str(k) for k in rel)
+        if full not in stored or not hasattr(value, "shape") or tuple(value.shape) == stored[full]:
+            continue
+        if tuple(value.shape) != stored[full][1:]:
+            raise UserError(f"{'/'.join(full)!r} is stored as {list(stored[full])} but used as {list(value.shape)}: "
+                            "zerojax shards layer stacks whose layer axis is the params' first (nn.scan or nn.vmap "
+                            "with variable_axes={'params': 0}), one level deep.")
+        return True
+    return False
 
 
 def linen_around(units: list[Path], materialize: Materialize, params_paths: list[Path],
                  reshard_after_forward: bool = True, wait_for_grads: bool = False, prefetch: bool = False,
-                 policy: Policy = None, loose: frozenset = frozenset()):
+                 policy: Policy = None, loose: frozenset = frozenset(), stacks: tuple = (), ranks: dict | None = None):
     """`around(module)` for a Linen model: the root's params are written, gathered, into its scope when
     it is first entered; each call of a unit's method gathers the unit's params inside the call
     (`prefetch`: one unit ahead, see `zerojax.wrap.Prefetch`; `policy`: what it saves for the backward,
     see `zerojax.remat.unit_policy`); `loose`: leaves the root gathers though a unit holds them (the
-    model reads them outside it, `zerojax.unit_reads`)."""
+    model reads them outside it, `zerojax.unit_reads`); `stacks`: lifted layer stacks, units only where
+    called inside their transform, on one layer (their leaves' stored axes are `ranks`)."""
     policy = unit_policy(policy, reshard_after_forward)
+    ranks = ranks or {}
     root_leaves = [p for p in params_paths if owner(p, units) is None or p in loose]
     unit_set = set(units)
 
@@ -73,8 +103,8 @@ def linen_around(units: list[Path], materialize: Materialize, params_paths: list
             if not path and not done[0]:
                 done[0] = True
                 _put_gathered(m, path, root_leaves, materialize)
-            if path not in unit_set:
-                return next_fun(*args, **kwargs)
+            if path not in unit_set or (path in stacks and not _inside_stack(m, path, ranks)):
+                return next_fun(*args, **kwargs)  # a stack's own call: its transform calls it per layer
             if context.method_name == "setup":
                 # Not on the stored shards (its `self.param` checks their shape): the unit's setup
                 # runs inside each unit call, on the gathered params, where its methods use it.
@@ -88,6 +118,16 @@ def linen_around(units: list[Path], materialize: Materialize, params_paths: list
         return nn.intercept_methods(interceptor)
 
     return around
+
+
+def _inside_stack(m: nn.Module, path: Path, ranks: dict) -> bool:
+    """Whether the stack at `path` is called inside its transform (on one layer's params)."""
+    own = nnx.traversals.flatten_mapping(_as_dict(m.variables.get("params", {})))
+    for rel, value in own.items():  # a stored value may be a pair (stage 2's `Resident`): its arrays' rank
+        arrays = [x for x in jax.tree.leaves(value) if hasattr(x, "ndim")]
+        if arrays and (path + tuple(str(k) for k in rel)) in ranks:
+            return arrays[0].ndim == ranks[path + tuple(str(k) for k in rel)] - 1
+    return False
 
 
 def _unit_gather(m: nn.Module, args, kwargs, unit: Path, units: list[Path], materialize: Materialize,

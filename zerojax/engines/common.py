@@ -170,10 +170,14 @@ def _updated(layout: StateLayout, tx: optax.GradientTransformation, state: Train
 def unit_around(layout: StateLayout, model, static, rule, materialize, inputs, model_state, wait_for_grads=False,
                 prefetch=False):
     """(GatherReport, around) for a model whose submodules the wrap `rule` makes FSDP units:
-    `materialize(paths, stored values)` turns leaves used together into whole compute-dtype weights;
-    `wait_for_grads`: a unit's input gradient waits for its reduced parameter gradients;
+    `materialize(leaf layouts, stored values)` turns leaves used together into whole compute-dtype
+    weights; `wait_for_grads`: a unit's input gradient waits for its reduced parameter gradients;
     `prefetch`: each unit gathers one unit ahead (`zerojax.wrap.Prefetch`). A unit's leaf the model
-    also reads outside the unit (`zerojax.unit_reads`) is gathered by the root instead."""
+    also reads outside the unit (`zerojax.unit_reads`) is gathered by the root instead.
+
+    A lifted layer stack (Linen `nn.scan` / `nn.vmap` over the params, `layout.stacks`) is a unit
+    itself, called inside the transform on one layer's params: each leaf it reads there has lost its
+    layer axis, and is gathered as that one layer (`LeafLayout.one_layer`)."""
     from zerojax.engines import GatherReport
     from zerojax.stages import LeafLayout
 
@@ -182,25 +186,41 @@ def unit_around(layout: StateLayout, model, static, rule, materialize, inputs, m
     logical = jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape, dtype), layout.leaves,
                            is_leaf=lambda x: isinstance(x, LeafLayout))
     modules = model.modules(logical, model_state, inputs)
-    units = wrap_lib.choose_units(modules, rule)
+    module_paths = {p for p, _, n in modules if n}
+    units = sorted(set(wrap_lib.choose_units(modules, rule)) | {s for s in layout.stacks if s in module_paths})
     paths = [tuple(l.path.split("/")) for l in leaves]
-    loose = _read_outside_units(model, static, units, paths, logical, model_state, inputs) if units else ()
+    ranks = {p: len(l.shape) for p, l in zip(paths, leaves)}
+    stacks = tuple(s for s in layout.stacks if s in module_paths)
+    by_path = {l.path: l for l in leaves}
+
+    def per_layer(keys, values):  # a stacked leaf read inside its stack's transform: one layer
+        chosen = [by_path[k].one_layer() if under(tuple(k.split("/")), stacks)
+                  and jax.tree.leaves(v)[0].ndim == len(by_path[k].shape) - 1 else by_path[k]
+                  for k, v in zip(keys, values)]
+        return materialize(chosen, values)
+
+    loose = _read_outside_units(model, static, units, paths, logical, model_state, inputs, stacks, ranks) \
+        if units else ()
     text = wrap_lib.describe(units, {p: c for p, c, _ in modules}, rule)
+    if stacks:
+        text += "; " + ", ".join(f"'{'/'.join(s)}'" for s in stacks) + " gathered one layer at a time inside its transform"
     if loose:
         text += f"; read outside their units, so gathered by the root: {', '.join('/'.join(p) for p in loose)}"
     prefetch = prefetch and bool(units) and rule.reshard_after_forward
     report = GatherReport("whole" if text.startswith("whole") else "units",
                           text + (", next unit prefetched" if prefetch else ""))
-    return report, model.unit_around(units, materialize, paths, rule.reshard_after_forward, wait_for_grads,
-                                     prefetch=prefetch, policy=rule.remat, loose=frozenset(loose))
+    return report, model.unit_around(units, per_layer, paths, rule.reshard_after_forward, wait_for_grads,
+                                     prefetch=prefetch, policy=rule.remat, loose=frozenset(loose), stacks=stacks,
+                                     ranks=ranks)
 
 
-def _read_outside_units(model, static, units, paths, logical, model_state, inputs) -> list[tuple]:
+def _read_outside_units(model, static, units, paths, logical, model_state, inputs, stacks, ranks) -> list[tuple]:
     """The unit-owned leaves (by path) that the model's outputs depend on other than through their
     unit's gather: traced once with marked gathers (`zerojax.unit_reads`)."""
     from zerojax import unit_reads
 
-    probe = model.unit_around(units, unit_reads.marked, paths, reshard_after_forward=False, policy="none")
+    probe = model.unit_around(units, unit_reads.marked, paths, reshard_after_forward=False, policy="none",
+                              stacks=stacks, ranks=ranks)
 
     def run(params, model_state, inputs):
         return model.apply(params, model_state, static, inputs, rng=jax.random.key(0), train=True, around=probe)

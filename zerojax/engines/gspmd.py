@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from zerojax.stages import LeafLayout
 from zerojax.engines import BuiltStep, EngineOptions, GatherReport
 from zerojax import wrap as wrap_lib
 from zerojax.engines.common import (apply_update, compute_params, constrain, describe_stacks, global_loss,
@@ -63,15 +62,13 @@ def _units(layout, model, static, options, inputs, model_state):
     rule = wrap_lib.as_rule(options.wrap)
     if not layout.compute_sharded or model.accepts_layer_hook or rule is None or model.unit_around is None:
         return None
-    sharded = {l.path: NamedSharding(layout.mesh, l.spec(True))
-               for l in jax.tree.leaves(layout.leaves, is_leaf=lambda x: isinstance(x, LeafLayout))}
-
-    def materialize(paths, values):
+    def materialize(leaves, values):
         # Sharded first, then whole: the partitioner gathers this (tied) value, not the untied param
         # it could otherwise propagate the whole sharding back to (and merge with the other pass's gather).
         # The gradient's transpose is the same pair, so each unit's gradient is reduced inside its backward.
-        return [jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(x, sharded[path]), layout.replicated)
-                for path, x in zip(paths, values)]
+        return [jax.lax.with_sharding_constraint(
+                    jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, leaf.spec(True))), layout.replicated)
+                for leaf, x in zip(leaves, values)]
 
     report, around = unit_around(layout, model, static, rule, materialize, inputs, model_state, wait_for_grads=True,
                                  prefetch=options.prefetch)

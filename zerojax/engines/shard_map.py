@@ -19,7 +19,6 @@ How parameters are gathered at stages 2-3 (`GatherReport.route`):
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -44,12 +43,6 @@ SUPPORTS = ("layer_stacks", "prefetch", "wrap", "reshard_after_forward", "grad_a
             "quantize_grads", "quantize_block", "hierarchical", "checked_update")
 
 _is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
-
-
-def _layer_layout(leaf: LeafLayout) -> LeafLayout:
-    """One layer of a stacked leaf (its layer axis 0 is never sharded)."""
-    axis = None if leaf.axis is None else leaf.axis - 1
-    return dataclasses.replace(leaf, shape=leaf.shape[1:], padded_shape=leaf.padded_shape[1:], axis=axis)
 
 
 def _local_shape(leaf: LeafLayout, fsdp: int) -> tuple[int, ...]:
@@ -159,7 +152,7 @@ def _layer_route(layout, model, static, stacks, reduce: Reduce, prefetch: bool):
     prefetch = prefetch and model.accepts_layer_loop
     report = GatherReport("layers", f"per layer: {describe_stacks(stacks)} gathered one layer per scan iteration"
                           + (", next layer prefetched" if prefetch else ""))
-    hooks = {s: _LayerHook(jax.tree.map(_layer_layout, at(leaves, s), is_leaf=_is_layout),
+    hooks = {s: _LayerHook(jax.tree.map(LeafLayout.one_layer, at(leaves, s), is_leaf=_is_layout),
                            reduce.group_materializer(stage)) for s in stacks}
     loops = {s: _PrefetchLoop(hook) for s, hook in hooks.items()} if prefetch else None
 
@@ -175,9 +168,7 @@ def _unit_route(layout, model, static, rule, materialize, inputs, model_state, p
     """Submodules chosen by the wrap rule gather their own params (see `zerojax.wrap`), each unit's
     leaves together (`materialize`: a `Reduce.group_materializer`); with `prefetch`, one unit ahead
     (`zerojax.wrap.Prefetch`)."""
-    by_path = {l.path: l for l in jax.tree.leaves(layout.leaves, is_leaf=_is_layout)}
-    report, around = unit_around(layout, model, static, rule, lambda paths, xs: materialize([by_path[p] for p in paths], xs),
-                                 inputs, model_state, prefetch=prefetch)
+    report, around = unit_around(layout, model, static, rule, materialize, inputs, model_state, prefetch=prefetch)
     return report, lambda raw, ms, x, key, train=True: model.apply(raw, ms, static, x, rng=key, train=train,
                                                                  around=around, sync=BATCH_AXES)
 
