@@ -82,3 +82,16 @@ def test_bad_arguments_exit_2_with_one_line(args, needles):
 
 def test_missing_config_is_one_line():
     assert_one_line_error(cli_in_process("inspect", "configs/none.yaml"), "configs/none.yaml")
+
+
+def test_names_a_parameter_read_outside_its_unit():
+    """The head reads layer `a`'s kernel itself: the report says the root gathers it, in the table's
+    last line and in --json."""
+    args = ["configs/tiny.yaml", "--devices", "8", "--set", "model.target=tests.user_code:ReadsAKernel",
+            "--set", "data.target=tests.user_code:blobs", "--set", "zero.engine=shard_map"]
+    done = cli_in_process("inspect", *args, "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    gathers = json.loads(done.stdout)["gathers"]
+    assert gathers.startswith("FSDP units: 3 x Linear") and gathers.endswith("gathered by the root: a/kernel"), gathers
+    done = cli_in_process("inspect", *args)
+    assert done.stdout.strip().splitlines()[-1] == f"gathers: {gathers}"

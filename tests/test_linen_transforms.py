@@ -90,3 +90,13 @@ def test_scanned_stack_temp_memory_does_not_grow_with_depth(engine):
     (0.15 of a layer's fp32 weights plus its saved input): a stack gathered whole would add a layer."""
     grown = _temp(engine, DEEP) - _temp(engine, SHALLOW)
     assert grown <= (DEEP - SHALLOW) * unit_allowance(256, 4), (grown, unit_allowance(256, 4))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.parametrize("engine", ["shard_map", "gspmd"])
+def test_verify_passes(kind, engine):
+    trainer = zj.Trainer(MODELS[kind], optax.adamw(1e-2), mesh=zj.make_mesh(fsdp=8), stage=3, engine=engine,
+                         replicate_below_bytes=0)
+    result = trainer.verify([unit_batch(WIDTH, step) for step in range(3)])
+    assert result.passed, result.lines()

@@ -20,6 +20,20 @@ class MLP(nnx.Module):
         return self.out(jax.nn.gelu(self.hidden(x)))
 
 
+class ReadsAKernel(nnx.Module):
+    """Three Linear layers (FSDP units at stages 2-3); the head also reads the first one's kernel
+    itself, outside that layer's call."""
+
+    def __init__(self, features: int = 12, hidden: int = 64, classes: int = 4, *, rngs: nnx.Rngs):
+        self.a = nnx.Linear(features, hidden, rngs=rngs)
+        self.b = nnx.Linear(hidden, hidden, rngs=rngs)
+        self.out = nnx.Linear(hidden, classes, rngs=rngs)
+
+    def __call__(self, x):
+        h = jax.nn.gelu(self.b(jax.nn.gelu(self.a(x))))
+        return self.out(h + jax.nn.gelu(x @ self.a.kernel[...]))
+
+
 class RegularisedMLP(nnx.Module):
     """BatchNorm statistics and dropout masks: model state and an RNG stream the run must carry."""
 

@@ -70,7 +70,8 @@ def layout_report(c) -> dict:
 
         batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in example_batch(exp.train_data).items()}
     state = trainer.abstract_state(jax.random.key(c.train.seed), batch)
-    layout = trainer.prepare(jax.random.key(c.train.seed), batch).layout
+    prepared = trainer.prepare(jax.random.key(c.train.seed), batch)
+    layout = prepared.layout
     params = {path_str(p): l for p, l in jax.tree_util.tree_flatten_with_path(
         layout.leaves, is_leaf=lambda x: isinstance(x, LeafLayout))[0]}
     by_param, other = _optimizer_leaves(state.opt_state, params)
@@ -87,6 +88,7 @@ def layout_report(c) -> dict:
                            "optimizer": layout.optimizer_sharded, "grads": layout.grads_sharded},
         "leaves": leaves, "other_state": other, "persistent_bytes_per_device": totals,
         "host_groups": list(layout.host_groups),  # zero.offload: these groups' bytes are in host memory
+        "gathers": prepared.report.description,  # how the step materialises the params, and any exceptions
     }
 
 
@@ -163,3 +165,4 @@ def print_report(r: dict) -> None:
                   f"other {b(t['other_state'])}; total {b(t['total'])}")
     console.print(f"replicated leaves: {len(replicated)}" + (f" ({', '.join(replicated)})" if replicated else ""))
     console.print(f"padded leaves: {len(padded)}" + (f" ({', '.join(padded)})" if padded else ""))
+    console.print(f"gathers: {r['gathers']}")
