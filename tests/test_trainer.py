@@ -111,3 +111,31 @@ def test_checked_update_refuses_a_non_finite_new_state_the_default_does_not_chec
     also checks the new state and keeps the old one."""
     assert _poisoned_step(True, engine) == (1, True, True, 1)
     assert _poisoned_step(False, engine) == (0, False, False, 1)
+
+
+def test_a_model_takes_rngs_by_keyword_or_position_as_flax_writes_it():
+    """A class or factory with `*, rngs` (Flax's style), a positional `rngs`, a `functools.partial` of
+    either, and an instance: each builds the same params."""
+    import functools
+
+    from flax import nnx
+
+    from zerojax.adapt import functional
+
+    class ByKeyword(nnx.Module):
+        def __init__(self, width: int = 8, *, rngs: nnx.Rngs):
+            self.fc = nnx.Linear(4, width, rngs=rngs)
+
+    class ByPosition(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs, width: int = 8):
+            self.fc = nnx.Linear(4, width, rngs=rngs)
+
+    def factory(*, rngs):
+        return ByKeyword(rngs=rngs)
+
+    shapes = []
+    for model in (ByKeyword, ByPosition, factory, functools.partial(ByKeyword, width=8),
+                  functools.partial(ByPosition, width=8), ByKeyword(rngs=nnx.Rngs(0))):
+        params = jax.eval_shape(functional(model).init, jax.random.key(0), None)[0]
+        shapes.append(jax.tree.map(lambda x: x.shape, params))
+    assert all(s == {"fc": {"kernel": (4, 8), "bias": (8,)}} for s in shapes), shapes

@@ -14,6 +14,7 @@ the chosen ones FSDP units, the same way for both (see `zerojax.wrap`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -48,9 +49,10 @@ class FunctionalModel:
     # a model taking `layer_hook`: the params it declares as its layer stack (its class's `layer_stacks`
     # names, e.g. the shipped GPT's "blocks"); never found from a name alone
     declared_stacks: tuple[tuple, ...] = ()
-    # Linen: (logical params, model state, abstract inputs) -> the param paths of its `nn.scan` /
-    # `nn.vmap` layer stacks (found by tracing: inside one, its modules see one layer's params)
-    lifted_stacks: Callable[[Any, Any, Any], tuple] | None = None
+    # (logical params, model state, static, abstract inputs) -> the param paths of its lifted layer
+    # stacks: Linen `nn.scan` / `nn.vmap`, NNX `nnx.vmap`-built modules run through `nnx.scan` or
+    # `nnx.vmap` (found by tracing: inside the transform, their modules see one layer's params)
+    lifted_stacks: Callable[[Any, Any, Any, Any], tuple] | None = None
 
 
 def _takes(fn, name: str) -> bool:
@@ -110,6 +112,8 @@ def _reseed(rng_state: nnx.State, key) -> nnx.State:
 def _rngs_by_keyword(make) -> bool:
     """Whether `make` (a Module class or a factory) takes `rngs` only by keyword, Flax-style
     (`__init__(self, ..., *, rngs)`); otherwise it is passed positionally."""
+    while isinstance(make, functools.partial):  # functools.partial(MyModel, depth=4)
+        make = make.func
     fn = make.__init__ if isinstance(make, type) else make
     try:
         param = inspect.signature(fn).parameters.get("rngs")
@@ -167,10 +171,21 @@ def _nnx_functions(make: Callable[[Any], nnx.Module] | None, concrete: nnx.Modul
             if isinstance(node, nnx.BatchNorm) and node.axis_name is None:
                 node.axis_name = axes
 
+    def lifted_stacks(params, model_state, static, inputs):
+        stored = {tuple(str(k) for k in p): len(v.shape) for p, v in nnx.traversals.flatten_mapping(params).items()}
+        sliced: set = set()
+
+        def run(params, model_state, static, inputs):
+            return apply(params, model_state, static, inputs, rng=jax.random.key(0),
+                         around=wrap.nnx_slice_recorder(stored, sliced))[0]
+
+        jax.eval_shape(run, params, model_state, static, inputs)
+        return tuple(sorted(p for p in sliced if not any(q != p and p[: len(q)] == q for q in sliced)))
+
     return FunctionalModel(init, apply, hooked or bool(stacks), type(abstract), looped or bool(stacks),
                            modules=lambda params, static, inputs: wrap.nnx_modules(abstract),
                            unit_around=unit_around, sync_batch_stats=sync_batch_stats, stacks=stacks,
-                           declared_stacks=declared)
+                           declared_stacks=declared, lifted_stacks=None if hooked or stacks else lifted_stacks)
 
 
 def _single(hooks):
@@ -227,7 +242,7 @@ def _linen_functions(module: nn.Module, rng_streams: tuple[str, ...]) -> Functio
     def modules(params, model_state, inputs):
         return wrap_linen.linen_structure(module, params, model_state, inputs, **mode(False))[0]
 
-    def lifted_stacks(params, model_state, inputs):
+    def lifted_stacks(params, model_state, static, inputs):
         return wrap_linen.linen_structure(module, params, model_state, inputs, **mode(False))[1]
 
     return FunctionalModel(init, apply, False, type(module), modules=modules, unit_around=unit_around,

@@ -157,7 +157,7 @@ class Trainer:
         param_shapes, model_state_shapes, static_shapes = jax.eval_shape(self.model.init, key, inputs)  # one trace
         layout = make_layout(self.mesh, self.stage, self.precision, param_shapes,
                              replicate_below_bytes=self.replicate_below_bytes, pad_free_optimizer=not self._pads_exactly,
-                             stack_paths=self._stacks(param_shapes, model_state_shapes, inputs),
+                             stack_paths=self._stacks(param_shapes, model_state_shapes, static_shapes, inputs),
                              offload=self.offload, hierarchical=self.options.hierarchical)
         opt_state_shapes = layout.opt_state_shapes(self.tx)
         has_model_state = bool(jax.tree.leaves(model_state_shapes))
@@ -189,13 +189,13 @@ class Trainer:
                           out_shardings=layout.replicated)
         return Prepared(inputs, layout, param_shapes, shardings, abstract, static, step_fn, eval_fn, built.report)
 
-    def _stacks(self, param_shapes, model_state_shapes, inputs) -> tuple:
+    def _stacks(self, param_shapes, model_state_shapes, static_shapes, inputs) -> tuple:
         """The param paths whose leaves stack layers on axis 0: the model's declared or `zj.Stacked`
-        stacks, or a Linen model's `nn.scan` / `nn.vmap` ones."""
+        stacks, or the lifted ones its transforms make (`FunctionalModel.lifted_stacks`)."""
         declared = stack_paths(self.model, param_shapes, self.options)
         if declared or self.model.lifted_stacks is None:
             return declared
-        return self.model.lifted_stacks(param_shapes, model_state_shapes or {}, inputs)
+        return self.model.lifted_stacks(param_shapes, model_state_shapes or {}, static_shapes, inputs)
 
     def _static(self, key, inputs, static_shapes, layout: StateLayout):
         """The model's RNG streams, replicated (computed only where it has leaves)."""

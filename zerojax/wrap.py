@@ -346,6 +346,39 @@ def nnx_around(units: list[Path], materialize: Materialize, reshard_after_forwar
     return around
 
 
+def nnx_slice_recorder(stored: dict[Path, int], sliced: set):
+    """`around(module)` for one abstract trace that finds lifted layer stacks (`nnx.vmap`-built
+    modules applied through `nnx.scan` or `nnx.vmap`): every module holding params records, when a
+    compute method is called, whether it sees its params with one axis fewer than `stored` (their
+    rank by path): then it runs inside a transform that slices a layer stack, and `sliced` gets its path."""
+
+    def around(module: nnx.Module):
+        for p, n in nnx.iter_graph(module):
+            path = tuple(str(k) for k in p)
+            if path and isinstance(n, nnx.Module) and any(q[: len(path)] == path for q in stored):
+                n.__class__ = _recording_class(type(n))
+                n._fsdp_path = path
+        return contextlib.nullcontext()
+
+    def _recording_class(cls: type) -> type:
+        def entry(name: str):
+            method = getattr(cls, name)
+
+            def call(self, *args, **kwargs):
+                for rel, value in nnx.traversals.flatten_mapping(nnx.to_pure_dict(nnx.state(self, nnx.Param))).items():
+                    full = self._fsdp_path + tuple(str(k) for k in rel)
+                    if full in stored and getattr(value, "ndim", stored[full]) == stored[full] - 1:
+                        sliced.add(self._fsdp_path)
+                    break
+                return method(self, *args, **kwargs)
+
+            return call
+
+        return type(f"Recording_{cls.__name__}", (cls,), {name: entry(name) for name in _compute_methods(cls)})
+
+    return around
+
+
 def _unit_class(cls: type, materialize: Materialize, reshard: bool, wait_for_grads: bool, policy: Policy,
                 loose: frozenset) -> type:
     """`cls` with each compute method a unit call: `__call__` and every public method its own classes

@@ -1,7 +1,8 @@
-"""Linen's lifted transforms at every stage, in both engines: `nn.scan(nn.remat(Block))` over stacked
-params (the stack is found from the transform and gathered one layer at a time inside the scan),
-`nn.vmap` over an ensemble's params, and `nn.remat` around unrolled blocks. Losses equal stage 0's
-within 1e-5 for 5 steps; the scanned stack's stage-3 temp memory stays flat in depth."""
+"""Lifted transforms at every stage, in both engines: Linen `nn.scan(nn.remat(Block))` over stacked
+params and NNX's `nnx.vmap`-built blocks applied by `nnx.scan` (each stack found from the transform
+and gathered one layer at a time inside the scan), Linen `nn.vmap` over an ensemble's params, and
+`nn.remat` around unrolled blocks. Losses equal stage 0's within 1e-5 for 5 steps; the scanned
+stack's stage-3 temp memory stays flat in depth."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 from flax import linen as nn
+from flax import nnx
 
 import zerojax as zj
 from tests.programs import lower_abstract
@@ -42,7 +44,38 @@ class Rematted(nn.Module):
         return nn.Dense(10)(x)
 
 
-MODELS = {"scan": LinenScanDeep(WIDTH, 3), "vmap": Ensemble(), "remat": Rematted()}
+class _NNXBlock(nnx.Module):
+    def __init__(self, width: int, rngs: nnx.Rngs):
+        self.fc1 = nnx.Linear(width, width, rngs=rngs)
+        self.fc2 = nnx.Linear(width, width, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.fc2(jax.nn.gelu(self.fc1(x)))
+
+
+class NNXScanned(nnx.Module):
+    """Flax's NNX "scan over layers": blocks made by `nnx.vmap`, applied by `nnx.scan`."""
+
+    def __init__(self, *, rngs: nnx.Rngs, depth: int = 3, width: int = WIDTH):
+        self.inp = nnx.Linear(width, width, rngs=rngs)
+
+        @nnx.split_rngs(splits=depth)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs: nnx.Rngs):
+            return _NNXBlock(width, rngs)
+
+        self.layers = make(rngs)
+        self.out = nnx.Linear(width, 10, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(x, block):
+            return block(x)
+
+        return self.out(body(self.inp(x), self.layers))
+
+
+MODELS = {"scan": LinenScanDeep(WIDTH, 3), "vmap": Ensemble(), "remat": Rematted(), "nnx_scan": NNXScanned}
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,8 +90,8 @@ def _run(kind: str, engine: str, stage: int):
     return np.array(losses), trainer.gather_report().description
 
 
-_DEFAULT = [("scan", e, s) for e in ("shard_map", "gspmd") for s in (2, 3)] + [("vmap", "shard_map", 3),
-                                                                               ("remat", "shard_map", 3)]
+_DEFAULT = [("scan", e, s) for e in ("shard_map", "gspmd") for s in (2, 3)] + [
+    (k, "shard_map", 3) for k in ("vmap", "remat", "nnx_scan")]
 _CASES = _DEFAULT + [pytest.param(k, e, s, marks=pytest.mark.slow) for k in MODELS for e in ("shard_map", "gspmd")
                      for s in range(4) if (k, e, s) not in _DEFAULT]
 
@@ -70,25 +103,31 @@ def test_trains_like_stage_0(kind, engine, stage):
     np.testing.assert_allclose(losses, _run(kind, "gspmd", 0)[0], rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("kind, stack", [("scan", "layers"), ("vmap", "heads")])
+@pytest.mark.parametrize("kind, stack", [("scan", "layers"), ("vmap", "heads"), ("nnx_scan", "layers")])
 def test_the_stack_is_found_from_the_transform_and_gathered_per_layer(kind, stack):
     description = _run(kind, "shard_map", 3)[1]
     assert f"'{stack}' gathered one layer at a time inside its transform" in description, description
 
 
+_DEEP_MODELS = {"scan": LinenScanDeep, "nnx_scan": lambda width, depth: functools.partial(
+    NNXScanned, depth=depth, width=width)}
+
+
 @functools.lru_cache(maxsize=None)
-def _temp(engine: str, depth: int, width: int = 256) -> int:
-    trainer = zj.Trainer(LinenScanDeep(width, depth), OPTIMIZERS["sgd"](), mesh=zj.make_mesh(fsdp=8), stage=3,
+def _temp(kind: str, engine: str, depth: int, width: int = 256) -> int:
+    trainer = zj.Trainer(_DEEP_MODELS[kind](width, depth), OPTIMIZERS["sgd"](), mesh=zj.make_mesh(fsdp=8), stage=3,
                          engine=engine)
     compiled, _ = compile_partitioned(lower_abstract(trainer, unit_batch(width)), tempfile.mkdtemp(prefix="zerojax-"))
     return compiled.memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("engine", ["shard_map", pytest.param("gspmd", marks=pytest.mark.slow)])
-def test_scanned_stack_temp_memory_does_not_grow_with_depth(engine):
+@pytest.mark.parametrize("kind, engine", [("scan", "shard_map")] + [
+    pytest.param(k, e, marks=pytest.mark.slow) for k, e in [("scan", "gspmd"), ("nnx_scan", "shard_map"),
+                                                            ("nnx_scan", "gspmd")]])
+def test_scanned_stack_temp_memory_does_not_grow_with_depth(kind, engine):
     """Between SHALLOW and DEEP layers, temp may grow by tests/test_units.py's allowance per layer
     (0.15 of a layer's fp32 weights plus its saved input): a stack gathered whole would add a layer."""
-    grown = _temp(engine, DEEP) - _temp(engine, SHALLOW)
+    grown = _temp(kind, engine, DEEP) - _temp(kind, engine, SHALLOW)
     assert grown <= (DEEP - SHALLOW) * unit_allowance(256, 4), (grown, unit_allowance(256, 4))
 
 
