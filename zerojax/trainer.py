@@ -115,9 +115,9 @@ class Trainer:
         return NamedSharding(self.mesh, P(BATCH_AXES))
 
     def check_batch(self, batch: dict) -> None:
-        """A `UserError` unless `step` can train on `batch`: its keys, rows and labels."""
+        """A `UserError` unless `step` can train on `batch`: its keys and labels (its rows are checked
+        where it is sharded, `shard_batch`)."""
         checks.check_keys(batch, default_loss=self.loss_fn is cross_entropy)
-        self._check_batch(batch)
         if self._active is not None and self._active.classes is not None:
             checks.check_targets(batch, self._active.classes)
 
