@@ -85,10 +85,18 @@ def _positional_body(eqn):
     return None
 
 
+def _scan_split(eqn) -> tuple[int, int]:
+    """How many of a scan's inputs are constants and carries (jax 0.12 keeps them in a flat tree)."""
+    if "num_consts" in eqn.params:
+        return eqn.params["num_consts"], eqn.params["num_carry"]
+    consts, carry, _ = eqn.params["ft_in"].update(list(eqn.invars)).unpack()
+    return len(list(consts)), len(list(carry))
+
+
 def _scan(eqn, ins: list[frozenset]) -> list[frozenset]:
     """A scan's carry feeds the next iteration: iterate the body's dependencies to a fixed point."""
     body = eqn.params["jaxpr"].jaxpr
-    consts, carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    consts, carry = _scan_split(eqn)
     inner = _dependencies(body)
     now = list(ins)
     while True:
