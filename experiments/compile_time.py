@@ -26,7 +26,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 import zerojax as zj  # noqa: E402
 
@@ -103,8 +104,14 @@ def plain_seconds(depth: int, optimizer: str) -> float:
 def zerojax_seconds(depth: int, stage: int, engine: str, optimizer: str, checked: bool = False) -> float:
     """Trace, lower and compile the zerojax step (state initialised first, outside the timing);
     `checked`: with the engine option `checked_update` (the new state checked before it is written)."""
-    trainer = zj.Trainer(decoder(depth), OPTIMIZERS[optimizer](), mesh=zj.make_mesh(fsdp=8), stage=stage,
-                         engine=engine, engine_options={"checked_update": checked})
+    trainer = zj.Trainer(
+        decoder(depth),
+        OPTIMIZERS[optimizer](),
+        mesh=zj.make_mesh(fsdp=8),
+        stage=stage,
+        engine=engine,
+        engine_options={"checked_update": checked},
+    )
     b = batch()
     state = trainer.init(jax.random.key(0), b)
     start = time.perf_counter()
@@ -134,12 +141,16 @@ def main() -> None:
                     print(f"{optimizer} blocks={depth} plain={plain:.1f}s {engine} s{stage}: {s:.1f}s", flush=True)
             rows.append(f"| {optimizer} | {depth} | {plain:.1f} | " + " | ".join(cells) + " |")
     head = [f"{e} s{s}" for e in args.engines for s in args.stages]
-    lines = [f"Compile seconds (trace + lower + compile, cold, one process), jax {jax.__version__}, 8 simulated CPU "
-             f"devices; NNX decoder width {WIDTH}, vocabulary {VOCAB}, sequence {SEQ}, batch {BATCH}; "
-             "in brackets: over the plain `jax.jit` data-parallel step of the same model and optimizer"
-             + (" (engine option checked_update=True)." if args.checked else "."), "",
-             "| optimizer | blocks | plain | " + " | ".join(head) + " |",
-             "|---|---|---|" + "---|" * len(head), *rows]
+    lines = [
+        f"Compile seconds (trace + lower + compile, cold, one process), jax {jax.__version__}, 8 simulated CPU "
+        f"devices; NNX decoder width {WIDTH}, vocabulary {VOCAB}, sequence {SEQ}, batch {BATCH}; "
+        "in brackets: over the plain `jax.jit` data-parallel step of the same model and optimizer"
+        + (" (engine option checked_update=True)." if args.checked else "."),
+        "",
+        "| optimizer | blocks | plain | " + " | ".join(head) + " |",
+        "|---|---|---|" + "---|" * len(head),
+        *rows,
+    ]
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -31,7 +31,8 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 LAYERS, WIDTH, ROWS, SEQ = 2, 512, 16, 128
 
@@ -52,6 +53,7 @@ def per_device(ws, x):
 def _stage_3_gather(transposed: bool):
     """A layer's weight shard -> the whole weight; backward: its gradient reduce-scattered over "d"
     (as its transpose, then transposed back, when `transposed`)."""
+
     def scatter(ct):
         if transposed:
             return jax.lax.psum_scatter(ct.T, "d", scatter_dimension=1, tiled=True).T / jax.lax.axis_size("d")
@@ -97,18 +99,26 @@ def main() -> None:
     x = jax.device_put(jnp.ones((ROWS, SEQ, WIDTH), jnp.bfloat16), NamedSharding(mesh, P("d")))
     replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))
     programs = {
-        "gspmd": jax.jit(jax.value_and_grad(loss), in_shardings=(replicated, rows),
-                         out_shardings=(replicated, replicated)),
-        "shard_map": jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("d")),
-                                           out_specs=(P(), P()), check_vma=False)),
+        "gspmd": jax.jit(
+            jax.value_and_grad(loss), in_shardings=(replicated, rows), out_shardings=(replicated, replicated)
+        ),
+        "shard_map": jax.jit(
+            jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("d")), out_specs=(P(), P()), check_vma=False)
+        ),
     }
     compiled = {name: f.lower(ws, x).compile() for name, f in programs.items()}
-    compiled["shard_map, no algsimp"] = programs["shard_map"].lower(ws, x).compile(
-        compiler_options={"xla_disable_hlo_passes": "algsimp"})
+    compiled["shard_map, no algsimp"] = (
+        programs["shard_map"].lower(ws, x).compile(compiler_options={"xla_disable_hlo_passes": "algsimp"})
+    )
     sharded = jax.device_put(ws, NamedSharding(mesh, P(None, "d")))
     for name, transposed in (("shard_map stage 3", False), ("shard_map stage 3, transposed reduction", True)):
-        program = jax.shard_map(stage_3(transposed), mesh=mesh, in_specs=(P(None, "d"), P("d")),
-                                out_specs=(P(), P(None, "d")), check_vma=False)
+        program = jax.shard_map(
+            stage_3(transposed),
+            mesh=mesh,
+            in_specs=(P(None, "d"), P("d")),
+            out_specs=(P(), P(None, "d")),
+            check_vma=False,
+        )
         compiled[name] = jax.jit(program).lower(sharded, x).compile()
     inputs = {name: (sharded if "stage 3" in name else ws, x) for name in compiled}
     times = {name: [] for name in compiled}
@@ -121,8 +131,10 @@ def main() -> None:
     for name, c in compiled.items():
         print(f"{name}: median {np.median(times[name][1:]) * 1e3:.1f} ms")
         for (fused, shape, lhs, rhs), n in sorted(dot_forms(c.as_text()).items()):
-            print(f"  {n} x {shape} dot, lhs_contracting={{{lhs}}} rhs_contracting={{{rhs}}}, "
-                  f"{'in a library fusion' if fused else 'NOT in a library fusion'}")
+            print(
+                f"  {n} x {shape} dot, lhs_contracting={{{lhs}}} rhs_contracting={{{rhs}}}, "
+                f"{'in a library fusion' if fused else 'NOT in a library fusion'}"
+            )
     for name in list(compiled)[1:]:
         ratio = np.median(np.array(times[name][1:]) / np.array(times["gspmd"][1:]))
         print(f"{name} / gspmd (paired median): {ratio:.2f}")

@@ -36,8 +36,14 @@ def main() -> None:
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     runs = {}
     for engine in ("gspmd", "shard_map"):
-        trainer = zj.Trainer(functools.partial(GPT, cfg), optax.adamw(1e-4), mesh=zj.make_mesh(fsdp=8), stage=3,
-                             engine=engine, precision="bf16")
+        trainer = zj.Trainer(
+            functools.partial(GPT, cfg),
+            optax.adamw(1e-4),
+            mesh=zj.make_mesh(fsdp=8),
+            stage=3,
+            engine=engine,
+            precision="bf16",
+        )
         state, sharded = trainer.init(jax.random.key(0), batch), trainer.shard_batch(batch)
         step = trainer.lower(state, sharded).compile()
         state, metrics = step(state, sharded)  # warm-up
@@ -45,7 +51,7 @@ def main() -> None:
         runs[engine] = [step, state, sharded]
     wall, cpu = {e: [] for e in runs}, {e: [] for e in runs}
     for i in range(args.steps):
-        for engine in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
+        for engine in list(runs) if i % 2 == 0 else list(runs)[::-1]:
             step, state, sharded = runs[engine]
             w0, c0 = time.perf_counter(), time.process_time()
             state, metrics = step(state, sharded)

@@ -67,8 +67,15 @@ def measure(args, cfg, rows_per_batch: int) -> tuple[int, list[dict]]:
     rows, runs = [], []
     for engine, stage, prefetch in configs:
         options = {"prefetch": True} if prefetch else None
-        trainer = zj.Trainer(functools.partial(GPT, cfg), optax.adamw(1e-4), mesh=mesh, stage=stage,
-                             engine=engine, precision=args.precision, engine_options=options)
+        trainer = zj.Trainer(
+            functools.partial(GPT, cfg),
+            optax.adamw(1e-4),
+            mesh=mesh,
+            stage=stage,
+            engine=engine,
+            precision=args.precision,
+            engine_options=options,
+        )
         state = trainer.init(jax.random.key(0), batch)
         sharded = trainer.shard_batch(batch)
         lowered = trainer.lower(state, sharded)
@@ -81,15 +88,27 @@ def measure(args, cfg, rows_per_batch: int) -> tuple[int, list[dict]]:
         cpu = collective_bytes(compiled.as_text())
         state, metrics = compiled(state, sharded)  # warm-up
         jax.block_until_ready(metrics["loss"])
-        row = {"engine": engine + (" +prefetch" if prefetch else ""), "stage": stage,
-               "units": traffic["total"] / unit, "traffic_mb": traffic["total"] / 1e6,
-               "cpu_mb": cpu["total"] / 1e6,
-               "peak_mb": peak_bytes(mem.argument_size_in_bytes, mem.output_size_in_bytes,
-                                     mem.alias_size_in_bytes, mem.temp_size_in_bytes) / 1e6,
-               "temp_mb": mem.temp_size_in_bytes / 1e6, "compile_s": compile_s, "times": [],
-               "losses": [float(metrics["loss"])]}
-        print(f"batch {rows_per_batch}: built {row['engine']} stage {stage}: {row['units']:.3f} units, "
-              f"compile {compile_s:.1f}s", file=sys.stderr, flush=True)
+        row = {
+            "engine": engine + (" +prefetch" if prefetch else ""),
+            "stage": stage,
+            "units": traffic["total"] / unit,
+            "traffic_mb": traffic["total"] / 1e6,
+            "cpu_mb": cpu["total"] / 1e6,
+            "peak_mb": peak_bytes(
+                mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes, mem.temp_size_in_bytes
+            )
+            / 1e6,
+            "temp_mb": mem.temp_size_in_bytes / 1e6,
+            "compile_s": compile_s,
+            "times": [],
+            "losses": [float(metrics["loss"])],
+        }
+        print(
+            f"batch {rows_per_batch}: built {row['engine']} stage {stage}: {row['units']:.3f} units, "
+            f"compile {compile_s:.1f}s",
+            file=sys.stderr,
+            flush=True,
+        )
         rows.append(row)
         runs.append([compiled, state, sharded])
         del trainer
@@ -147,15 +166,19 @@ def write_table(args, cfg, sections) -> None:
     for rows_per_batch, rows in sections:
         lines += [
             "",
-            f"## global batch {rows_per_batch} x {cfg.seq_len} tokens ({rows_per_batch * cfg.seq_len // args.devices} per device)",
+            f"## global batch {rows_per_batch} x {cfg.seq_len} tokens "
+            f"({rows_per_batch * cfg.seq_len // args.devices} per device)",
             "",
-            "| stage | engine | traffic (units) | traffic MB | CPU-executed MB | peak MB | temp MB | median step s | fastest step s | step / gspmd's (paired median) | loss after |",
+            "| stage | engine | traffic (units) | traffic MB | CPU-executed MB | peak MB | temp MB | median step s "
+            "| fastest step s | step / gspmd's (paired median) | loss after |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
-            lines.append(f"| {r['stage']} | {r['engine']} | {r['units']:.3f} | {r['traffic_mb']:.1f} | "
-                         f"{r['cpu_mb']:.1f} | {r['peak_mb']:.1f} | {r['temp_mb']:.1f} | {r['median_s']:.3f} | "
-                         f"{min(r['times']):.3f} | {r['paired']:.3f} | {r['losses'][-1]:.4f} |")
+            lines.append(
+                f"| {r['stage']} | {r['engine']} | {r['units']:.3f} | {r['traffic_mb']:.1f} | "
+                f"{r['cpu_mb']:.1f} | {r['peak_mb']:.1f} | {r['temp_mb']:.1f} | {r['median_s']:.3f} | "
+                f"{min(r['times']):.3f} | {r['paired']:.3f} | {r['losses'][-1]:.4f} |"
+            )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -44,9 +44,18 @@ def bench(stage: int, micro_batch: int, steps: int, warmup: int) -> dict:
     from zerojax.config import load_config
     from zerojax.experiment import build_experiment
 
-    c = load_config(CONFIG, ["model.preset=1b", "precision=bf16", f"zero.stage={stage}", "mesh.fsdp=1",
-                             f"train.batch_size={micro_batch}", f"train.steps={steps + warmup}",
-                             "data.eval_fraction=0"])
+    c = load_config(
+        CONFIG,
+        [
+            "model.preset=1b",
+            "precision=bf16",
+            f"zero.stage={stage}",
+            "mesh.fsdp=1",
+            f"train.batch_size={micro_batch}",
+            f"train.steps={steps + warmup}",
+            "data.eval_fraction=0",
+        ],
+    )
     exp = build_experiment(c, devices=jax.devices()[:1])
     trainer, gpt = exp.trainer, exp.model
     sharding = trainer.batch_sharding
@@ -66,9 +75,17 @@ def bench(stage: int, micro_batch: int, steps: int, warmup: int) -> dict:
     tokens = micro_batch * gpt.seq_len
     flops = flops_per_step(gpt.num_params(), tokens, gpt.n_layers, gpt.d_model, gpt.seq_len)
     del state
-    return {"stage": stage, "params": gpt.num_params(), "micro_batch": micro_batch, "seq_len": gpt.seq_len,
-            "compile_s": compile_s, "median_step_s": step_s, "tokens_per_s": tokens / step_s,
-            "tflops_per_s": flops / step_s / 1e12, "losses": losses}
+    return {
+        "stage": stage,
+        "params": gpt.num_params(),
+        "micro_batch": micro_batch,
+        "seq_len": gpt.seq_len,
+        "compile_s": compile_s,
+        "median_step_s": step_s,
+        "tokens_per_s": tokens / step_s,
+        "tflops_per_s": flops / step_s / 1e12,
+        "losses": losses,
+    }
 
 
 def main() -> int:
@@ -82,8 +99,10 @@ def main() -> int:
 
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     if not gpus:
-        sys.stderr.write(f"error: no GPU found (JAX sees {jax.devices()[0].platform} devices); gpu_bench measures one "
-                         "GPU and does not run here. The recorded result is left as it is.\n")
+        sys.stderr.write(
+            f"error: no GPU found (JAX sees {jax.devices()[0].platform} devices); gpu_bench measures one "
+            "GPU and does not run here. The recorded result is left as it is.\n"
+        )
         return 2
     kind = gpus[0].device_kind
     hw = hardware_for(kind)
@@ -93,23 +112,43 @@ def main() -> int:
         row = bench(stage, a.micro_batch, a.steps, a.warmup)
         row["mfu"] = row["tflops_per_s"] * 1e12 / hw.peak_flops if hw else None
         rows.append(row)
-        print(f"stage {stage}: {row['tokens_per_s']:,.0f} tok/s, {row['tflops_per_s']:.1f} TFLOP/s"
-              + (f", MFU {row['mfu']:.1%}" if hw else ""), flush=True)
-    where = (f"{kind} ({hw.name}: {hw.peak_flops / 1e12:.0f} TFLOP/s dense bf16)" if hw else f"{kind} (peak unknown)")
+        print(
+            f"stage {stage}: {row['tokens_per_s']:,.0f} tok/s, {row['tflops_per_s']:.1f} TFLOP/s"
+            + (f", MFU {row['mfu']:.1%}" if hw else ""),
+            flush=True,
+        )
+    where = f"{kind} ({hw.name}: {hw.peak_flops / 1e12:.0f} TFLOP/s dense bf16)" if hw else f"{kind} (peak unknown)"
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "gpu_bench.json"), "w") as f:
-        json.dump({"started": started, "host": platform.node(), "device_kind": kind, "jax": jax.__version__,
-                   "args": vars(a), "rows": rows}, f, indent=2)
-    lines = ["# GPU benchmark: the ~1B GPT in bf16 on one GPU", "",
-             f"Ran {started} on {platform.node()}, {where}, jax {jax.__version__}: "
-             f"`python experiments/gpu_bench.py {' '.join(sys.argv[1:])}`. p = 1, so every stage measures the step's "
-             f"compute efficiency; micro-batch {a.micro_batch} x {rows[0]['seq_len']} tokens, median of {a.steps} steps "
-             f"after {a.warmup} warm-up steps.", "",
-             "| stage | params | tokens/s | TFLOP/s | MFU | median step | compile |", "|---|---|---|---|---|---|---|"]
+        json.dump(
+            {
+                "started": started,
+                "host": platform.node(),
+                "device_kind": kind,
+                "jax": jax.__version__,
+                "args": vars(a),
+                "rows": rows,
+            },
+            f,
+            indent=2,
+        )
+    lines = [
+        "# GPU benchmark: the ~1B GPT in bf16 on one GPU",
+        "",
+        f"Ran {started} on {platform.node()}, {where}, jax {jax.__version__}: "
+        f"`python experiments/gpu_bench.py {' '.join(sys.argv[1:])}`. p = 1, so every stage measures the step's "
+        f"compute efficiency; micro-batch {a.micro_batch} x {rows[0]['seq_len']} tokens, median of {a.steps} steps "
+        f"after {a.warmup} warm-up steps.",
+        "",
+        "| stage | params | tokens/s | TFLOP/s | MFU | median step | compile |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
-        lines.append(f"| {r['stage']} | {r['params'] / 1e9:.2f}B | {r['tokens_per_s']:,.0f} | {r['tflops_per_s']:.1f} | "
-                     f"{mfu} | {r['median_step_s'] * 1e3:.0f} ms | {r['compile_s']:.0f} s |")
+        lines.append(
+            f"| {r['stage']} | {r['params'] / 1e9:.2f}B | {r['tokens_per_s']:,.0f} | {r['tflops_per_s']:.1f} | "
+            f"{mfu} | {r['median_step_s'] * 1e3:.0f} ms | {r['compile_s']:.0f} s |"
+        )
     with open(os.path.join(RESULTS, "gpu_bench.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     return 0

@@ -60,14 +60,33 @@ def _rss(pid: int) -> int:
 def command(stage: int, layers: int, a) -> list[str]:
     if a.model == "gpt":
         config = "configs/tiny.yaml"
-        sets = {"model.d_model": a.width, "model.n_heads": a.width // 64, "model.d_ff": a.d_ff,
-                "model.n_layers": layers, "model.seq_len": a.seq}
+        sets = {
+            "model.d_model": a.width,
+            "model.n_heads": a.width // 64,
+            "model.d_ff": a.d_ff,
+            "model.n_layers": layers,
+            "model.seq_len": a.seq,
+        }
     else:
         config = "configs/user-mlp.yaml"
-        sets = {"model.target": "experiments.user_model:DeepClassifier", "model.kwargs.width": a.width,
-                "model.kwargs.hidden": a.d_ff, "model.kwargs.depth": layers, "train.eval_every": 0}
-    sets.update({"zero.stage": stage, "zero.engine": a.engine, "precision": "fp32", "train.batch_size": a.batch,
-                 "train.steps": 3, "optimizer.warmup_steps": 0, "checkpoint.every": 0})
+        sets = {
+            "model.target": "experiments.user_model:DeepClassifier",
+            "model.kwargs.width": a.width,
+            "model.kwargs.hidden": a.d_ff,
+            "model.kwargs.depth": layers,
+            "train.eval_every": 0,
+        }
+    sets.update(
+        {
+            "zero.stage": stage,
+            "zero.engine": a.engine,
+            "precision": "fp32",
+            "train.batch_size": a.batch,
+            "train.steps": 3,
+            "optimizer.warmup_steps": 0,
+            "checkpoint.every": 0,
+        }
+    )
     if a.model == "gpt":
         sets["data.eval_fraction"] = 0
     cmd = ["zerojax", "train", config, "--devices", "8", "--out", "OUT"]
@@ -112,22 +131,41 @@ def attempt(stage: int, layers: int, a, budget: int) -> dict:
             with open(os.path.join(out, "summary.json")) as f:
                 summary = json.load(f)
     ok = proc.returncode == 0 and not killed["at"]
-    row = {"stage": stage, "layers": layers, "params": params(layers, a), "trained": ok,
-           "peak_rss_bytes": usage.ru_maxrss * 1024, "killed_at_rss_bytes": killed["at"] or None,
-           "wall_s": round(time.time() - t0, 1), "returncode": proc.returncode,
-           "final_loss": summary.get("final_loss"), "median_step_s": summary.get("median_step_time_s"),
-           "state_bytes_per_device": summary.get("persistent_bytes_per_device"),
-           "command": shlex.join(cmd).replace("OUT", "runs/headline")}
+    row = {
+        "stage": stage,
+        "layers": layers,
+        "params": params(layers, a),
+        "trained": ok,
+        "peak_rss_bytes": usage.ru_maxrss * 1024,
+        "killed_at_rss_bytes": killed["at"] or None,
+        "wall_s": round(time.time() - t0, 1),
+        "returncode": proc.returncode,
+        "final_loss": summary.get("final_loss"),
+        "median_step_s": summary.get("median_step_time_s"),
+        "state_bytes_per_device": summary.get("persistent_bytes_per_device"),
+        "command": shlex.join(cmd).replace("OUT", "runs/headline"),
+    }
     if not ok and not killed["at"]:
         row["error"] = err.strip().splitlines()[-1] if err.strip() else f"exit {proc.returncode}"
     status_text = "trained" if ok else (f"killed at {killed['at'] / GIB:.2f} GiB" if killed["at"] else row.get("error"))
-    print(f"stage {stage} layers {layers:3d} ({row['params'] / 1e6:7.1f}M): peak {row['peak_rss_bytes'] / GIB:5.2f} GiB, "
-          f"{row['wall_s']:5.1f} s, {status_text}", flush=True)
+    print(
+        f"stage {stage} layers {layers:3d} ({row['params'] / 1e6:7.1f}M): peak {row['peak_rss_bytes'] / GIB:5.2f} GiB, "
+        f"{row['wall_s']:5.1f} s, {status_text}",
+        flush=True,
+    )
     return row
 
 
-def search(stage: int, a, budget: int, small: tuple[int, int], run=attempt, ok: str = "trained",
-           peak: str = "peak_rss_bytes", step: int | None = None) -> list[dict]:
+def search(
+    stage: int,
+    a,
+    budget: int,
+    small: tuple[int, int],
+    run=attempt,
+    ok: str = "trained",
+    peak: str = "peak_rss_bytes",
+    step: int | None = None,
+) -> list[dict]:
     """Calibrate on two small depths, predict the largest, then step until the edge is found (exactly
     with step=1). `run(stage, layers, a, budget)` makes one attempt: a row whose `ok` key says it fits
     and whose `peak` key holds its peak bytes."""
@@ -164,12 +202,17 @@ def search(stage: int, a, budget: int, small: tuple[int, int], run=attempt, ok: 
 
 
 def write(rows: list[dict], a, budget: int, started: str) -> None:
-    best = {s: max((r for r in rows if r["stage"] == s and r["trained"]), key=lambda r: r["params"], default=None)
-            for s in (0, 3)}
+    best = {
+        s: max((r for r in rows if r["stage"] == s and r["trained"]), key=lambda r: r["params"], default=None)
+        for s in (0, 3)
+    }
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, f"{_name(a)}.json"), "w") as f:
-        json.dump({"budget_bytes": budget, "started": started, "args": vars(a), "attempts": rows,
-                   "largest": best}, f, indent=2)
+        json.dump(
+            {"budget_bytes": budget, "started": started, "args": vars(a), "attempts": rows, "largest": best},
+            f,
+            indent=2,
+        )
     lines = [
         f"# Headline: the largest {_TITLE[a.model]} that trains on this machine, stage 0 vs stage 3",
         "",
@@ -177,7 +220,8 @@ def write(rows: list[dict], a, budget: int, started: str) -> None:
         f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GIB:.1f} GiB RAM), 8 simulated CPU devices in "
         f"one process, fp32 params + Adam (12 bytes per parameter kept), engine `{a.engine}`, width "
         f"{a.width} ({'d_ff' if a.model == 'gpt' else 'block hidden'} {a.d_ff}), depth searched, global batch "
-        f"{a.batch} x {a.seq if a.model == 'gpt' else 32} {'tokens' if a.model == 'gpt' else 'features'}, 3 steps each. "
+        f"{a.batch} x {a.seq if a.model == 'gpt' else 32} "
+        f"{'tokens' if a.model == 'gpt' else 'features'}, 3 steps each. "
         f"Memory budget {budget / GIB:.1f} GiB of peak resident memory (the smaller of --budget-gib and what was "
         "free at the start less 3 GiB, since other work shares the machine): an attempt whose resident memory "
         f"crosses it is killed and counts as not fitting. The whole search took "
@@ -193,22 +237,42 @@ def write(rows: list[dict], a, budget: int, started: str) -> None:
         if r is None:
             lines.append(f"| {s} | none | - | - | - | - |")
             continue
-        lines.append(f"| {s} | {r['layers']} | {r['params'] / 1e6:,.1f}M | {r['peak_rss_bytes'] / GIB:.2f} GiB | "
-                     f"{(r['state_bytes_per_device'] or 0) / GIB:.2f} GiB | {r['median_step_s']:.1f} s |")
+        lines.append(
+            f"| {s} | {r['layers']} | {r['params'] / 1e6:,.1f}M | {r['peak_rss_bytes'] / GIB:.2f} GiB | "
+            f"{(r['state_bytes_per_device'] or 0) / GIB:.2f} GiB | {r['median_step_s']:.1f} s |"
+        )
     if best[0] and best[3]:
-        lines += ["", f"**Stage 3 trains a {best[3]['params'] / best[0]['params']:.1f}x larger model than stage 0** "
-                      f"({best[3]['params'] / 1e6:,.0f}M vs {best[0]['params'] / 1e6:,.0f}M parameters) in the same "
-                      f"{budget / GIB:.1f} GiB. Peak resident bytes per parameter: stage 0 "
-                      f"{best[0]['peak_rss_bytes'] / best[0]['params']:.0f}, stage 3 "
-                      f"{best[3]['peak_rss_bytes'] / best[3]['params']:.1f} (kept state alone: 96 and 12)."]
-    lines += ["", "Every attempt:", "", "| stage | depth | parameters | peak RSS | result | wall |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"**Stage 3 trains a {best[3]['params'] / best[0]['params']:.1f}x larger model than stage 0** "
+            f"({best[3]['params'] / 1e6:,.0f}M vs {best[0]['params'] / 1e6:,.0f}M parameters) in the same "
+            f"{budget / GIB:.1f} GiB. Peak resident bytes per parameter: stage 0 "
+            f"{best[0]['peak_rss_bytes'] / best[0]['params']:.0f}, stage 3 "
+            f"{best[3]['peak_rss_bytes'] / best[3]['params']:.1f} (kept state alone: 96 and 12).",
+        ]
+    lines += [
+        "",
+        "Every attempt:",
+        "",
+        "| stage | depth | parameters | peak RSS | result | wall |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        result = "trained" if r["trained"] else (
-            f"killed at {r['killed_at_rss_bytes'] / GIB:.2f} GiB" if r["killed_at_rss_bytes"] else r.get("error", "failed"))
-        lines.append(f"| {r['stage']} | {r['layers']} | {r['params'] / 1e6:,.1f}M | {r['peak_rss_bytes'] / GIB:.2f} GiB | "
-                     f"{result} | {r['wall_s']:.0f} s |")
+        result = (
+            "trained"
+            if r["trained"]
+            else (
+                f"killed at {r['killed_at_rss_bytes'] / GIB:.2f} GiB"
+                if r["killed_at_rss_bytes"]
+                else r.get("error", "failed")
+            )
+        )
+        lines.append(
+            f"| {r['stage']} | {r['layers']} | {r['params'] / 1e6:,.1f}M | {r['peak_rss_bytes'] / GIB:.2f} GiB | "
+            f"{result} | {r['wall_s']:.0f} s |"
+        )
     lines += ["", "The commands of the largest runs:", ""]
-    for s, r in best.items():
+    for r in best.values():
         if r:
             lines += ["```", r["command"], "```"]
     lines += ["", f"![peak RSS against parameters]({_name(a)}.png)", ""]
@@ -234,10 +298,21 @@ def _plot(rows: list[dict], budget: int, a) -> None:
     for s, color in ((0, "tab:red"), (3, "tab:blue")):
         ok = sorted((r for r in rows if r["stage"] == s and r["trained"]), key=lambda r: r["params"])
         bad = [r for r in rows if r["stage"] == s and not r["trained"]]
-        ax.plot([r["params"] / 1e6 for r in ok], [r["peak_rss_bytes"] / GIB for r in ok], "o-", color=color,
-                label=f"stage {s}: trained")
-        ax.plot([r["params"] / 1e6 for r in bad], [r["peak_rss_bytes"] / GIB for r in bad], "x", color=color,
-                markersize=10, label=f"stage {s}: killed at the budget")
+        ax.plot(
+            [r["params"] / 1e6 for r in ok],
+            [r["peak_rss_bytes"] / GIB for r in ok],
+            "o-",
+            color=color,
+            label=f"stage {s}: trained",
+        )
+        ax.plot(
+            [r["params"] / 1e6 for r in bad],
+            [r["peak_rss_bytes"] / GIB for r in bad],
+            "x",
+            color=color,
+            markersize=10,
+            label=f"stage {s}: killed at the budget",
+        )
     ax.axhline(budget / GIB, color="black", linestyle="--", label="budget")
     ax.set_xlabel("parameters (millions)")
     ax.set_xlim(left=0)

@@ -21,8 +21,8 @@ import argparse
 import datetime
 import json
 import math
-import shlex
 import os
+import shlex
 import sys
 import time
 
@@ -30,9 +30,9 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
+import headline  # noqa: E402
 import jax  # noqa: E402
 
-import headline  # noqa: E402
 from zerojax import sources  # noqa: E402
 from zerojax.accounting import peak_bytes  # noqa: E402
 from zerojax.config import load_config  # noqa: E402
@@ -45,8 +45,9 @@ NAME = "headline-user-compiled"
 def build(stage: int, layers: int, a):
     """The trainer and first batch of headline.py's `zerojax train` command for this attempt."""
     cmd = headline.command(stage, layers, a)
-    exp = build_experiment(load_config(os.path.join(headline.REPO, cmd[2]),
-                                       [cmd[i + 1] for i, c in enumerate(cmd) if c == "--set"]))
+    exp = build_experiment(
+        load_config(os.path.join(headline.REPO, cmd[2]), [cmd[i + 1] for i, c in enumerate(cmd) if c == "--set"])
+    )
     trainer = exp.trainer
     return trainer, exp.train_data, sources.global_batch(exp.train_data, 0, trainer.batch_sharding), cmd
 
@@ -62,12 +63,23 @@ def attempt(stage: int, layers: int, a, budget: int, train: bool = False) -> dic
     else:
         compiled = trainer.prepare(key, batch).step_fn.lower(trainer.prepare(key, batch).abstract, batch).compile()
     m = compiled.memory_analysis()
-    sizes = {"argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
-             "alias_bytes": m.alias_size_in_bytes, "temp_bytes": m.temp_size_in_bytes}
+    sizes = {
+        "argument_bytes": m.argument_size_in_bytes,
+        "output_bytes": m.output_size_in_bytes,
+        "alias_bytes": m.alias_size_in_bytes,
+        "temp_bytes": m.temp_size_in_bytes,
+    }
     peak = int(peak_bytes(*(int(v) for v in sizes.values())))
-    row = {"engine": a.engine, "stage": stage, "layers": layers, "params": headline.params(layers, a),
-           "peak_bytes": peak, "fits": peak <= budget, **{k: int(v) for k, v in sizes.items()},
-           "command": shlex.join(cmd).replace("OUT", "runs/headline")}
+    row = {
+        "engine": a.engine,
+        "stage": stage,
+        "layers": layers,
+        "params": headline.params(layers, a),
+        "peak_bytes": peak,
+        "fits": peak <= budget,
+        **{k: int(v) for k, v in sizes.items()},
+        "command": shlex.join(cmd).replace("OUT", "runs/headline"),
+    }
     if train:
         losses = []
         for step in range(3):
@@ -75,15 +87,21 @@ def attempt(stage: int, layers: int, a, budget: int, train: bool = False) -> dic
             losses.append(float(metrics["loss"]))
         row.update(losses=losses, trained=all(map(math.isfinite, losses)))
     row["wall_s"] = round(time.time() - t0, 1)
-    print(f"{a.engine:9s} stage {stage} depth {layers:3d} ({row['params'] / 1e6:6.2f}M): peak {peak / MIB:8.2f} MiB, "
-          f"{'fits' if row['fits'] else 'over'}{', losses ' + str(row['losses']) if train else ''}, "
-          f"{row['wall_s']:.0f} s", flush=True)
+    print(
+        f"{a.engine:9s} stage {stage} depth {layers:3d} ({row['params'] / 1e6:6.2f}M): peak {peak / MIB:8.2f} MiB, "
+        f"{'fits' if row['fits'] else 'over'}{', losses ' + str(row['losses']) if train else ''}, "
+        f"{row['wall_s']:.0f} s",
+        flush=True,
+    )
     return row
 
 
 def largest(rows: list[dict], engine: str, stage: int) -> dict | None:
-    return max((r for r in rows if r["engine"] == engine and r["stage"] == stage and r["fits"] and "losses" not in r),
-               key=lambda r: r["layers"], default=None)
+    return max(
+        (r for r in rows if r["engine"] == engine and r["stage"] == stage and r["fits"] and "losses" not in r),
+        key=lambda r: r["layers"],
+        default=None,
+    )
 
 
 def write(res: dict) -> None:
@@ -107,24 +125,35 @@ def write(res: dict) -> None:
         "",
         "Made by `" + res["command"] + "`.",
         "",
-        "| engine | stage 0: largest that fits | stage 3: largest that fits | ratio (params) | losses of the 3 steps (stage 0; stage 3) |",
+        "| engine | stage 0: largest that fits | stage 3: largest that fits | ratio (params) "
+        "| losses of the 3 steps (stage 0; stage 3) |",
         "|---|---|---|---|---|",
     ]
     for e in res["engines"]:
         best = {s: largest(rows, e, s) for s in (0, 3)}
         t = {s: next((r for r in trained if r["engine"] == e and r["stage"] == s), None) for s in (0, 3)}
-        cell = lambda r: f"{r['layers']} blocks, {r['params'] / 1e6:.2f}M, {r['peak_bytes'] / MIB:.1f} MiB" if r else "none"  # noqa: E731
+        cell = lambda r: (
+            f"{r['layers']} blocks, {r['params'] / 1e6:.2f}M, {r['peak_bytes'] / MIB:.1f} MiB" if r else "none"
+        )  # noqa: E731
         ratio = f"**{best[3]['params'] / best[0]['params']:.2f}×**" if best[0] and best[3] else "-"
         loss = "; ".join(", ".join(f"{x:.3f}" for x in t[s]["losses"]) if t[s] else "-" for s in (0, 3))
         lines.append(f"| `{e}` | {cell(best[0])} | {cell(best[3])} | {ratio} | {loss} |")
-    lines += ["", "\n\n".join(res["notes"]), "", "Every attempt (compile only; the `train` rows are the 3-step runs, compiled again):",
-              "", "| engine | stage | depth | parameters | arguments | outputs - aliased | temporaries | peak | fits | wall |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "\n\n".join(res["notes"]),
+        "",
+        "Every attempt (compile only; the `train` rows are the 3-step runs, compiled again):",
+        "",
+        "| engine | stage | depth | parameters | arguments | outputs - aliased | temporaries | peak | fits | wall |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows + trained:
-        lines.append(f"| {r['engine']} | {r['stage']} | {r['layers']}{' train' if 'losses' in r else ''} | "
-                     f"{r['params'] / 1e6:.2f}M | {r['argument_bytes'] / MIB:.1f} | "
-                     f"{(r['output_bytes'] - r['alias_bytes']) / MIB:.1f} | {r['temp_bytes'] / MIB:.1f} | "
-                     f"{r['peak_bytes'] / MIB:.1f} MiB | {'yes' if r['fits'] else 'no'} | {r['wall_s']:.0f} s |")
+        lines.append(
+            f"| {r['engine']} | {r['stage']} | {r['layers']}{' train' if 'losses' in r else ''} | "
+            f"{r['params'] / 1e6:.2f}M | {r['argument_bytes'] / MIB:.1f} | "
+            f"{(r['output_bytes'] - r['alias_bytes']) / MIB:.1f} | {r['temp_bytes'] / MIB:.1f} | "
+            f"{r['peak_bytes'] / MIB:.1f} MiB | {'yes' if r['fits'] else 'no'} | {r['wall_s']:.0f} s |"
+        )
     lines += ["", "The equivalent `zerojax train` commands of the largest models:", ""]
     for r in trained:
         lines += ["```", r["command"], "```"]
@@ -143,12 +172,23 @@ def _plot(res: dict) -> None:
     fig, axes = plt.subplots(1, len(res["engines"]), figsize=(6 * len(res["engines"]), 4.2), sharey=True, squeeze=False)
     for ax, e in zip(axes[0], res["engines"]):
         for s, color in ((0, "tab:red"), (3, "tab:blue")):
-            pts = sorted((r["params"] / 1e6, r["peak_bytes"] / MIB, r["fits"]) for r in res["attempts"]
-                         if r["engine"] == e and r["stage"] == s)
+            pts = sorted(
+                (r["params"] / 1e6, r["peak_bytes"] / MIB, r["fits"])
+                for r in res["attempts"]
+                if r["engine"] == e and r["stage"] == s
+            )
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "-", color=color, alpha=0.5)
-            ax.plot([p[0] for p in pts if p[2]], [p[1] for p in pts if p[2]], "o", color=color, label=f"stage {s}: fits")
-            ax.plot([p[0] for p in pts if not p[2]], [p[1] for p in pts if not p[2]], "x", color=color, markersize=9,
-                    label=f"stage {s}: over")
+            ax.plot(
+                [p[0] for p in pts if p[2]], [p[1] for p in pts if p[2]], "o", color=color, label=f"stage {s}: fits"
+            )
+            ax.plot(
+                [p[0] for p in pts if not p[2]],
+                [p[1] for p in pts if not p[2]],
+                "x",
+                color=color,
+                markersize=9,
+                label=f"stage {s}: over",
+            )
         ax.axhline(res["budget_bytes"] / MIB, color="black", linestyle="--", label="budget")
         ax.set_title(f"engine {e}")
         ax.set_xlabel("parameters (millions)")
@@ -160,8 +200,12 @@ def _plot(res: dict) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--budget-mib", type=float, default=110.0,
-                   help="compiled peak allowed per device (more compiles deeper stacks: ~9 GB of host memory at 24)")
+    p.add_argument(
+        "--budget-mib",
+        type=float,
+        default=110.0,
+        help="compiled peak allowed per device (more compiles deeper stacks: ~9 GB of host memory at 24)",
+    )
     p.add_argument("--engines", default="gspmd,shard_map")
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--d-ff", type=int, default=2048, help="the block's hidden width")
@@ -176,15 +220,24 @@ def main() -> int:
         write({**res, "notes": a.note or res["notes"]})
         return 0
     t0, budget = time.time(), int(a.budget_mib * MIB)
-    res = {"command": "python experiments/headline_compiled.py " + " ".join(sys.argv[1:]), "jax": jax.__version__,
-           "started": datetime.datetime.now().isoformat(timespec="seconds"), "budget_bytes": budget,
-           "engines": a.engines.split(","), "attempts": [], "trained": [], "notes": a.note, "minutes": 0.0}
+    res = {
+        "command": "python experiments/headline_compiled.py " + " ".join(sys.argv[1:]),
+        "jax": jax.__version__,
+        "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        "budget_bytes": budget,
+        "engines": a.engines.split(","),
+        "attempts": [],
+        "trained": [],
+        "notes": a.note,
+        "minutes": 0.0,
+    }
     for engine in res["engines"]:
         ea = argparse.Namespace(**vars(a), model="user", engine=engine)
         res["args"] = {k: v for k, v in vars(ea).items() if k not in ("engine", "note", "from_json")}
         for stage in (0, 3):
-            rows = headline.search(stage, ea, budget, (2, 3) if stage == 0 else (4, 8), run=attempt, ok="fits",
-                                   peak="peak_bytes", step=1)
+            rows = headline.search(
+                stage, ea, budget, (2, 3) if stage == 0 else (4, 8), run=attempt, ok="fits", peak="peak_bytes", step=1
+            )
             res["attempts"] += rows
             best = largest(rows, engine, stage)
             if best:

@@ -15,6 +15,8 @@ import datetime
 import json
 import os
 
+from zerojax.optim import get_optimizer
+from zerojax.precision import get_precision
 from zerojax.stages import STAGE_INDICES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -60,25 +62,40 @@ def _measure(a) -> list[dict]:
     rows = []
     for stage in STAGES:
         for count in COUNTS:
-            c = load_config(CONFIG, [f"model.preset={a.model}", f"precision={a.precision}", f"zero.stage={stage}",
-                                     f"zero.engine={a.engine}", "train.steps=1", "train.batch_size=16"])
+            c = load_config(
+                CONFIG,
+                [
+                    f"model.preset={a.model}",
+                    f"precision={a.precision}",
+                    f"zero.stage={stage}",
+                    f"zero.engine={a.engine}",
+                    "train.steps=1",
+                    "train.batch_size=16",
+                ],
+            )
             row, params, _ = run_row(c, 1, devices=jax.devices()[:count])
             row.update(p=count, params=params)
             rows.append(row)
-            print(f"stage {stage} p={count:2d}: persistent {row['persistent_bytes_per_device'] / 2**20:8.2f} MiB "
-                  f"(x{row['persistent_ratio']:.4f} ideal), peak {row['peak_bytes_per_device'] / 2**20:8.2f} MiB",
-                  flush=True)
+            print(
+                f"stage {stage} p={count:2d}: persistent {row['persistent_bytes_per_device'] / 2**20:8.2f} MiB "
+                f"(x{row['persistent_ratio']:.4f} ideal), peak {row['peak_bytes_per_device'] / 2**20:8.2f} MiB",
+                flush=True,
+            )
     return rows
 
 
 def _write_table(a, rows: list[dict], psi: float, seq: int, started: str, jax_version: str) -> None:
     lines = [
-        "# Memory per device against device count", "",
+        "# Memory per device against device count",
+        "",
         f"Made by `python experiments/memory_vs_devices.py` on {started}: the {a.model} GPT ({psi / 1e6:.2f}M "
-        f"parameters), {a.precision} + Adam, engine `{a.engine}`, global batch 16 x {seq} tokens, meshes over the first p of 16 simulated CPU devices (jax {jax_version}).", "",
+        f"parameters), {a.precision} + Adam, engine `{a.engine}`, global batch 16 x {seq} tokens, "
+        f"meshes over the first p of 16 simulated CPU devices (jax {jax_version}).",
+        "",
         "**persistent**: the live state's shards on one device; **ideal**: `kept_state_bytes` (what zerojax keeps; "
         "no gradients); **peak**: `memory_analysis()` of the step (arguments + outputs - aliased + temporaries). "
-        "MiB per device.", "",
+        "MiB per device.",
+        "",
         "| stage | " + " | ".join(f"p={n} persistent / ideal / peak" for n in COUNTS) + " |",
         "|---|" + "---|" * len(COUNTS),
     ]
@@ -86,17 +103,24 @@ def _write_table(a, rows: list[dict], psi: float, seq: int, started: str, jax_ve
         cells = []
         for n in COUNTS:
             r = next(r for r in rows if r["stage"] == stage and r["p"] == n)
-            cells.append(f"{r['persistent_bytes_per_device'] / 2**20:,.1f} / "
-                         f"{r['ideal_persistent_bytes_per_device'] / 2**20:,.1f} / {r['peak_bytes_per_device'] / 2**20:,.1f}")
+            cells.append(
+                f"{r['persistent_bytes_per_device'] / 2**20:,.1f} / "
+                f"{r['ideal_persistent_bytes_per_device'] / 2**20:,.1f} / {r['peak_bytes_per_device'] / 2**20:,.1f}"
+            )
         lines.append(f"| {stage} | " + " | ".join(cells) + " |")
     worst = max(abs(r["persistent_ratio"] - 1) for r in rows)
     s3 = {r["p"]: r for r in rows if r["stage"] == 3}
-    lines += ["", f"Largest persistent deviation from the ideal: {worst:.4%}. Stage 3 from p=1 to p=16: persistent "
-                  f"x{s3[1]['persistent_bytes_per_device'] / s3[16]['persistent_bytes_per_device']:.2f} smaller "
-                  f"(ideal 16), peak x{s3[1]['peak_bytes_per_device'] / s3[16]['peak_bytes_per_device']:.2f} smaller "
-                  "(the global batch is fixed, so activations shrink with p too; one layer's gathered weights and their "
-                  "gradient do not).", "",
-              "![memory per device against p](memory_vs_devices.png)", ""]
+    lines += [
+        "",
+        f"Largest persistent deviation from the ideal: {worst:.4%}. Stage 3 from p=1 to p=16: persistent "
+        f"x{s3[1]['persistent_bytes_per_device'] / s3[16]['persistent_bytes_per_device']:.2f} smaller "
+        f"(ideal 16), peak x{s3[1]['peak_bytes_per_device'] / s3[16]['peak_bytes_per_device']:.2f} smaller "
+        "(the global batch is fixed, so activations shrink with p too; one layer's gathered weights and their "
+        "gradient do not).",
+        "",
+        "![memory per device against p](memory_vs_devices.png)",
+        "",
+    ]
     with open(os.path.join(RESULTS, "memory_vs_devices.md"), "w") as f:
         f.write("\n".join(lines))
 
@@ -109,17 +133,28 @@ def _plot(a, rows: list[dict], psi: float) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    policy, adam = A.get_precision(a.precision), A.get_optimizer("adamw")
+    policy, adam = get_precision(a.precision), get_optimizer("adamw")
     fig, ax = plt.subplots(figsize=(7.5, 5))
     every = range(1, max(COUNTS) + 1)
     for stage, color in zip(STAGES, ("tab:red", "tab:orange", "tab:green", "tab:blue")):
         sel = [next(r for r in rows if r["stage"] == stage and r["p"] == n) for n in COUNTS]
         ideal = [A.kept_state_bytes(psi, q, stage, policy, adam)["total"] for q in every]
         ax.plot(every, [y / 2**20 for y in ideal], "-", color=color, alpha=0.5, label=f"stage {stage} ideal (kept)")
-        ax.plot(COUNTS, [r["persistent_bytes_per_device"] / 2**20 for r in sel], "o", color=color,
-                label=f"stage {stage} persistent")
-        ax.plot(COUNTS, [r["peak_bytes_per_device"] / 2**20 for r in sel], "^--", color=color, alpha=0.7,
-                label=f"stage {stage} peak")
+        ax.plot(
+            COUNTS,
+            [r["persistent_bytes_per_device"] / 2**20 for r in sel],
+            "o",
+            color=color,
+            label=f"stage {stage} persistent",
+        )
+        ax.plot(
+            COUNTS,
+            [r["peak_bytes_per_device"] / 2**20 for r in sel],
+            "^--",
+            color=color,
+            alpha=0.7,
+            label=f"stage {stage} peak",
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(COUNTS, [str(n) for n in COUNTS])

@@ -48,22 +48,33 @@ def train_rows(preset: str, stages, precision: str, batch: int, steps: int) -> l
     for stage in stages:
         runs = {}
         for mode in ("none", "optimizer"):
-            trainer = Trainer(functools.partial(GPT, cfg), optax.adamw(1e-3), stage=stage, precision=precision,
-                              offload=mode)
+            trainer = Trainer(
+                functools.partial(GPT, cfg), optax.adamw(1e-3), stage=stage, precision=precision, offload=mode
+            )
             state = trainer.init(jax.random.key(0), stream.host_batch(0))
             compiled = trainer.compile(state, stream.host_batch(0))
             ma = compiled.memory_analysis()
-            runs[mode] = {"trainer": trainer, "state": state, "compiled": compiled, "times": [], "losses": [],
-                          "row": {"stage": stage, "offload": mode, "precision": precision,
-                                  "params": count_params(trainer.layout.leaves),
-                                  "devices": int(trainer.mesh.devices.size),
-                                  "device_bytes": trainer.persistent_bytes_per_device(state),
-                                  "host_bytes": trainer.host_persistent_bytes_per_device(state),
-                                  "compiled_args": compiled_argument_bytes(compiled),
-                                  "temp_bytes": int(ma.temp_size_in_bytes),
-                                  "host_argument_size_in_bytes": int(getattr(ma, "host_argument_size_in_bytes", 0))}}
+            runs[mode] = {
+                "trainer": trainer,
+                "state": state,
+                "compiled": compiled,
+                "times": [],
+                "losses": [],
+                "row": {
+                    "stage": stage,
+                    "offload": mode,
+                    "precision": precision,
+                    "params": count_params(trainer.layout.leaves),
+                    "devices": int(trainer.mesh.devices.size),
+                    "device_bytes": trainer.persistent_bytes_per_device(state),
+                    "host_bytes": trainer.host_persistent_bytes_per_device(state),
+                    "compiled_args": compiled_argument_bytes(compiled),
+                    "temp_bytes": int(ma.temp_size_in_bytes),
+                    "host_argument_size_in_bytes": int(getattr(ma, "host_argument_size_in_bytes", 0)),
+                },
+            }
         for i in range(steps + 1):  # step 0 warms up; the rest interleave the two runs
-            for mode, run in runs.items():
+            for run in runs.values():
                 batch_i = run["trainer"].shard_batch(stream.host_batch(i))
                 t = time.perf_counter()
                 run["state"], metrics = run["compiled"](run["state"], batch_i)
@@ -71,7 +82,7 @@ def train_rows(preset: str, stages, precision: str, batch: int, steps: int) -> l
                 if i:
                     run["times"].append(time.perf_counter() - t)
         base = statistics.median(runs["none"]["times"])
-        for mode, run in runs.items():
+        for run in runs.values():
             row = run["row"]
             row["step_time_s"] = statistics.median(run["times"])
             row["step_time_ratio_vs_none"] = row["step_time_s"] / base
@@ -86,7 +97,8 @@ def update_rows(n: int, repeats: int) -> list[dict]:
     import jax
     import jax.numpy as jnp
     import optax
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     mesh = jax.make_mesh((len(jax.devices()),), ("fsdp",))
     dev = NamedSharding(mesh, P("fsdp"))
@@ -120,8 +132,10 @@ def update_rows(n: int, repeats: int) -> list[dict]:
     rows = []
     for name, fn, where in (("device", update, dev), ("streamed", streamed, host), ("compute_on host", on_host, host)):
         p = jax.device_put(params, where)
-        s = jax.tree.map(lambda x: jax.device_put(x, (dev if x.ndim else rep).with_memory_kind(where.memory_kind)),
-                         tx.init(params))
+        s = jax.tree.map(
+            lambda x, where=where: jax.device_put(x, (dev if x.ndim else rep).with_memory_kind(where.memory_kind)),
+            tx.init(params),
+        )
         try:
             jitted = jax.jit(fn, donate_argnums=(0, 1))
             out = jax.block_until_ready(jitted(p, s, grads))
@@ -131,8 +145,9 @@ def update_rows(n: int, repeats: int) -> list[dict]:
                 t = time.perf_counter()
                 p, s = jax.block_until_ready(jitted(p, s, grads))
                 times.append(time.perf_counter() - t)
-            rows.append({"update": name, "params": n, "time_s": statistics.median(times),
-                         "params_kind": p.sharding.memory_kind})
+            rows.append(
+                {"update": name, "params": n, "time_s": statistics.median(times), "params_kind": p.sharding.memory_kind}
+            )
         except Exception as e:  # noqa: BLE001 - a variant this backend cannot run is a result too
             rows.append({"update": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
         print(rows[-1], flush=True)
@@ -145,19 +160,32 @@ def update_rows(n: int, repeats: int) -> list[dict]:
 
 def write(result: dict, suffix: str) -> None:
     mib = lambda b: f"{b / 2**20:,.2f}"  # noqa: E731
-    lines = [f"# Host offload: device vs host bytes and step time ({result['device_kind']})", "",
-             f"Run {result['date']} on {result['host']}, jax {result['jax']}, {result['devices']} devices; "
-             f"`python experiments/offload.py {' '.join(result['argv'])}`.", "",
-             f"## The train step: GPT {result['preset']}, AdamW, {result['precision']}, per device", "",
-             "| stage | offload | device MiB | host MiB | compiled args device / host MiB | temp MiB | "
-             "step ms | ratio vs none | max loss diff |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Host offload: device vs host bytes and step time ({result['device_kind']})",
+        "",
+        f"Run {result['date']} on {result['host']}, jax {result['jax']}, {result['devices']} devices; "
+        f"`python experiments/offload.py {' '.join(result['argv'])}`.",
+        "",
+        f"## The train step: GPT {result['preset']}, AdamW, {result['precision']}, per device",
+        "",
+        "| stage | offload | device MiB | host MiB | compiled args device / host MiB | temp MiB | "
+        "step ms | ratio vs none | max loss diff |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["train"]:
         a = r["compiled_args"]
-        lines.append(f"| {r['stage']} | {r['offload']} | {mib(r['device_bytes'])} | {mib(r['host_bytes'])} | "
-                     f"{mib(a['device'])} / {mib(a['host'])} | {mib(r['temp_bytes'])} | {r['step_time_s'] * 1e3:,.1f} | "
-                     f"{r['step_time_ratio_vs_none']:.3f} | {r['max_loss_diff_vs_none']:.1e} |")
-    lines += ["", f"## The update alone: AdamW on {result['update_params']:,} fp32 parameters", "",
-              "| update | ms | ratio vs device |", "|---|---|---|"]
+        lines.append(
+            f"| {r['stage']} | {r['offload']} | {mib(r['device_bytes'])} | {mib(r['host_bytes'])} | "
+            f"{mib(a['device'])} / {mib(a['host'])} | {mib(r['temp_bytes'])} | {r['step_time_s'] * 1e3:,.1f} | "
+            f"{r['step_time_ratio_vs_none']:.3f} | {r['max_loss_diff_vs_none']:.1e} |"
+        )
+    lines += [
+        "",
+        f"## The update alone: AdamW on {result['update_params']:,} fp32 parameters",
+        "",
+        "| update | ms | ratio vs device |",
+        "|---|---|---|",
+    ]
     for r in result["update"]:
         if "error" in r:
             lines.append(f"| {r['update']} | {r['error']} | - |")
@@ -182,15 +210,23 @@ def main() -> int:
     ap.add_argument("--suffix", default="", help="results/offload{suffix}.{md,json}")
     args = ap.parse_args()
     if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={args.devices}").strip()
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+        ).strip()
     import jax
 
     stages = [int(s) for s in args.stages.split(",")]
-    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "host": platform.node(), "jax": jax.__version__, "device_kind": jax.devices()[0].device_kind,
-              "devices": len(jax.devices()), "argv": sys.argv[1:], "preset": args.preset,
-              "precision": args.precision, "update_params": args.update_params}
+    result = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "jax": jax.__version__,
+        "device_kind": jax.devices()[0].device_kind,
+        "devices": len(jax.devices()),
+        "argv": sys.argv[1:],
+        "preset": args.preset,
+        "precision": args.precision,
+        "update_params": args.update_params,
+    }
     result["train"] = train_rows(args.preset, stages, args.precision, args.batch, args.steps)
     result["update"] = update_rows(args.update_params, repeats=5)
     write(result, args.suffix)

@@ -28,7 +28,7 @@ def shapes(n: int, seed: int) -> dict:
         cy, cx = rng.integers(r, SIZE - r, size=2)
         dy, dx = np.abs(yy - cy), np.abs(xx - cx)
         if label == 0:  # square outline
-            img = (np.maximum(dy, dx) == r)
+            img = np.maximum(dy, dx) == r
         elif label == 1:  # filled disc
             img = dy**2 + dx**2 <= r**2
         elif label == 2:  # cross

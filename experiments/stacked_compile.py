@@ -33,8 +33,7 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 def measure(kind: str, width: int, depth: int, engine: str) -> dict:
     model = (_stacked if kind == "stacked" else _unrolled)(width, depth)
-    trainer = zj.Trainer(model, optax.sgd(1e-2), mesh=zj.make_mesh(fsdp=8), stage=3, engine=engine,
-                         precision="fp32")
+    trainer = zj.Trainer(model, optax.sgd(1e-2), mesh=zj.make_mesh(fsdp=8), stage=3, engine=engine, precision="fp32")
     batch = _batch(width)
     state = trainer.init(jax.random.key(0), batch)
     batch = trainer.shard_batch(batch)
@@ -43,20 +42,33 @@ def measure(kind: str, width: int, depth: int, engine: str) -> dict:
     traced = time.perf_counter()
     compiled = lowered.compile()
     done = time.perf_counter()
-    return {"model": kind, "engine": engine, "depth": depth, "width": width,
-            "lower_s": traced - start, "compile_s": done - traced, "total_s": done - start,
-            "temp_bytes": compiled.memory_analysis().temp_size_in_bytes, "route": trainer.gather_report().route}
+    return {
+        "model": kind,
+        "engine": engine,
+        "depth": depth,
+        "width": width,
+        "lower_s": traced - start,
+        "compile_s": done - traced,
+        "total_s": done - start,
+        "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+        "route": trainer.gather_report().route,
+    }
 
 
 def table(rows: list[dict], depths: list[int]) -> list[str]:
-    lines = ["| engine | model | route | " + " | ".join(f"L = {d}" for d in depths) + " |",
-             "|---|---|---|" + "---|" * len(depths)]
+    lines = [
+        "| engine | model | route | " + " | ".join(f"L = {d}" for d in depths) + " |",
+        "|---|---|---|" + "---|" * len(depths),
+    ]
     for engine in dict.fromkeys(r["engine"] for r in rows):
         for kind, name in (("stacked", "`zj.Stacked`"), ("unrolled", "`nnx.List`")):
             cells = {r["depth"]: r for r in rows if r["engine"] == engine and r["model"] == kind}
             route = next(iter(cells.values()))["route"]
-            lines.append(f"| {engine} | {name} | {route} | " + " | ".join(
-                f"{cells[d]['total_s']:.2f} s ({cells[d]['temp_bytes'] / MiB:.2f} MiB)" for d in depths) + " |")
+            lines.append(
+                f"| {engine} | {name} | {route} | "
+                + " | ".join(f"{cells[d]['total_s']:.2f} s ({cells[d]['temp_bytes'] / MiB:.2f} MiB)" for d in depths)
+                + " |"
+            )
     return lines
 
 
@@ -73,16 +85,24 @@ def main() -> None:
             for kind in ("stacked", "unrolled"):
                 rows.append(measure(kind, args.width, depth, engine))
                 print(json.dumps(rows[-1]), flush=True)
-    env = {"jax": jax.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
-           "load_average": os.getloadavg()[0]}
+    env = {
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg()[0],
+    }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump({"env": env, "rows": rows}, f, indent=1)
-    lines = [f"Stage-3 train step, lower + compile wall seconds (temp MiB per device): width {args.width}, "
-             f"blocks of 2 Linear, fp32, SGD, 8 simulated CPU devices; jax {env['jax']}, {env['cpus']} CPUs, "
-             f"load average {env['load_average']:.1f} at the end (a shared machine: compare within a column).", "",
-             *table(rows, args.depths), "",
-             "Written by `python experiments/stacked_compile.py`."]
+    lines = [
+        f"Stage-3 train step, lower + compile wall seconds (temp MiB per device): width {args.width}, "
+        f"blocks of 2 Linear, fp32, SGD, 8 simulated CPU devices; jax {env['jax']}, {env['cpus']} CPUs, "
+        f"load average {env['load_average']:.1f} at the end (a shared machine: compare within a column).",
+        "",
+        *table(rows, args.depths),
+        "",
+        "Written by `python experiments/stacked_compile.py`.",
+    ]
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -20,6 +20,8 @@ import json
 import os
 import sys
 
+from zerojax.optim import get_optimizer
+from zerojax.precision import get_precision
 from zerojax.stages import STAGE_INDICES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -37,21 +39,34 @@ def sweep(models, precisions, engines, steps: int) -> list[dict]:
         for precision in precisions:
             for engine in engines:
                 for stage in STAGES:
-                    c = load_config(CONFIG, [f"model.preset={model}", f"precision={precision}", f"zero.stage={stage}",
-                                             f"zero.engine={engine}", f"train.steps={steps}", "train.batch_size=16"])
+                    c = load_config(
+                        CONFIG,
+                        [
+                            f"model.preset={model}",
+                            f"precision={precision}",
+                            f"zero.stage={stage}",
+                            f"zero.engine={engine}",
+                            f"train.steps={steps}",
+                            "train.batch_size=16",
+                        ],
+                    )
                     row, params, devices = run_row(c, steps)
                     row.update(model=model, params=params, devices=devices)
                     rows.append(row)
-                    print(f"{model} {precision} {engine} stage {stage}: persistent {row['persistent_ratio']:.4f}, "
-                          f"collective {row['collective_ratio']:.3f} x ideal", flush=True)
+                    print(
+                        f"{model} {precision} {engine} stage {stage}: persistent {row['persistent_ratio']:.4f}, "
+                        f"collective {row['collective_ratio']:.3f} x ideal",
+                        flush=True,
+                    )
     return rows
 
 
 def textbook(row) -> float:
     from zerojax.accounting import analytic as A
 
-    return A.model_state_bytes(row["params"], row["devices"], row["stage"], A.get_precision(row["precision"]),
-                               A.get_optimizer("adamw"))["total"]
+    return A.model_state_bytes(
+        row["params"], row["devices"], row["stage"], get_precision(row["precision"]), get_optimizer("adamw")
+    )["total"]
 
 
 def _mib(x) -> str:
@@ -64,7 +79,10 @@ def _r(x) -> str:
 
 def memory_md(rows, header) -> str:
     out = [
-        "# Memory per device by stage: measured vs analytic", "", header, "",
+        "# Memory per device by stage: measured vs analytic",
+        "",
+        header,
+        "",
         "- **persistent**: bytes of the live state's shards on one device (`Trainer.persistent_bytes_per_device`).",
         "- **kept (ideal)**: what zerojax keeps between steps, analytically (`kept_state_bytes`): fp32 master + Adam "
         "moments (+ a bf16 compute copy at stages 0-2), sharded per the stage table; no gradients (they live only "
@@ -74,24 +92,37 @@ def memory_md(rows, header) -> str:
         "- **peak**: `memory_analysis()` of the compiled step: arguments + outputs - aliased + temporaries. "
         "**est.**: kept + activations + gradients + one fp32 update buffer (`step_temp_bytes`, a rough sum). "
         "On CPU, bf16 matmuls run in f32, so bf16 temporaries are larger than a GPU's.",
-        "", "MiB per device.", "",
+        "",
+        "MiB per device.",
+        "",
         "| model | precision | stage | engine | persistent | kept (ideal) | ratio | textbook | peak | est. | ratio |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        out.append(f"| {r['model']} ({r['params'] / 1e6:.2f}M) | {r['precision']} | {r['stage']} | {r['engine']} | "
-                   f"{_mib(r['persistent_bytes_per_device'])} | {_mib(r['ideal_persistent_bytes_per_device'])} | "
-                   f"{_r(r['persistent_ratio'])} | {_mib(textbook(r))} | {_mib(r['peak_bytes_per_device'])} | "
-                   f"{_mib(r['ideal_peak_bytes_per_device'])} | {_r(r['peak_ratio'])} |")
+        out.append(
+            f"| {r['model']} ({r['params'] / 1e6:.2f}M) | {r['precision']} | {r['stage']} | {r['engine']} | "
+            f"{_mib(r['persistent_bytes_per_device'])} | {_mib(r['ideal_persistent_bytes_per_device'])} | "
+            f"{_r(r['persistent_ratio'])} | {_mib(textbook(r))} | {_mib(r['peak_bytes_per_device'])} | "
+            f"{_mib(r['ideal_peak_bytes_per_device'])} | {_r(r['peak_ratio'])} |"
+        )
     worst = max(abs(r["persistent_ratio"] - 1) for r in rows)
-    out += ["", f"Largest persistent deviation from the analytic figure: {worst:.4%} (step counter and optimizer "
-                "count scalars).", "", "![memory by stage](memory_by_stage.png)", ""]
+    out += [
+        "",
+        f"Largest persistent deviation from the analytic figure: {worst:.4%} (step counter and optimizer "
+        "count scalars).",
+        "",
+        "![memory by stage](memory_by_stage.png)",
+        "",
+    ]
     return "\n".join(out)
 
 
 def traffic_md(rows, header) -> str:
     out = [
-        "# Collective traffic per device per step by stage and engine: measured vs analytic", "", header, "",
+        "# Collective traffic per device per step by stage and engine: measured vs analytic",
+        "",
+        header,
+        "",
         "- **measured**: bytes each device sends per step, counted on the HLO right after SPMD partitioning "
         "(`zerojax.accounting.hlo`): ring all-gather (g-1)/g of its result, reduce-scatter (g-1) x its result, "
         "all-reduce 2(g-1)/g of its operand; collectives inside the layer scan counted once per iteration.",
@@ -100,28 +131,38 @@ def traffic_md(rows, header) -> str:
         "- **final HLO (CPU)**: the same count on XLA:CPU's final program, where a float-normalization pass has "
         "upcast bf16 collectives to f32: bf16 traffic shows there at twice the bytes a GPU or TPU moves, which is "
         "why the partitioned HLO is counted.",
-        "", "MiB per device per step.", "",
+        "",
+        "MiB per device per step.",
+        "",
         "| model | precision | stage | engine | measured | ideal | ratio | by kind | final HLO (CPU) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         kinds = ", ".join(f"{k} {v / 2**20:,.2f}" for k, v in r["collective_bytes_by_kind"].items())
-        out.append(f"| {r['model']} | {r['precision']} | {r['stage']} | {r['engine']} | "
-                   f"{_mib(r['collective_bytes_per_device_per_step'])} | "
-                   f"{_mib(r['ideal_collective_bytes_per_device_per_step'])} | {_r(r['collective_ratio'])} | {kinds} | "
-                   f"{_mib(r['final_hlo_collective_bytes_per_device_per_step'])} |")
-    out += ["", "Reading the ratios:", "",
-            "- stage 0, both engines: one all-reduce of the gradients, the ideal (the bf16 gspmd rows also reduce the "
-            "embedding's gradient in f32).",
-            "- gspmd stages 1-2: XLA all-reduces the gradient and slices it, then all-gathers the updated params: "
-            "3 units against the ideal 2 (1.5x in fp32). shard_map reduce-scatters: the ideal.",
-            "- shard_map stage 3: below 1 because the embedding, head and final norm sit outside the "
-            "rematerialised layer scan: their forward gather is kept for backward, so they are gathered once, not "
-            "twice.",
-            "- gspmd stage 3: the engine asks for each layer's whole weights where they are used, so XLA gathers "
-            "weights layer by layer (twice, with remat) as FSDP should, but it reduces the gradient with an "
-            "all-reduce and a slice instead of a reduce-scatter: 4 units against the ideal 3 (1.33x).",
-            "", "![traffic by stage](traffic_by_stage.png)", ""]
+        out.append(
+            f"| {r['model']} | {r['precision']} | {r['stage']} | {r['engine']} | "
+            f"{_mib(r['collective_bytes_per_device_per_step'])} | "
+            f"{_mib(r['ideal_collective_bytes_per_device_per_step'])} | {_r(r['collective_ratio'])} | {kinds} | "
+            f"{_mib(r['final_hlo_collective_bytes_per_device_per_step'])} |"
+        )
+    out += [
+        "",
+        "Reading the ratios:",
+        "",
+        "- stage 0, both engines: one all-reduce of the gradients, the ideal (the bf16 gspmd rows also reduce the "
+        "embedding's gradient in f32).",
+        "- gspmd stages 1-2: XLA all-reduces the gradient and slices it, then all-gathers the updated params: "
+        "3 units against the ideal 2 (1.5x in fp32). shard_map reduce-scatters: the ideal.",
+        "- shard_map stage 3: below 1 because the embedding, head and final norm sit outside the "
+        "rematerialised layer scan: their forward gather is kept for backward, so they are gathered once, not "
+        "twice.",
+        "- gspmd stage 3: the engine asks for each layer's whole weights where they are used, so XLA gathers "
+        "weights layer by layer (twice, with remat) as FSDP should, but it reduces the gradient with an "
+        "all-reduce and a slice instead of a reduce-scatter: 4 units against the ideal 3 (1.33x).",
+        "",
+        "![traffic by stage](traffic_by_stage.png)",
+        "",
+    ]
     return "\n".join(out)
 
 
@@ -140,9 +181,11 @@ def plot(rows, model: str) -> None:
     for ax, prec in zip(axes[0], precisions):
         sel = {(r["stage"], r["engine"]): r for r in rows if r["model"] == model and r["precision"] == prec}
         first = [sel[(s, engines[0])] for s in STAGES]
-        series = [("persistent (measured)", [r["persistent_bytes_per_device"] for r in first]),
-                  ("kept (analytic)", [r["ideal_persistent_bytes_per_device"] for r in first]),
-                  ("textbook model state", [textbook(r) for r in first])]
+        series = [
+            ("persistent (measured)", [r["persistent_bytes_per_device"] for r in first]),
+            ("kept (analytic)", [r["ideal_persistent_bytes_per_device"] for r in first]),
+            ("textbook model state", [textbook(r) for r in first]),
+        ]
         series += [(f"peak, {e}", [sel[(s, e)]["peak_bytes_per_device"] for s in STAGES]) for e in engines]
         w = 0.8 / len(series)
         for i, (label, ys) in enumerate(series):
@@ -192,8 +235,10 @@ def main() -> int:
 
     started = datetime.datetime.now().isoformat(timespec="seconds")
     rows = sweep(a.models.split(","), a.precisions.split(","), a.engines.split(","), a.steps)
-    header = (f"Made by `python {' '.join(['experiments/stage_sweep.py', *sys.argv[1:]])}` on {started}: 8 simulated "
-              f"CPU devices (jax {jax.__version__}), fsdp = 8, Adam, global batch 16, {a.steps} steps per row.")
+    header = (
+        f"Made by `python {' '.join(['experiments/stage_sweep.py', *sys.argv[1:]])}` on {started}: 8 simulated "
+        f"CPU devices (jax {jax.__version__}), fsdp = 8, Adam, global batch 16, {a.steps} steps per row."
+    )
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "stage_sweep.json"), "w") as f:
         json.dump({"started": started, "header": header, "rows": rows}, f, indent=2)

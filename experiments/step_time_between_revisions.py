@@ -59,11 +59,20 @@ def worktree(rev: str) -> str:
 
 def run_child(path: str, a) -> dict:
     env = {**os.environ, "PYTHONPATH": path}
-    argv = [sys.executable, "-c", CHILD, a.preset, str(a.layers), str(a.rows), str(a.steps), a.precision,
-            json.dumps(a.configs)]
+    argv = [
+        sys.executable,
+        "-c",
+        CHILD,
+        a.preset,
+        str(a.layers),
+        str(a.rows),
+        str(a.steps),
+        a.precision,
+        json.dumps(a.configs),
+    ]
     proc = subprocess.run(argv, cwd=path, env=env, capture_output=True, text=True, check=True)
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def main() -> int:
@@ -92,18 +101,24 @@ def main() -> int:
 
 
 def write(a, rounds: list[dict]) -> None:
-    lines = ["# Step time of the shipped GPT at two revisions (measured)", "",
-             f"`python experiments/step_time_between_revisions.py {a.rev_a} {a.rev_b} --rounds {a.rounds}`: GPT "
-             f"`{a.preset}` with {a.layers} layers, {a.precision}, global batch {a.rows}, 8 simulated CPU devices; "
-             f"{a.rounds} rounds of one process per revision in turn, each the median of {a.steps} steps after a "
-             "warm-up. Ratio: the median over rounds of B / A in the same round.", "",
-             f"| engine, stage | A = `{a.rev_a}` median s | B = `{a.rev_b}` median s | B / A (paired) | loss A | loss B |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "# Step time of the shipped GPT at two revisions (measured)",
+        "",
+        f"`python experiments/step_time_between_revisions.py {a.rev_a} {a.rev_b} --rounds {a.rounds}`: GPT "
+        f"`{a.preset}` with {a.layers} layers, {a.precision}, global batch {a.rows}, 8 simulated CPU devices; "
+        f"{a.rounds} rounds of one process per revision in turn, each the median of {a.steps} steps after a "
+        "warm-up. Ratio: the median over rounds of B / A in the same round.",
+        "",
+        f"| engine, stage | A = `{a.rev_a}` median s | B = `{a.rev_b}` median s | B / A (paired) | loss A | loss B |",
+        "|---|---|---|---|---|---|",
+    ]
     for name in rounds[0][a.rev_a]:
         ta = np.array([r[a.rev_a][name]["median_s"] for r in rounds])
         tb = np.array([r[a.rev_b][name]["median_s"] for r in rounds])
-        lines.append(f"| {name} | {np.median(ta):.3f} | {np.median(tb):.3f} | {np.median(tb / ta):.3f} | "
-                     f"{rounds[-1][a.rev_a][name]['loss']:.5f} | {rounds[-1][a.rev_b][name]['loss']:.5f} |")
+        lines.append(
+            f"| {name} | {np.median(ta):.3f} | {np.median(tb):.3f} | {np.median(tb / ta):.3f} | "
+            f"{rounds[-1][a.rev_a][name]['loss']:.5f} | {rounds[-1][a.rev_b][name]['loss']:.5f} |"
+        )
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     with open(os.path.join(HERE, "results", "step_time_between_revisions.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -30,9 +30,15 @@ MiB = 2**20
 
 
 def measure(kind, width, depth, stage, engine, optimizer, precision, checked=False):
-    trainer = zj.Trainer(unit_model(kind, width, depth), OPTIMIZERS[optimizer](), mesh=zj.make_mesh(fsdp=8),
-                         stage=stage, engine=engine, precision=precision,
-                         engine_options={"checked_update": checked})
+    trainer = zj.Trainer(
+        unit_model(kind, width, depth),
+        OPTIMIZERS[optimizer](),
+        mesh=zj.make_mesh(fsdp=8),
+        stage=stage,
+        engine=engine,
+        precision=precision,
+        engine_options={"checked_update": checked},
+    )
     batch = unit_batch(width)
     state = trainer.init(jax.random.key(0), batch)
     m = trainer.lower(state, trainer.shard_batch(batch)).compile().memory_analysis()
@@ -52,23 +58,30 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "unit_depth.md"))
     args = ap.parse_args()
     block = 4 * 2 * (args.width**2 + args.width) / MiB  # fp32 bytes of a block's weights
-    lines = [f"width {args.width}, blocks of 2 Linear ({block:.2f} MiB fp32, {block / 2:.2f} MiB bf16 a block), "
-             f"stage 3, 8 devices; temp MiB per device (peak MiB); growth in blocks of the compute dtype"
-             + ("; engine option checked_update=True" if args.checked else ""), "",
-             "| model | precision | engine | optimizer | " + " | ".join(f"L = {d}" for d in args.depths)
-             + " | temp growth per block |",
-             "|---|---|---|---|" + "---|" * (len(args.depths) + 1)]
+    lines = [
+        f"width {args.width}, blocks of 2 Linear ({block:.2f} MiB fp32, {block / 2:.2f} MiB bf16 a block), "
+        f"stage 3, 8 devices; temp MiB per device (peak MiB); growth in blocks of the compute dtype"
+        + ("; engine option checked_update=True" if args.checked else ""),
+        "",
+        "| model | precision | engine | optimizer | "
+        + " | ".join(f"L = {d}" for d in args.depths)
+        + " | temp growth per block |",
+        "|---|---|---|---|" + "---|" * (len(args.depths) + 1),
+    ]
     for kind in args.models:
         for precision in args.precisions:
             compute_block = block / 2 if precision == "bf16" else block
             for engine in args.engines:
                 for optimizer in args.optimizers:
-                    rows = [measure(kind, args.width, d, 3, engine, optimizer, precision, args.checked)
-                            for d in args.depths]
+                    rows = [
+                        measure(kind, args.width, d, 3, engine, optimizer, precision, args.checked) for d in args.depths
+                    ]
                     per_block = (rows[-1][0] - rows[0][0]) / (args.depths[-1] - args.depths[0]) / MiB
                     cells = " | ".join(f"{t / MiB:.3f} ({p / MiB:.3f})" for t, p in rows)
-                    lines.append(f"| {kind} | {precision} | {engine} | {optimizer} | {cells} | {per_block:.3f} MiB"
-                                 f" = {per_block / compute_block:.2f} blocks |")
+                    lines.append(
+                        f"| {kind} | {precision} | {engine} | {optimizer} | {cells} | {per_block:.3f} MiB"
+                        f" = {per_block / compute_block:.2f} blocks |"
+                    )
                     print(lines[-1], flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

@@ -33,8 +33,15 @@ MiB = 2**20
 
 
 def prepared(kind, width, depth, engine, precision, prefetch):
-    trainer = zj.Trainer(unit_model(kind, width, depth), optax.sgd(1e-2), mesh=zj.make_mesh(fsdp=8), stage=3,
-                         engine=engine, precision=precision, engine_options={"prefetch": prefetch})
+    trainer = zj.Trainer(
+        unit_model(kind, width, depth),
+        optax.sgd(1e-2),
+        mesh=zj.make_mesh(fsdp=8),
+        stage=3,
+        engine=engine,
+        precision=precision,
+        engine_options={"prefetch": prefetch},
+    )
     batch = unit_batch(width)
     state = trainer.init(jax.random.key(0), batch)
     temp = trainer.compile(state, batch).memory_analysis().temp_size_in_bytes  # `step` reuses this program
@@ -69,21 +76,26 @@ def main() -> None:
     args = ap.parse_args()
     itemsize = 2 if args.precision == "bf16" else 4
     block = itemsize * 2 * (args.width**2 + args.width) / MiB  # a block's weights in the compute dtype
-    lines = [f"width {args.width}, blocks of 2 Linear ({block:.2f} MiB a block in {args.precision}), stage 3, SGD, "
-             f"8 simulated CPU devices, jax {jax.__version__}, {platform.machine()}; temp MiB per device; step time: "
-             f"median over {args.steps} paired rounds", "",
-             "| model | engine | L | temp, prefetch off | temp, prefetch on | on − off | step ms off / on "
-             "| step time on / off (paired median) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"width {args.width}, blocks of 2 Linear ({block:.2f} MiB a block in {args.precision}), stage 3, SGD, "
+        f"8 simulated CPU devices, jax {jax.__version__}, {platform.machine()}; temp MiB per device; step time: "
+        f"median over {args.steps} paired rounds",
+        "",
+        "| model | engine | L | temp, prefetch off | temp, prefetch on | on − off | step ms off / on "
+        "| step time on / off (paired median) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for kind in args.models:
         for engine in args.engines:
             for depth in args.depths:
                 runs = [prepared(kind, args.width, depth, engine, args.precision, p) for p in (False, True)]
                 ratio, medians = paired_ratio([r[:3] for r in runs], args.steps)
                 off, on = runs[0][3] / MiB, runs[1][3] / MiB
-                lines.append(f"| {kind} | {engine} | {depth} | {off:.3f} | {on:.3f} | {on - off:.3f} "
-                             f"({(on - off) / block:.2f} blocks) | {1e3 * medians[0]:.1f} / {1e3 * medians[1]:.1f} "
-                             f"| {ratio:.3f} |")
+                lines.append(
+                    f"| {kind} | {engine} | {depth} | {off:.3f} | {on:.3f} | {on - off:.3f} "
+                    f"({(on - off) / block:.2f} blocks) | {1e3 * medians[0]:.1f} / {1e3 * medians[1]:.1f} "
+                    f"| {ratio:.3f} |"
+                )
                 print(lines[-1], flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

@@ -31,22 +31,33 @@ ENGINES = ("gspmd", "shard_map")
 
 
 def build(kind: str, width: int, depth: int, engine: str):
-    trainer = zj.Trainer(unit_model(kind, width, depth), OPTIMIZERS["adamw"](), mesh=zj.make_mesh(fsdp=8), stage=3,
-                         engine=engine, precision="bf16")
+    trainer = zj.Trainer(
+        unit_model(kind, width, depth),
+        OPTIMIZERS["adamw"](),
+        mesh=zj.make_mesh(fsdp=8),
+        stage=3,
+        engine=engine,
+        precision="bf16",
+    )
     batch = unit_batch(width)
     state, sharded = trainer.init(jax.random.key(0), batch), trainer.shard_batch(batch)
     compiled, hlo = compile_partitioned(trainer.lower(state, sharded), tempfile.mkdtemp(prefix="zerojax-hlo-"))
     state, metrics = compiled(state, sharded)  # warm-up
     jax.block_until_ready(metrics["loss"])
-    row = {"model": kind, "engine": engine, "route": trainer.gather_report().route,
-           "gathers": collective_bytes(hlo)["counts"]["all-gather"],
-           "temp_mb": compiled.memory_analysis().temp_size_in_bytes / 1e6, "times": []}
+    row = {
+        "model": kind,
+        "engine": engine,
+        "route": trainer.gather_report().route,
+        "gathers": collective_bytes(hlo)["counts"]["all-gather"],
+        "temp_mb": compiled.memory_analysis().temp_size_in_bytes / 1e6,
+        "times": [],
+    }
     return row, [compiled, state, sharded]
 
 
 def time_pairs(rows: list[dict], runs: list, steps: int) -> None:
     for i in range(steps):
-        for row, run in (list(zip(rows, runs)) if i % 2 == 0 else list(zip(rows, runs))[::-1]):
+        for row, run in list(zip(rows, runs)) if i % 2 == 0 else list(zip(rows, runs))[::-1]:
             compiled, state, sharded = run
             t0 = time.perf_counter()
             state, metrics = compiled(state, sharded)
@@ -83,8 +94,10 @@ def main() -> None:
         rows, runs = [b[0] for b in built], [b[1] for b in built]
         time_pairs(rows, runs, args.steps)
         for r in rows:
-            lines.append(f"| {r['model']} | {r['engine']} | {r['route']} | {r['gathers']} | {r['temp_mb']:.1f} | "
-                         f"{r['median_s']:.3f} | {r['paired']:.3f} |")
+            lines.append(
+                f"| {r['model']} | {r['engine']} | {r['route']} | {r['gathers']} | {r['temp_mb']:.1f} | "
+                f"{r['median_s']:.3f} | {r['paired']:.3f} |"
+            )
             print(lines[-1], file=sys.stderr)
     out = os.path.join(os.path.dirname(__file__), "results", f"unit_speed_jax{jax.__version__}.md")
     with open(out, "w") as f:

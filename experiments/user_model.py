@@ -29,7 +29,6 @@ class Classifier(nnx.Module):
         return self.out(jax.nn.gelu(self.l2(jax.nn.gelu(self.l1(x_BxF)))))
 
 
-
 class Block(nnx.Module):
     """A pre-norm residual MLP block: x + fc2(gelu(fc1(norm(x))))."""
 
@@ -45,8 +44,16 @@ class Block(nnx.Module):
 class DeepClassifier(nnx.Module):
     """features -> width, `depth` Blocks in a plain Python list (unscanned), -> classes."""
 
-    def __init__(self, features: int = 32, width: int = 256, hidden: int = 1024, depth: int = 4,
-                 classes: int = 8, *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        features: int = 32,
+        width: int = 256,
+        hidden: int = 1024,
+        depth: int = 4,
+        classes: int = 8,
+        *,
+        rngs: nnx.Rngs,
+    ):
         self.inp = nnx.Linear(features, width, rngs=rngs)
         self.blocks = nnx.List([Block(width, hidden, rngs=rngs) for _ in range(depth)])
         self.out = nnx.Linear(width, classes, rngs=rngs)
@@ -62,8 +69,10 @@ class DeepClassifier(nnx.Module):
         block = 2 * width + width * hidden + hidden + hidden * width + width
         return features * width + width + depth * block + width * classes + classes
 
-def blobs(seed: int, batch_size: int, rows: int = 4096, features: int = 32, classes: int = 8,
-          split: str = "train") -> ArraySource:
+
+def blobs(
+    seed: int, batch_size: int, rows: int = 4096, features: int = 32, classes: int = 8, split: str = "train"
+) -> ArraySource:
     """Noisy Gaussian blobs, one per class. The data set is fixed by `split`; `seed` shuffles it.
     For files, use `ArraySource.from_npy({"inputs": "x.npy", "targets": "y.npy"}, ...)` instead."""
     rng = np.random.default_rng(0 if split == "train" else 1)

@@ -41,13 +41,22 @@ def run(steps: int, precision: str, names) -> list[dict]:
     rows = []
     for name in names:
         overrides = RUNS[name]
-        c = load_config(CONFIG, ["zero.engine=shard_map", "zero.stage=3", "mesh.data=2", "mesh.fsdp=4",
-                                 f"precision={precision}", f"train.steps={steps}", *overrides])
+        c = load_config(
+            CONFIG,
+            [
+                "zero.engine=shard_map",
+                "zero.stage=3",
+                "mesh.data=2",
+                "mesh.fsdp=4",
+                f"precision={precision}",
+                f"train.steps={steps}",
+                *overrides,
+            ],
+        )
         row, params, devices = run_row(c, steps)
         row.update(name=name, overrides=overrides, params=params, devices=devices)
         rows.append(row)
-        print(f"{name}: {row['collective_bytes_by_kind']} last-{TAIL} mean loss "
-              f"{_tail(row['losses']):.4f}", flush=True)
+        print(f"{name}: {row['collective_bytes_by_kind']} last-{TAIL} mean loss {_tail(row['losses']):.4f}", flush=True)
     return rows
 
 
@@ -95,21 +104,25 @@ def write_markdown(rows: list[dict], steps: int, precision: str, path: str) -> N
         gather = _on(r, ("all-gather",), "fsdp")
         reduce = _on(r, ("reduce-scatter", "all-to-all"), "fsdp")
         data = " / ".join(_kib(_on(r, (k,), "data")) for k in ("all-reduce", "all-gather", "reduce-scatter"))
-        lines.append(f"| {r['name']} | " + " | ".join(_kib(r["collective_bytes_by_axis"].get(a, 0.0)) for a in axes)
-                     + f" | {_kib(r['collective_bytes_per_device_per_step'])} | {_kib(gather)} | "
-                     f"{gather / gather0:.3f} | {_kib(reduce)} | {reduce / reduce0:.3f} | {data} |")
+        lines.append(
+            f"| {r['name']} | "
+            + " | ".join(_kib(r["collective_bytes_by_axis"].get(a, 0.0)) for a in axes)
+            + f" | {_kib(r['collective_bytes_per_device_per_step'])} | {_kib(gather)} | "
+            f"{gather / gather0:.3f} | {_kib(reduce)} | {reduce / reduce0:.3f} | {data} |"
+        )
     lines += [
         "",
-        "State kept per device (live shards) and the compiled step's temporaries (`memory_analysis()`), "
-        "bytes:",
+        "State kept per device (live shards) and the compiled step's temporaries (`memory_analysis()`), bytes:",
         "",
         "| run | state | vs stage 3 (bf16) | temp | vs stage 3 (bf16) |",
         "|---|---:|---:|---:|---:|",
     ]
     for r in rows:
         state, temp = r["persistent_bytes_per_device"], r["temp_bytes_per_device"]
-        lines.append(f"| {r['name']} | {state:,} | {state - base['persistent_bytes_per_device']:+,} | "
-                     f"{temp:,} | {temp - base['temp_bytes_per_device']:+,} |")
+        lines.append(
+            f"| {r['name']} | {state:,} | {state - base['persistent_bytes_per_device']:+,} | "
+            f"{temp:,} | {temp - base['temp_bytes_per_device']:+,} |"
+        )
     lines += [
         "",
         f"## Convergence: mean of the last {TAIL} losses",
@@ -120,8 +133,9 @@ def write_markdown(rows: list[dict], steps: int, precision: str, path: str) -> N
     ref = _tail(base["losses"])
     for r in rows:
         t = _tail(r["losses"])
-        lines.append(f"| {r['name']} | {r['losses'][0]:.4f} | {r['losses'][-1]:.4f} | {t:.4f} | "
-                     f"{(t - ref) / ref * 100:+.2f}% |")
+        lines.append(
+            f"| {r['name']} | {r['losses'][0]:.4f} | {r['losses'][-1]:.4f} | {t:.4f} | {(t - ref) / ref * 100:+.2f}% |"
+        )
     lines += ["", "![loss curves](zeropp.png)", ""]
     with open(path, "w") as f:
         f.write("\n".join(lines))
@@ -140,7 +154,7 @@ def plot(rows: list[dict], path: str) -> None:
         zoom.plot(steps, r["losses"], label=r["name"], lw=1)
     n = len(rows[0]["losses"])
     zoom.set_xlim(max(1, n - TAIL * 2), n)
-    tail = [x for r in rows for x in r["losses"][-TAIL * 2:]]
+    tail = [x for r in rows for x in r["losses"][-TAIL * 2 :]]
     zoom.set_ylim(min(tail) - 0.02, max(tail) + 0.02)
     for a, title in ((ax, "training loss"), (zoom, f"last {min(n, TAIL * 2)} steps")):
         a.set_xlabel("step")
@@ -158,8 +172,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--precision", default="bf16")
     p.add_argument("--out", default=RESULTS)
-    p.add_argument("--runs", default=",".join(RUNS),
-                   help="comma-separated run names; the others are kept from an earlier zeropp.json")
+    p.add_argument(
+        "--runs",
+        default=",".join(RUNS),
+        help="comma-separated run names; the others are kept from an earlier zeropp.json",
+    )
     args = p.parse_args()
     from zerojax.mesh import simulate_cpu_devices
 

@@ -23,8 +23,14 @@ def without_device_count(flags: str) -> str:
 def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     full_env = {**os.environ, **(env or {})}
     full_env["XLA_FLAGS"] = without_device_count(full_env.get("XLA_FLAGS", ""))
-    return subprocess.run([sys.executable, "-m", "zerojax.cli", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout, env=full_env)
+    return subprocess.run(
+        [sys.executable, "-m", "zerojax.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+    )
 
 
 def cli_in_process(*args: str) -> subprocess.CompletedProcess:
@@ -96,8 +102,13 @@ def wait_for(predicate, proc, what: str, timeout: float = 300, poll: float = 0.0
 def cli_env(cache_dir) -> dict:
     """The environment of CLI subprocesses sharing one compilation cache (each compiles the same
     step, so all but the first are cheap); each sets its own device count with --devices."""
-    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache_dir), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-           "PYTHONPATH": REPO, "COLUMNS": "200"}
+    env = {
+        **os.environ,
+        "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "PYTHONPATH": REPO,
+        "COLUMNS": "200",
+    }
     env["XLA_FLAGS"] = without_device_count(env.get("XLA_FLAGS", ""))
     return env
 

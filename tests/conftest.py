@@ -14,8 +14,11 @@ import os
 import shutil
 import tempfile
 
-TEST_XLA_FLAGS = ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0",
-                  "--xla_llvm_disable_expensive_passes=true")
+TEST_XLA_FLAGS = (
+    "--xla_force_host_platform_device_count=8",
+    "--xla_backend_optimization_level=0",
+    "--xla_llvm_disable_expensive_passes=true",
+)
 
 _flags = os.environ.get("XLA_FLAGS", "")
 for _flag in TEST_XLA_FLAGS:

@@ -68,8 +68,10 @@ def unrolled_blocks(width: int, depth: int):
 
 def classification_batch(seed: int = 0, rows: int = 16, features: int = 37) -> dict:
     rng = np.random.default_rng(seed)
-    return {"inputs": rng.normal(size=(rows, features)).astype(np.float32),
-            "targets": rng.integers(0, 10, size=(rows,)).astype(np.int32)}
+    return {
+        "inputs": rng.normal(size=(rows, features)).astype(np.float32),
+        "targets": rng.integers(0, 10, size=(rows,)).astype(np.int32),
+    }
 
 
 def tiny_gpt(**overrides):

@@ -10,8 +10,10 @@ KEY = jax.random.key(0)
 
 def abstract_batch(trainer, batch: dict) -> dict:
     """`batch` as ShapeDtypeStructs placed as the trainer places a global batch."""
-    return {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype, sharding=trainer.batch_sharding)
-            for k, v in batch.items()}
+    return {
+        k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype, sharding=trainer.batch_sharding)
+        for k, v in batch.items()
+    }
 
 
 def lower_abstract(trainer, batch: dict, key=KEY):

@@ -12,8 +12,8 @@ import pytest
 
 import zerojax as zj
 from tests.cli_helpers import REPO, assert_one_line_error, cli_in_process
-from zerojax.accounting import analytic as A
 from zerojax.accounting import measure
+from zerojax.accounting.activations import activation_bytes_gpt
 from zerojax.models.gpt import GPT, gpt_config
 
 P = 8
@@ -27,30 +27,45 @@ def test_activation_estimate_within_15_percent_at_stage_0(preset, seq, batch):
     abstract = {k: jax.ShapeDtypeStruct((batch, seq), jnp.int32) for k in ("inputs", "targets")}
     trainer.abstract_state(jax.random.key(0), abstract)  # layout only: no parameters allocated
     measured = measure.activation_temp_bytes(trainer, abstract)
-    estimate = A.activation_bytes_gpt(cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_ff, cfg.vocab_size, seq,
-                                      batch // P, 4, cfg.remat)
+    estimate = activation_bytes_gpt(
+        cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_ff, cfg.vocab_size, seq, batch // P, 4, cfg.remat
+    )
     assert estimate == pytest.approx(measured, rel=0.15), (estimate, measured)
 
 
 def _plan_with_rss(*args) -> tuple[dict, int]:
     """`zerojax plan ... --json` in a fresh process: (its JSON, its peak resident set in bytes)."""
     # VmHWM, not ru_maxrss: the latter keeps the forking parent's (this test process's) peak across exec.
-    code = ("import re, sys; from zerojax.cli import main; rc = main(sys.argv[1:]); "
-            "hwm = re.search(r'VmHWM:\\s*(\\d+)', open('/proc/self/status').read()).group(1); "
-            "sys.stderr.write(f'RSS {hwm}\\n'); sys.exit(rc)")
-    r = subprocess.run([sys.executable, "-c", code, "plan", *args, "--json"], cwd=REPO, capture_output=True,
-                       text=True, timeout=120)
+    code = (
+        "import re, sys; from zerojax.cli import main; rc = main(sys.argv[1:]); "
+        "hwm = re.search(r'VmHWM:\\s*(\\d+)', open('/proc/self/status').read()).group(1); "
+        "sys.stderr.write(f'RSS {hwm}\\n'); sys.exit(rc)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, "plan", *args, "--json"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     rss = int(r.stderr.strip().splitlines()[-1].split()[1]) * 1024  # Linux reports KiB
     return json.loads(r.stdout), rss
 
 
-SEVENTY_B = ["--set", "model.preset=7b", "--set", "model.d_model=8192", "--set", "model.n_layers=80",
-             "--set", "model.n_heads=64", "--set", "model.d_ff=24576"]
+SEVENTY_B = [
+    "--set",
+    "model.preset=7b",
+    "--set",
+    "model.d_model=8192",
+    "--set",
+    "model.n_layers=80",
+    "--set",
+    "model.n_heads=64",
+    "--set",
+    "model.d_ff=24576",
+]
 
 
-@pytest.mark.parametrize("name, overrides, devices", [
-    ("7b", ["--set", "model.preset=7b"], "8"), ("70b", SEVENTY_B, "64")])
+@pytest.mark.parametrize(
+    "name, overrides, devices", [("7b", ["--set", "model.preset=7b"], "8"), ("70b", SEVENTY_B, "64")]
+)
 def test_plan_from_config_counts_params_without_allocating(name, overrides, devices):
     out, rss = _plan_with_rss("configs/tiny.yaml", *overrides, "--set", "precision=bf16", "--devices", devices)
     cfg = gpt_config("7b") if name == "7b" else gpt_config("7b", d_model=8192, n_layers=80, n_heads=64, d_ff=24576)
@@ -60,25 +75,40 @@ def test_plan_from_config_counts_params_without_allocating(name, overrides, devi
     assert out["devices"] == int(devices) and out["seq_len"] == 2048
     # tiny.yaml's global batch of 16 over the devices, at least one sequence each
     assert out["micro_batch"] == max(1, 16 // int(devices))
-    act = A.activation_bytes_gpt(cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_ff, cfg.vocab_size, 2048,
-                                 out["micro_batch"], 2, "full")
+    act = activation_bytes_gpt(
+        cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_ff, cfg.vocab_size, 2048, out["micro_batch"], 2, "full"
+    )
     assert [s["activation_bytes_per_device"] for s in out["stages"]] == [act] * 4
     assert out["stages"][3]["persistent_bytes_per_device"] == pytest.approx(16 * out["params"] / int(devices))
 
 
 def test_plan_config_flags_override_the_config():
-    out, _ = _plan_with_rss("configs/tiny.yaml", "--devices", "8", "--seq", "32", "--micro-batch", "4",
-                            "--precision", "bf16", "--optimizer", "sgd")
+    out, _ = _plan_with_rss(
+        "configs/tiny.yaml",
+        "--devices",
+        "8",
+        "--seq",
+        "32",
+        "--micro-batch",
+        "4",
+        "--precision",
+        "bf16",
+        "--optimizer",
+        "sgd",
+    )
     assert (out["seq_len"], out["micro_batch"], out["precision"], out["optimizer"]) == (32, 4, "bf16", "sgd")
     assert out["config"]["params_counted_with"] == "jax.eval_shape" and out["params"] == 115008
 
 
-@pytest.mark.parametrize("args, needles", [
-    (["configs/tiny.yaml"], ["--devices", "mesh.fsdp"]),
-    (["configs/tiny.yaml", "--params", "7e9", "--devices", "8"], ["either CONFIG or --params"]),
-    (["configs/none.yaml", "--devices", "8"], ["configs/none.yaml", "--params"]),
-    (["configs/tiny.yaml", "--devices", "8", "--set", "model.n_heads=3"], ["model.d_model"]),
-    (["--params", "7e9", "--devices", "8", "--set", "model.preset=7b"], ["--set needs a CONFIG"]),
-])
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["configs/tiny.yaml"], ["--devices", "mesh.fsdp"]),
+        (["configs/tiny.yaml", "--params", "7e9", "--devices", "8"], ["either CONFIG or --params"]),
+        (["configs/none.yaml", "--devices", "8"], ["configs/none.yaml", "--params"]),
+        (["configs/tiny.yaml", "--devices", "8", "--set", "model.n_heads=3"], ["model.d_model"]),
+        (["--params", "7e9", "--devices", "8", "--set", "model.preset=7b"], ["--set needs a CONFIG"]),
+    ],
+)
 def test_plan_config_bad_input_exits_2_with_one_line(args, needles):
     assert_one_line_error(cli_in_process("plan", *args), *needles)

@@ -6,19 +6,19 @@ import pytest
 
 from zerojax.accounting import analytic as A
 from zerojax.accounting import planning
+from zerojax.accounting.activations import GPTShape, activation_bytes_gpt
 from zerojax.accounting.hardware import HARDWARE, get_hardware
 from zerojax.errors import UserError
+from zerojax.optim import OPTIMIZERS, get_optimizer
+from zerojax.precision import PRECISIONS
 
 PSI, P = 7e9, 8
-BF16, FP32 = A.PRECISIONS["bf16"], A.PRECISIONS["fp32"]
-ADAM = A.OPTIMIZERS["adamw"]
+BF16, FP32 = PRECISIONS["bf16"], PRECISIONS["fp32"]
+ADAM = OPTIMIZERS["adamw"]
 
 
 def _totals(policy, include_grads, optimizer=ADAM, psi=PSI, p=P):
-    return [
-        A.model_state_bytes(psi, p, s, policy, optimizer, include_grads=include_grads)["total"]
-        for s in range(4)
-    ]
+    return [A.model_state_bytes(psi, p, s, policy, optimizer, include_grads=include_grads)["total"] for s in range(4)]
 
 
 def test_bf16_adam_with_grads_is_16_bytes_per_param_sharded_per_stage():
@@ -49,11 +49,11 @@ def test_groups_follow_the_stage_table():
 
 @pytest.mark.parametrize("name, per_param", [("adam", 8), ("sgd_momentum", 4), ("sgd", 0)])
 def test_optimizer_state_per_parameter(name, per_param):
-    assert A.optimizer_state_bytes(A.get_optimizer(name), 1000) == per_param * 1000
+    assert A.optimizer_state_bytes(get_optimizer(name), 1000) == per_param * 1000
 
 
 def test_adafactor_factored_from_shapes_and_approximated_without():
-    ada = A.get_optimizer("adafactor")
+    ada = get_optimizer("adafactor")
     # 256x512 matrix factors into 256 + 512 fp32 stats; a 64-wide one (< 128) keeps full stats;
     # a vector keeps full stats; a stacked (4, 256, 512) keeps 4*256 + 4*512.
     shapes = [(256, 512), (64, 300), (512,), (4, 256, 512)]
@@ -77,9 +77,7 @@ def test_roofline_threshold_formula():
     # stage 3 moves 3 units: t* = 3 * 2 bytes * F / (6 * BW), BW the per-direction 450 GB/s.
     assert A.comm_bound_tokens_per_device(hw, 3) == pytest.approx(3 * 2 * 989.5e12 / (6 * 450e9))
     assert A.comm_bound_tokens_per_device(hw, 3) == pytest.approx(2198.89, abs=0.01)
-    assert A.comm_bound_tokens_per_device(hw, 0, devices=8) == pytest.approx(
-        2 * 2 * (7 / 8) * 989.5e12 / (6 * 450e9)
-    )
+    assert A.comm_bound_tokens_per_device(hw, 0, devices=8) == pytest.approx(2 * 2 * (7 / 8) * 989.5e12 / (6 * 450e9))
     # At t*, compute time equals comm time for any model size.
     for psi in (1e8, 7e9):
         t_star = A.comm_bound_tokens_per_device(hw, 2, devices=P)
@@ -103,12 +101,12 @@ def test_activation_formula_terms():
     d, n, h, f, v, L, B, b = 64, 3, 4, 256, 512, 32, 2, 2
     T, S = B * L, B * h * L * L
     expected = n * T * d * b + T * (14 * d + 8 * f) * b + 8 * S + 6 * T * v
-    assert A.activation_bytes_gpt(d, n, h, f, v, L, B, b, "full") == expected
-    none = A.activation_bytes_gpt(d, n, h, f, v, L, B, b, "none")
-    dots = A.activation_bytes_gpt(d, n, h, f, v, L, B, b, "dots")
+    assert activation_bytes_gpt(d, n, h, f, v, L, B, b, "full") == expected
+    none = activation_bytes_gpt(d, n, h, f, v, L, B, b, "none")
+    dots = activation_bytes_gpt(d, n, h, f, v, L, B, b, "dots")
     assert expected < dots < none
     with pytest.raises(UserError):
-        A.activation_bytes_gpt(d, n, h, f, v, L, B, b, "some")
+        activation_bytes_gpt(d, n, h, f, v, L, B, b, "some")
 
 
 def test_plan_recommends_lowest_traffic_stage_that_fits():
@@ -126,7 +124,7 @@ def test_plan_recommends_lowest_traffic_stage_that_fits():
 
 
 def test_plan_counts_activations_when_given_a_shape():
-    shape = A.GPTShape(d_model=4096, n_layers=32, n_heads=32, d_ff=11008, vocab_size=32000)
+    shape = GPTShape(d_model=4096, n_layers=32, n_heads=32, d_ff=11008, vocab_size=32000)
     hw = get_hardware("h100")
     small = planning.plan(PSI, P, hw, 2048, 1, shape=shape)
     big = planning.plan(PSI, P, hw, 2048, 64, shape=shape)
@@ -141,7 +139,7 @@ def test_bad_input_is_a_user_error():
     with pytest.raises(UserError):
         A.model_state_bytes(PSI, P, 4, BF16, ADAM)
     with pytest.raises(UserError):
-        A.get_optimizer("lion")
+        get_optimizer("lion")
     with pytest.raises(UserError, match="a100, h100"):
         get_hardware("v100")
 

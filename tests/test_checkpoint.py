@@ -13,15 +13,15 @@ import optax
 import pytest
 from flax import nnx
 
-from zerojax import Trainer, load_params, make_mesh
-from zerojax.checkpoint import CheckpointWriter, restore, run_metadata
-from zerojax.export import export_params
-from zerojax.state import TrainState
-from zerojax.data import BatchStream, load_corpus
-from zerojax.errors import UserError
-from zerojax.models.gpt import GPT, gpt_config
 from tests.cli_helpers import dir_digest
 from tests.models import train_on_stream
+from zerojax import Trainer, load_params, make_mesh
+from zerojax.checkpoint import CheckpointWriter, restore, run_metadata
+from zerojax.data import BatchStream, load_corpus
+from zerojax.errors import UserError
+from zerojax.export import export_params
+from zerojax.models.gpt import GPT, gpt_config
+from zerojax.state import TrainState
 
 # d_model 36 and d_ff 100 divide 4 but not 8: on 8 devices wq and w_down are stored padded, on 4
 # and 1 device not, so restoring across device counts must crop and pad.
@@ -41,8 +41,12 @@ def _trainer(stage: int, devices: int, model_cfg=CFG) -> Trainer:
 
 def _logical_params(trainer, state) -> dict:
     """Host copies of the master params in their logical shapes (a test-only gather)."""
-    return jax.tree.map(lambda l, x: np.asarray(x)[tuple(slice(0, s) for s in l.shape)],
-                        trainer.layout.leaves, state.params, is_leaf=lambda x: hasattr(x, "padded_shape"))
+    return jax.tree.map(
+        lambda l, x: np.asarray(x)[tuple(slice(0, s) for s in l.shape)],
+        trainer.layout.leaves,
+        state.params,
+        is_leaf=lambda x: hasattr(x, "padded_shape"),
+    )
 
 
 @dataclass
@@ -151,12 +155,15 @@ def test_export_streams_leaf_by_leaf(tmp_path):
     import tracemalloc
 
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     mesh = make_mesh()
     shapes = {f"w{i}": (4, 128, 512) for i in range(4)} | {"embed": (256, 128)}  # 4 x 1 MiB + 128 KiB
-    params = {k: jax.device_put(jnp.full(v, i + 1.0), NamedSharding(mesh, P(None, "fsdp")))
-              for i, (k, v) in enumerate(shapes.items())}
+    params = {
+        k: jax.device_put(jnp.full(v, i + 1.0), NamedSharding(mesh, P(None, "fsdp")))
+        for i, (k, v) in enumerate(shapes.items())
+    }
     meta = {"format": 1, "seed": 0, "params": {k: {"shape": list(v)} for k, v in shapes.items()}}
     writer = CheckpointWriter(str(tmp_path / "ckpt"), keep=1, run_meta=meta)
     writer.save(1, TrainState(step=jnp.int32(1), params=params, opt_state=()))
@@ -180,8 +187,11 @@ def test_bad_checkpoints_raise_one_sentence_and_change_nothing(sources, stream, 
     before = dir_digest(root)
 
     other = _trainer(0, 8, gpt_config("tiny", d_model=32, n_heads=4, d_ff=64, n_layers=1, seq_len=16))
-    with pytest.raises(UserError, match=r"from another model: parameter 'blocks/attn_norm' has shape \(1, 36\) "
-                                        r"there but \(1, 32\) here"):
+    with pytest.raises(
+        UserError,
+        match=r"from another model: parameter 'blocks/attn_norm' has shape \(1, 36\) "
+        r"there but \(1, 32\) here",
+    ):
         restore(other, step_dir, KEY, stream.host_batch(SAVE_AT))
     with pytest.raises(UserError, match="does not exist"):
         export_params(str(root / "missing"), str(tmp_path / "x.npz"))
@@ -237,7 +247,7 @@ def test_every_stored_chunk_flipped_is_refused(sources, stream, tmp_path):
         if length > per_leaf.get(leaf, (None, None, 0, 0))[3]:
             per_leaf[leaf] = (key, file, offset, length)
     assert len(per_leaf) >= 10, per_leaf
-    for i, (key, file, offset, length) in enumerate(sorted(per_leaf.values())):
+    for i, (_key, file, offset, length) in enumerate(sorted(per_leaf.values())):
         step_dir = _damaged_copy(sources[3].step_dir, tmp_path / f"c{i}")
         file = file.replace(os.path.dirname(sources[3].step_dir), os.path.dirname(step_dir))
         raw = bytearray(open(file, "rb").read())
@@ -256,7 +266,10 @@ def test_any_changed_value_of_any_leaf_is_caught_by_its_checksum(sources, stream
     assert len(leaves) >= 10, leaves
     for i, leaf in enumerate(leaves):
         step_dir = _damaged_copy(sources[3].step_dir, tmp_path / f"v{i}")
-        spec = {"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{step_dir}/state/", "path": f"{leaf}/"}}
+        spec = {
+            "driver": "zarr",
+            "kvstore": {"driver": "ocdbt", "base": f"file://{step_dir}/state/", "path": f"{leaf}/"},
+        }
         arr = ts.open(spec).result()
         first = (0,) * arr.ndim
         value = np.asarray(arr[first].read().result())

@@ -55,7 +55,9 @@ def test_bad_override_is_one_line_exit_2(case, tmp_path):
 
 
 def test_empty_corpus(empty_corpus, tmp_path):
-    result = cli_in_process("train", TINY, "--devices", "8", "--out", str(tmp_path), "--set", f"data.path={empty_corpus}")
+    result = cli_in_process(
+        "train", TINY, "--devices", "8", "--out", str(tmp_path), "--set", f"data.path={empty_corpus}"
+    )
     assert_one_line_error(result, "data.path", "empty")
 
 

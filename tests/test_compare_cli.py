@@ -8,15 +8,24 @@ from tests.cli_helpers import assert_one_line_error, cli_in_process
 from zerojax.commands.compare import engine_available
 
 TINY = "configs/tiny.yaml"
-FIELDS = {"stage", "engine", "persistent_bytes_per_device", "ideal_persistent_bytes_per_device",
-          "peak_bytes_per_device", "collective_bytes_per_device_per_step",
-          "ideal_collective_bytes_per_device_per_step", "step_time_s", "losses"}
+FIELDS = {
+    "stage",
+    "engine",
+    "persistent_bytes_per_device",
+    "ideal_persistent_bytes_per_device",
+    "peak_bytes_per_device",
+    "collective_bytes_per_device_per_step",
+    "ideal_collective_bytes_per_device_per_step",
+    "step_time_s",
+    "losses",
+}
 
 
 def _compare(tmp_path, *args):
     out = tmp_path / "compare.json"
-    r = cli_in_process("compare", TINY, "--devices", "8", "--steps", "2", "--set", "train.batch_size=8",
-                "--json", str(out), *args)
+    r = cli_in_process(
+        "compare", TINY, "--devices", "8", "--steps", "2", "--set", "train.batch_size=8", "--json", str(out), *args
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return r, json.loads(out.read_text())
 
@@ -43,7 +52,8 @@ def test_persistent_bytes_match_and_stage_1_keeps_less(stages_0_1):
         assert r["persistent_bytes_per_device"] == pytest.approx(r["ideal_persistent_bytes_per_device"], rel=0.01)
     # fp32 stage 1 shards the 8 bytes of Adam moments: 12 -> 4 + 8/8 bytes per parameter.
     assert rows[0]["persistent_bytes_per_device"] / rows[1]["persistent_bytes_per_device"] == pytest.approx(
-        12 / 5, rel=0.01)
+        12 / 5, rel=0.01
+    )
 
 
 def test_collective_ratios(stages_0_1):
@@ -78,13 +88,16 @@ def test_both_engines(tmp_path):
         assert abs(r["final_loss_diff_vs_stage0"]) < 1e-4
 
 
-@pytest.mark.parametrize("args, needles", [
-    (["--stages", "0,5"], ["--stages", "0, 1, 2, 3"]),
-    (["--stages", "one"], ["--stages"]),
-    (["--engines", "xla"], ["--engines", "gspmd"]),
-    (["--steps", "0"], ["--steps"]),
-    (["--set", "zero.stagee=1"], ["zero.stagee"]),
-])
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["--stages", "0,5"], ["--stages", "0, 1, 2, 3"]),
+        (["--stages", "one"], ["--stages"]),
+        (["--engines", "xla"], ["--engines", "gspmd"]),
+        (["--steps", "0"], ["--steps"]),
+        (["--set", "zero.stagee=1"], ["zero.stagee"]),
+    ],
+)
 def test_bad_arguments_exit_2_with_one_line(args, needles):
     assert_one_line_error(cli_in_process("compare", TINY, *args), *needles)
 

@@ -26,9 +26,24 @@ from zerojax.errors import UserError
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 # Five steps of a one-layer, 32-wide GPT on 8 rows of 16 bytes; no eval split, so no second compile.
-FAST = ["--set", "train.steps=5", "--set", "train.batch_size=8", "--set", "data.max_bytes=200000",
-        "--set", "data.eval_fraction=0", "--set", "model.n_layers=1", "--set", "model.d_model=32",
-        "--set", "model.d_ff=64", "--set", "model.seq_len=16"]
+FAST = [
+    "--set",
+    "train.steps=5",
+    "--set",
+    "train.batch_size=8",
+    "--set",
+    "data.max_bytes=200000",
+    "--set",
+    "data.eval_fraction=0",
+    "--set",
+    "model.n_layers=1",
+    "--set",
+    "model.d_model=32",
+    "--set",
+    "model.d_ff=64",
+    "--set",
+    "model.seq_len=16",
+]
 RUN_TIMEOUT_S = 300  # a hung run fails the test instead of the CI job
 
 
@@ -42,8 +57,12 @@ def test_resolve_is_off_without_flags_or_environment():
 
 
 def test_resolve_reads_the_environment_and_flags_win():
-    env = {"ZEROJAX_COORDINATOR": "10.0.0.1:1234", "ZEROJAX_NUM_PROCESSES": "4", "ZEROJAX_PROCESS_ID": "3",
-           "ZEROJAX_HEARTBEAT_TIMEOUT": "15"}
+    env = {
+        "ZEROJAX_COORDINATOR": "10.0.0.1:1234",
+        "ZEROJAX_NUM_PROCESSES": "4",
+        "ZEROJAX_PROCESS_ID": "3",
+        "ZEROJAX_HEARTBEAT_TIMEOUT": "15",
+    }
     spec = distributed.resolve(env=env)
     assert (spec.mode, spec.coordinator, spec.num_processes, spec.process_id) == ("explicit", "10.0.0.1:1234", 4, 3)
     assert (spec.heartbeat_timeout_s, spec.shutdown_timeout_s) == (15, 60)
@@ -57,14 +76,17 @@ def test_resolve_auto_detects_with_distributed_and_keeps_given_values():
     assert (spec.mode, spec.num_processes, spec.coordinator) == ("auto", 8, None)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"coordinator": "10.0.0.1"}, "HOST:PORT"),
-    ({"coordinator": "h:70000", "num_processes": 2, "process_id": 0}, "port must be in 1..65535"),
-    ({"coordinator": "h:1", "num_processes": 2, "process_id": 2}, "--process-id=2 must be below --num-processes=2"),
-    ({"coordinator": "h:1", "num_processes": 0, "process_id": 0}, "--num-processes must be a positive"),
-    ({"num_processes": 2}, "missing --coordinator, --process-id"),
-    ({"heartbeat_timeout": 0}, "--heartbeat-timeout must be a positive"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"coordinator": "10.0.0.1"}, "HOST:PORT"),
+        ({"coordinator": "h:70000", "num_processes": 2, "process_id": 0}, "port must be in 1..65535"),
+        ({"coordinator": "h:1", "num_processes": 2, "process_id": 2}, "--process-id=2 must be below --num-processes=2"),
+        ({"coordinator": "h:1", "num_processes": 0, "process_id": 0}, "--num-processes must be a positive"),
+        ({"num_processes": 2}, "missing --coordinator, --process-id"),
+        ({"heartbeat_timeout": 0}, "--heartbeat-timeout must be a positive"),
+    ],
+)
 def test_resolve_rejects_bad_settings_in_one_sentence(kwargs, message):
     with pytest.raises(UserError, match=re.escape(message)):
         distributed.resolve(env={}, **kwargs)
@@ -85,16 +107,25 @@ def test_initialize_passes_timeouts_and_selects_gloo(monkeypatch):
     assert calls == [] and updates == []  # off: nothing touched
     distributed.initialize(distributed.resolve(coordinator="127.0.0.1:5", num_processes=2, process_id=1, env={}))
     assert updates == [("jax_cpu_collectives_implementation", "gloo")]
-    (args, kwargs), = calls
+    ((args, kwargs),) = calls
     assert args == ("127.0.0.1:5", 2, 1)
     assert kwargs == {"initialization_timeout": 300, "heartbeat_timeout_seconds": 60, "shutdown_timeout_seconds": 60}
 
 
 def test_distributed_without_a_cluster_is_one_clear_error():
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("ZEROJAX_", "SLURM_", "OMPI_", "JAX_COORDINATOR", "KUBERNETES_", "TPU_"))}
-    done = subprocess.run([sys.executable, "-m", "zerojax.cli", "train", TINY, "--distributed"], capture_output=True,
-                          text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT, env=env)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("ZEROJAX_", "SLURM_", "OMPI_", "JAX_COORDINATOR", "KUBERNETES_", "TPU_"))
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "zerojax.cli", "train", TINY, "--distributed"],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        cwd=ROOT,
+        env=env,
+    )
     assert done.returncode == 2
     assert done.stderr.startswith("error: --distributed found no cluster to join (SLURM, Cloud TPU pod")
 
@@ -109,22 +140,43 @@ def test_compiler_flags_go_first_so_the_environment_wins():
 
 
 def test_child_command_and_environment():
-    assert launch.child_argv(["--", "train", "a.yaml"]) == [sys.executable, "-u", "-m", "zerojax.cli", "train", "a.yaml"]
+    assert launch.child_argv(["--", "train", "a.yaml"]) == [
+        sys.executable,
+        "-u",
+        "-m",
+        "zerojax.cli",
+        "train",
+        "a.yaml",
+    ]
     assert launch.child_argv(["probe.py", "x"]) == [sys.executable, "-u", "probe.py", "x"]
-    env = launch.child_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_keep=1"}, process_id=1,
-                           processes=2, port=1234, devices=4, heartbeat=None, shutdown=7)
+    env = launch.child_env(
+        {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_keep=1"},
+        process_id=1,
+        processes=2,
+        port=1234,
+        devices=4,
+        heartbeat=None,
+        shutdown=7,
+    )
     assert env["XLA_FLAGS"] == "--xla_keep=1 --xla_force_host_platform_device_count=4"
-    assert (env["ZEROJAX_COORDINATOR"], env["ZEROJAX_NUM_PROCESSES"], env["ZEROJAX_PROCESS_ID"]) == ("127.0.0.1:1234", "2", "1")
+    assert (env["ZEROJAX_COORDINATOR"], env["ZEROJAX_NUM_PROCESSES"], env["ZEROJAX_PROCESS_ID"]) == (
+        "127.0.0.1:1234",
+        "2",
+        "1",
+    )
     assert env["ZEROJAX_SHUTDOWN_TIMEOUT"] == "7" and "ZEROJAX_HEARTBEAT_TIMEOUT" not in env
     assert env["JAX_PLATFORMS"] == "cpu"
     assert launch.describe_exit(-9) == "was killed by SIGKILL" and launch.describe_exit(3) == "exited with status 3"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["launch", "--processes", "0", "--", "train", "x.yaml"], "--processes must be a positive integer, got 0."),
-    (["launch", "--processes", "2"], "launch needs a command after `--`"),
-    (["launch", "--processes", "2", "--", "launch", "--processes", "2"], "launch cannot launch itself"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["launch", "--processes", "0", "--", "train", "x.yaml"], "--processes must be a positive integer, got 0."),
+        (["launch", "--processes", "2"], "launch needs a command after `--`"),
+        (["launch", "--processes", "2", "--", "launch", "--processes", "2"], "launch cannot launch itself"),
+    ],
+)
 def test_launch_rejects_bad_input(argv, message, capsys):
     assert cli.main(argv) == 2
     assert message in capsys.readouterr().err
@@ -143,8 +195,14 @@ if sys.argv[1] == "fail":
 
 
 def _launch(args: list[str], **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zerojax.cli", "launch", *args], capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT_S, cwd=ROOT, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-m", "zerojax.cli", "launch", *args],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        cwd=ROOT,
+        **kwargs,
+    )
 
 
 def test_launch_prefixes_output_and_succeeds(tmp_path):
@@ -196,8 +254,19 @@ def launched(tmp_path_factory):
             out = tmp_path_factory.mktemp(f"stage{stage}-p{processes}")
             args = ["--set", f"zero.stage={stage}", "--set", "checkpoint.every=3", "--out", str(out)]
             if processes:
-                done = _launch(["--processes", str(processes), "--devices-per-process", str(8 // processes), "--",
-                                "train", TINY, *FAST, *args])
+                done = _launch(
+                    [
+                        "--processes",
+                        str(processes),
+                        "--devices-per-process",
+                        str(8 // processes),
+                        "--",
+                        "train",
+                        TINY,
+                        *FAST,
+                        *args,
+                    ]
+                )
             else:
                 done = _plain(args)
             assert done.returncode == 0, done.stderr[-3000:]
@@ -208,8 +277,9 @@ def launched(tmp_path_factory):
 
 
 # Stage 0, and the one-process launch against the plain process, under -m slow (36 s more each).
-@pytest.mark.parametrize("stage, one", [(3, 0), pytest.param(3, 1, marks=pytest.mark.slow),
-                                        pytest.param(0, 1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "stage, one", [(3, 0), pytest.param(3, 1, marks=pytest.mark.slow), pytest.param(0, 1, marks=pytest.mark.slow)]
+)
 def test_two_processes_match_one_process(stage, one, launched):
     """2 processes x 4 devices and 1 process x 8 devices (plain, or launched): the same global batches,
     the same losses."""
@@ -283,8 +353,7 @@ def test_each_process_loads_only_its_rows_of_the_global_batch(tmp_path):
     script.write_text(_PROBE)
     done = _launch(["--processes", "2", "--devices-per-process", "4", "--", str(script)])
     assert done.returncode == 0, done.stderr[-3000:]
-    probes = {p["process"]: p for p in
-              (json.loads(m) for m in re.findall(r"^\[\d\] PROBE (.*)$", done.stdout, re.M))}
+    probes = {p["process"]: p for p in (json.loads(m) for m in re.findall(r"^\[\d\] PROBE (.*)$", done.stdout, re.M))}
     assert sorted(probes) == [0, 1]
     assert probes[0]["rows"] == [0, 1, 2, 3] and probes[1]["rows"] == [4, 5, 6, 7]
     # Each owned row is read once for `inputs` and once for `targets`; no other row is read at all.
@@ -327,9 +396,28 @@ LONG = ["--set", "train.steps=100000", *FAST[2:]]
 
 
 def test_killing_a_process_stops_the_launcher_and_its_peer(tmp_path):
-    p = subprocess.Popen([sys.executable, "-m", "zerojax.cli", "launch", "--processes", "2",
-                          "--devices-per-process", "4", "--", "train", TINY, *LONG, "--out", str(tmp_path)],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "zerojax.cli",
+            "launch",
+            "--processes",
+            "2",
+            "--devices-per-process",
+            "4",
+            "--",
+            "train",
+            TINY,
+            *LONG,
+            "--out",
+            str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     err = _Lines(p.stderr)
     try:
         pids = {k: int(err.wait_for(rf"process {k} started \(pid (\d+)\)", 30).group(1)) for k in (0, 1)}
@@ -342,8 +430,9 @@ def test_killing_a_process_stops_the_launcher_and_its_peer(tmp_path):
         if p.poll() is None:
             p.kill()
     assert code != 0 and elapsed < 90
-    assert re.search(rf"launch: error: process 1 \(pid {pids[1]}\) was killed by SIGKILL; stopping the other 1",
-                     err.text())
+    assert re.search(
+        rf"launch: error: process 1 \(pid {pids[1]}\) was killed by SIGKILL; stopping the other 1", err.text()
+    )
     with pytest.raises(ProcessLookupError):
         os.kill(pids[0], 0)  # the survivor is gone too
 
@@ -353,12 +442,36 @@ def test_survivor_exits_on_its_own_when_its_peer_dies(tmp_path):
     port = launch.free_port()
     procs, errs = [], []
     for i in range(2):
-        procs.append(subprocess.Popen(
-            [sys.executable, "-u", "-m", "zerojax.cli", "train", TINY, *LONG, "--devices", "4",
-             "--out", str(tmp_path), "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-             "--process-id", str(i), "--heartbeat-timeout", "10"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-            env={k: v for k, v in os.environ.items() if not k.startswith("ZEROJAX_")}))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-u",
+                    "-m",
+                    "zerojax.cli",
+                    "train",
+                    TINY,
+                    *LONG,
+                    "--devices",
+                    "4",
+                    "--out",
+                    str(tmp_path),
+                    "--coordinator",
+                    f"127.0.0.1:{port}",
+                    "--num-processes",
+                    "2",
+                    "--process-id",
+                    str(i),
+                    "--heartbeat-timeout",
+                    "10",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=ROOT,
+                env={k: v for k, v in os.environ.items() if not k.startswith("ZEROJAX_")},
+            )
+        )
         errs.append(_Lines(procs[-1].stderr))
     try:
         for i in range(2):

@@ -18,14 +18,26 @@ import time
 import numpy as np
 import pytest
 
-from tests.cli_helpers import (RECORDS_POLL_S, assert_one_line_error, cli_env, cli_in_process, dir_digest,
-                               read_records, wait_for)
+from tests.cli_helpers import (
+    RECORDS_POLL_S,
+    assert_one_line_error,
+    cli_env,
+    cli_in_process,
+    dir_digest,
+    read_records,
+    wait_for,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "tiny.yaml")
 STEPS = 8
-SETS = [f"train.steps={STEPS}", "checkpoint.every=2", "checkpoint.keep=4", "data.max_bytes=200000",
-        "train.eval_batches=1"]
+SETS = [
+    f"train.steps={STEPS}",
+    "checkpoint.every=2",
+    "checkpoint.keep=4",
+    "data.max_bytes=200000",
+    "train.eval_batches=1",
+]
 
 
 def _records(out) -> list[dict]:
@@ -71,8 +83,13 @@ def four_steps(tmp_path_factory, reference_run):
     copies before changing it: the same program, so no run of its own to compile."""
     ref, records = reference_run
     out = tmp_path_factory.mktemp("four_steps") / "run"
-    shutil.copytree(ref, out, ignore=lambda d, names: [n for n in names if d == str(ref / "checkpoints")
-                                                       and n.isdigit() and int(n) > 4] + ["summary.json"])
+    shutil.copytree(
+        ref,
+        out,
+        ignore=lambda d, names: (
+            [n for n in names if d == str(ref / "checkpoints") and n.isdigit() and int(n) > 4] + ["summary.json"]
+        ),
+    )
     with open(out / "metrics.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records[:4])
     assert _complete(out) == [2, 4]
@@ -111,8 +128,7 @@ def _kill_and_resume(points: int, seed: int, env, reference, tmp_path) -> None:
         for kill_at in sorted(rng.sample(range(1, STEPS), rng.choice((1, 2)))):
             if len(_records(out)) >= kill_at:
                 continue
-            proc = subprocess.Popen(_cmd(out), env=env, cwd=REPO, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL)
+            proc = subprocess.Popen(_cmd(out), env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             _wait_records(out, kill_at, proc)
             time.sleep(rng.random() * 0.05)  # anywhere in the next step or save
             proc.kill()
@@ -153,13 +169,38 @@ def test_sigterm_saves_the_current_step_exits_75_and_resumes_bit_exact(env, refe
     _assert_matches(out, reference)
 
 
-LAUNCH_SETS = ["--set", "train.batch_size=8", "--set", "data.max_bytes=200000", "--set", "data.eval_fraction=0",
-               "--set", "checkpoint.every=100"]
+LAUNCH_SETS = [
+    "--set",
+    "train.batch_size=8",
+    "--set",
+    "data.max_bytes=200000",
+    "--set",
+    "data.eval_fraction=0",
+    "--set",
+    "checkpoint.every=100",
+]
 
 
 def _launch(out, steps: int, *extra) -> list[str]:
-    return [sys.executable, "-m", "zerojax.cli", "launch", "--processes", "2", "--devices-per-process", "4", "--",
-            "train", CONFIG, "--out", str(out), "--set", f"train.steps={steps}", *LAUNCH_SETS, *extra]
+    return [
+        sys.executable,
+        "-m",
+        "zerojax.cli",
+        "launch",
+        "--processes",
+        "2",
+        "--devices-per-process",
+        "4",
+        "--",
+        "train",
+        CONFIG,
+        "--out",
+        str(out),
+        "--set",
+        f"train.steps={steps}",
+        *LAUNCH_SETS,
+        *extra,
+    ]
 
 
 @pytest.mark.slow  # 2.5 minutes: two processes, a reference run, the interrupted run and its resume
@@ -170,8 +211,9 @@ def test_sigterm_to_a_two_process_launch_checkpoints_and_resumes_bit_exact(env, 
     assert done.returncode == 0, done.stderr[-3000:]
 
     out = tmp_path / "run"
-    proc = subprocess.Popen(_launch(out, steps), env=env, cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        _launch(out, steps), env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     _wait_records(out, 3, proc)
     t = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -194,6 +236,7 @@ def _limit_file_size(limit: int):
     def preexec():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
     return preexec
 
 
@@ -240,9 +283,13 @@ def test_a_blown_up_loss_stops_with_exit_3_and_never_saves_a_non_finite_value(en
 
 
 TRAJECTORY = {
-    "optimizer.lr": "optimizer.lr=0.001", "optimizer.name": "optimizer.name=adam",
-    "optimizer.warmup_steps": "optimizer.warmup_steps=2", "train.batch_size": "train.batch_size=8",
-    "train.seed": "train.seed=1", "data.max_bytes": "data.max_bytes=300000", "precision": "precision=bf16",
+    "optimizer.lr": "optimizer.lr=0.001",
+    "optimizer.name": "optimizer.name=adam",
+    "optimizer.warmup_steps": "optimizer.warmup_steps=2",
+    "train.batch_size": "train.batch_size=8",
+    "train.seed": "train.seed=1",
+    "data.max_bytes": "data.max_bytes=300000",
+    "precision": "precision=bf16",
     "model.d_model": "model.d_model=32",
 }
 
@@ -256,8 +303,15 @@ def test_each_trajectory_key_changed_on_resume_is_named(tmp_path):
     for key, override in TRAJECTORY.items():
         with pytest.raises(UserError, match=rf"{key.replace('.', '[.]')} is .* here but .* in the checkpoint"):
             check_resume_config(saved, load_config(CONFIG, [*SETS, override]).to_dict(), "ckpt")
-    for safe in ("zero.stage=2", "zero.engine=shard_map", "mesh.data=2", "checkpoint.every=3", "train.steps=20",
-                 "checkpoint.keep=5", "train.eval_every=2"):
+    for safe in (
+        "zero.stage=2",
+        "zero.engine=shard_map",
+        "mesh.data=2",
+        "checkpoint.every=3",
+        "train.steps=20",
+        "checkpoint.keep=5",
+        "train.eval_every=2",
+    ):
         check_resume_config(saved, load_config(CONFIG, [*SETS, safe]).to_dict(), "ckpt")
 
 
@@ -265,15 +319,20 @@ def test_resume_refuses_a_new_learning_rate_and_accepts_a_new_stage_and_length(e
     out = _copy(four_steps, tmp_path)
     before = dir_digest(out)
     done = cli_in_process(*_train_args(out, "optimizer.lr=0.01", "train.batch_size=8"))
-    assert_one_line_error(done, "optimizer.lr is 0.01 here but 0.003 in the checkpoint",
-                          "train.batch_size is 8 here but 16 in the checkpoint")
+    assert_one_line_error(
+        done,
+        "optimizer.lr is 0.01 here but 0.003 in the checkpoint",
+        "train.batch_size is 8 here but 16 in the checkpoint",
+    )
     assert dir_digest(out) == before
     cmd = _cmd(out, "train.steps=6", "zero.stage=1", "zero.engine=shard_map")
-    done = _run([*cmd[:cmd.index("--devices") + 1], "4", *cmd[cmd.index("--devices") + 2:]], env)
+    done = _run([*cmd[: cmd.index("--devices") + 1], "4", *cmd[cmd.index("--devices") + 2 :]], env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "warning: resuming with changed settings: devices 8 (fsdp 8) -> 4 (fsdp 4), train.steps 8 -> 6, " \
-           "zero.engine 'gspmd' -> 'shard_map', zero.stage 3 -> 1; the learning-rate schedule now spans the new " \
-           "train.steps." in " ".join(done.stderr.split()), done.stderr[-2000:]
+    assert (
+        "warning: resuming with changed settings: devices 8 (fsdp 8) -> 4 (fsdp 4), train.steps 8 -> 6, "
+        "zero.engine 'gspmd' -> 'shard_map', zero.stage 3 -> 1; the learning-rate schedule now spans the new "
+        "train.steps." in " ".join(done.stderr.split())
+    ), done.stderr[-2000:]
     assert [r["step"] for r in _records(out)] == list(range(1, 7))
 
 

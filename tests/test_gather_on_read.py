@@ -80,10 +80,17 @@ def _batch(step: int) -> dict:
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _run(kind: str, engine: str, stage: int, precision: str = "fp32"):
-    trainer = zj.Trainer(MODELS[kind], optax.adamw(1e-2), mesh=zj.make_mesh(fsdp=8), stage=stage, engine=engine,
-                         precision=precision, replicate_below_bytes=0)
+    trainer = zj.Trainer(
+        MODELS[kind],
+        optax.adamw(1e-2),
+        mesh=zj.make_mesh(fsdp=8),
+        stage=stage,
+        engine=engine,
+        precision=precision,
+        replicate_below_bytes=0,
+    )
     state = trainer.init(jax.random.key(0), _batch(0))
     losses = []
     for step in range(STEPS):
@@ -95,8 +102,13 @@ def _run(kind: str, engine: str, stage: int, precision: str = "fp32"):
 # Stages 2 and 3 (where units gather), NNX in both engines and Linen with shard_map, by default;
 # every stage, engine and model under -m slow.
 _DEFAULT = [("nnx", e, s) for e in ("shard_map", "gspmd") for s in (2, 3)] + [("linen", "shard_map", 3)]
-_CASES = _DEFAULT + [pytest.param(k, e, s, marks=pytest.mark.slow) for k in ("nnx", "linen")
-                     for e in ("shard_map", "gspmd") for s in range(4) if (k, e, s) not in _DEFAULT]
+_CASES = _DEFAULT + [
+    pytest.param(k, e, s, marks=pytest.mark.slow)
+    for k in ("nnx", "linen")
+    for e in ("shard_map", "gspmd")
+    for s in range(4)
+    if (k, e, s) not in _DEFAULT
+]
 
 
 @pytest.mark.parametrize("kind, engine, stage", _CASES)
@@ -147,8 +159,9 @@ def _listed(name: str):
 
 def _layout(name: str) -> dict:
     trainer = zj.Trainer(_listed(name), optax.sgd(0.1), mesh=zj.make_mesh(fsdp=8), stage=3, replicate_below_bytes=0)
-    leaves = jax.tree.leaves(trainer.prepare(jax.random.key(0), _batch(0)).layout.leaves,
-                             is_leaf=lambda x: hasattr(x, "padded_shape"))
+    leaves = jax.tree.leaves(
+        trainer.prepare(jax.random.key(0), _batch(0)).layout.leaves, is_leaf=lambda x: hasattr(x, "padded_shape")
+    )
     return {l.path.replace(f"{name}/", "list/"): (l.axis, l.reason) for l in leaves}
 
 

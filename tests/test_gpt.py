@@ -65,7 +65,9 @@ def test_num_params_matches_real_leaves_tiny():
 def test_num_params_7b_without_allocation_and_stacked_layer_axis():
     cfg = gpt_config("7b")
     shapes = _stacked_shapes(cfg)
-    assert sum(math.prod(s) for s in jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple))) == cfg.num_params()
+    assert (
+        sum(math.prod(s) for s in jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple))) == cfg.num_params()
+    )
     assert 6.4e9 < cfg.num_params() < 7.0e9
     assert shapes["blocks"]["wq"] == (32, 4096, 4096)
     assert shapes["blocks"]["w_down"] == (32, 11008, 4096)

@@ -42,15 +42,22 @@ def _masked_batch(seed: int) -> dict:
     return {**batch, "mask": mask}
 
 
-LOSSES = {"mean": (None, lambda step: classification_batch(step, rows=ROWS)),
-          "masked": (masked_loss, _masked_batch)}
+LOSSES = {"mean": (None, lambda step: classification_batch(step, rows=ROWS)), "masked": (masked_loss, _masked_batch)}
 
 
 def _train(stage, engine, k, loss="mean", raf=True, model=UnevenMLP, batches=None, steps=STEPS):
     loss_fn, make = LOSSES[loss]
     batches = batches or make
-    trainer = zj.Trainer(model, optax.sgd(0.2), mesh=zj.make_mesh(fsdp=DEVICES), stage=stage, engine=engine,
-                         loss_fn=loss_fn, grad_accum=k, engine_options={"reshard_after_forward": raf})
+    trainer = zj.Trainer(
+        model,
+        optax.sgd(0.2),
+        mesh=zj.make_mesh(fsdp=DEVICES),
+        stage=stage,
+        engine=engine,
+        loss_fn=loss_fn,
+        grad_accum=k,
+        engine_options={"reshard_after_forward": raf},
+    )
     state = trainer.init(jax.random.key(0), batches(0))
     losses = []
     for step in range(steps):
@@ -61,7 +68,7 @@ def _train(stage, engine, k, loss="mean", raf=True, model=UnevenMLP, batches=Non
     return np.array(losses), params
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(loss):
     return _train(0, "gspmd", 1, loss)
 
@@ -74,8 +81,12 @@ def _assert_equal(got, want):
 # fast: each engine's accumulating paths once (shard_map's stage 2 runs its stage 0-1 path, and its
 # traffic is checked below; gspmd: the per-group path at stage 1, per-micro-batch gathers at stage 3)
 FAST = {(0, "shard_map", "masked"), (1, "gspmd", "masked"), (3, "gspmd", "masked")}
-CASES = [pytest.param(stage, engine, loss, marks=() if (stage, engine, loss) in FAST else pytest.mark.slow)
-         for stage in range(4) for engine in ("gspmd", "shard_map") for loss in ("mean", "masked")]
+CASES = [
+    pytest.param(stage, engine, loss, marks=() if (stage, engine, loss) in FAST else pytest.mark.slow)
+    for stage in range(4)
+    for engine in ("gspmd", "shard_map")
+    for loss in ("mean", "masked")
+]
 
 
 @pytest.mark.parametrize("stage,engine,loss", CASES)
@@ -129,10 +140,18 @@ def test_batch_norm_statistics_thread_through_the_micro_batches(engine):
     x = batch["inputs"].reshape(DEVICES, K, rows // K, -1)
     for i in range(K):  # micro-batch i: the i-th slice of every device's rows
         model(x[:, i].reshape(-1, x.shape[-1]))
-    np.testing.assert_allclose(np.asarray(state.model_state["batch_stats"]["norm"]["mean"]),
-                               np.asarray(model.norm.mean[...]), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(state.model_state["batch_stats"]["norm"]["var"]),
-                               np.asarray(model.norm.var[...]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(state.model_state["batch_stats"]["norm"]["mean"]),
+        np.asarray(model.norm.mean[...]),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    np.testing.assert_allclose(
+        np.asarray(state.model_state["batch_stats"]["norm"]["var"]),
+        np.asarray(model.norm.var[...]),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 class _Masks(nnx.Module):
@@ -152,11 +171,18 @@ def test_every_micro_batch_draws_its_own_masks(engine):
 
     def record_loss(out, batch):
         jax.debug.callback(lambda o: seen.append(np.asarray(o).reshape(-1, 16)), out)
-        return jnp.mean(out ** 2)
+        return jnp.mean(out**2)
 
     batch = classification_batch(0, rows=ROWS)
-    trainer = zj.Trainer(_Masks, optax.sgd(0.1), mesh=zj.make_mesh(fsdp=DEVICES), stage=0, engine=engine,
-                         loss_fn=record_loss, grad_accum=K)
+    trainer = zj.Trainer(
+        _Masks,
+        optax.sgd(0.1),
+        mesh=zj.make_mesh(fsdp=DEVICES),
+        stage=0,
+        engine=engine,
+        loss_fn=record_loss,
+        grad_accum=K,
+    )
     state = trainer.init(jax.random.key(0), batch)
     jax.block_until_ready(trainer.step(state, batch))
     jax.effects_barrier()
@@ -178,27 +204,45 @@ class _Wide(nnx.Module):
         return self.c(jax.nn.gelu(self.b(jax.nn.gelu(self.a(x)))))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _traffic(stage, engine, k, raf=True):
     rng = np.random.default_rng(0)
-    batch = {"inputs": rng.normal(size=(64, 64)).astype(np.float32),
-             "targets": rng.integers(0, 10, size=(64,)).astype(np.int32)}
-    trainer = zj.Trainer(_Wide, optax.sgd(0.1), mesh=zj.make_mesh(fsdp=DEVICES), stage=stage, engine=engine,
-                         grad_accum=k, engine_options={"reshard_after_forward": raf})
+    batch = {
+        "inputs": rng.normal(size=(64, 64)).astype(np.float32),
+        "targets": rng.integers(0, 10, size=(64,)).astype(np.int32),
+    }
+    trainer = zj.Trainer(
+        _Wide,
+        optax.sgd(0.1),
+        mesh=zj.make_mesh(fsdp=DEVICES),
+        stage=stage,
+        engine=engine,
+        grad_accum=k,
+        engine_options={"reshard_after_forward": raf},
+    )
     state = trainer.init(jax.random.key(0), batch)
-    compiled, hlo = compile_partitioned(trainer.lower(state, trainer.shard_batch(batch)),
-                                        tempfile.mkdtemp(prefix="zerojax-hlo-"))
+    compiled, hlo = compile_partitioned(
+        trainer.lower(state, trainer.shard_batch(batch)), tempfile.mkdtemp(prefix="zerojax-hlo-")
+    )
     moved = collective_bytes(hlo)["bytes"]
-    return {"reduce": moved["all-reduce"] + moved["reduce-scatter"], "gather": moved["all-gather"],
-            "temp": compiled.memory_analysis().temp_size_in_bytes}
+    return {
+        "reduce": moved["all-reduce"] + moved["reduce-scatter"],
+        "gather": moved["all-gather"],
+        "temp": compiled.memory_analysis().temp_size_in_bytes,
+    }
 
 
 REDUCE_FAST = {(2, "shard_map")}
 
 
-@pytest.mark.parametrize("stage,engine", [
-    pytest.param(s, e, marks=() if (s, e) in REDUCE_FAST else pytest.mark.slow)
-    for s in (0, 1, 2) for e in ("gspmd", "shard_map")])
+@pytest.mark.parametrize(
+    "stage,engine",
+    [
+        pytest.param(s, e, marks=() if (s, e) in REDUCE_FAST else pytest.mark.slow)
+        for s in (0, 1, 2)
+        for e in ("gspmd", "shard_map")
+    ],
+)
 def test_stages_0_to_2_reduce_once_per_step(stage, engine):
     once, accumulated = _traffic(stage, engine, 1), _traffic(stage, engine, K)
     assert abs(accumulated["reduce"] - once["reduce"]) <= 0.02 * once["reduce"], (once, accumulated)
@@ -241,8 +285,9 @@ def test_config_rejects_an_indivisible_batch():
 
 
 def test_cli_indivisible_batch_is_one_line_exit_2(tmp_path):
-    result = cli_in_process("train", "configs/tiny.yaml", "--devices", "8", "--out", str(tmp_path),
-                            "--set", "train.grad_accum=3")
+    result = cli_in_process(
+        "train", "configs/tiny.yaml", "--devices", "8", "--out", str(tmp_path), "--set", "train.grad_accum=3"
+    )
     assert_one_line_error(result, "train.grad_accum=3", "train.batch_size=16")
 
 

@@ -1,16 +1,25 @@
 """Collective byte counts from HLO: hand-written modules, then real programs on 8 CPU devices."""
 
+import os
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import os
-import pathlib
-
-from zerojax.accounting.hlo import (UnknownTripCount, axes_spanned, collective_bytes, collectives,
-                                    compile_partitioned, partitioned_hlo_text, replica_groups, shape_bytes)
+from zerojax.accounting.hlo import (
+    UnknownTripCount,
+    axes_spanned,
+    collective_bytes,
+    collectives,
+    compile_partitioned,
+    partitioned_hlo_text,
+    replica_groups,
+    shape_bytes,
+)
 
 # --- hand-written HLO: each construct the parser must handle --------------------------------
 
@@ -171,8 +180,9 @@ def test_a_collective_in_a_loop_of_unknown_trip_count_is_refused_not_undercounte
 
 
 def test_a_loop_of_unknown_trip_count_without_collectives_is_fine():
-    quiet = UNREADABLE_LOOP.replace("all-gather(%x), channel_id=1, replica_groups=[1,4]<=[4], dimensions={0}",
-                                    "negate(%x)")
+    quiet = UNREADABLE_LOOP.replace(
+        "all-gather(%x), channel_id=1, replica_groups=[1,4]<=[4], dimensions={0}", "negate(%x)"
+    )
     assert collective_bytes(quiet)["total"] == 0
 
 
@@ -212,10 +222,14 @@ def test_psum_inside_scan_counts_every_iteration(mesh, tmp_path):
 
 
 def test_psum_scatter(mesh, tmp_path):
-    f = jax.jit(jax.shard_map(
-        lambda x: jax.lax.psum_scatter(x, "fsdp", scatter_dimension=0, tiled=True),
-        mesh=mesh, in_specs=P(), out_specs=P("fsdp"),
-    ))
+    f = jax.jit(
+        jax.shard_map(
+            lambda x: jax.lax.psum_scatter(x, "fsdp", scatter_dimension=0, tiled=True),
+            mesh=mesh,
+            in_specs=P(),
+            out_specs=P("fsdp"),
+        )
+    )
     got = collective_bytes(partitioned_hlo_text(f.lower(jnp.ones((64, 1024), jnp.bfloat16)), str(tmp_path)))
     # Result bf16[8,1024] (16 KiB) per device, x (8 - 1).
     assert got["counts"]["reduce-scatter"] == 1 and got["total"] == 16384 * 7
@@ -227,12 +241,17 @@ def test_psum_scatter(mesh, tmp_path):
 # The same groups: a gather over fsdp, an all-reduce over data, an all-to-all over both.
 AXES_MESH = {"data": 2, "fsdp": 4, "tensor": 1}
 PER_AXIS = {
-    "explicit": ("replica_groups={{0,1,2,3},{4,5,6,7}}", "replica_groups={{0,4},{1,5},{2,6},{3,7}}",
-                 "replica_groups={{0,1,2,3,4,5,6,7}}"),
+    "explicit": (
+        "replica_groups={{0,1,2,3},{4,5,6,7}}",
+        "replica_groups={{0,4},{1,5},{2,6},{3,7}}",
+        "replica_groups={{0,1,2,3,4,5,6,7}}",
+    ),
     "iota": ("replica_groups=[2,4]<=[8]", "replica_groups=[4,2]<=[2,4]T(1,0)", "replica_groups=[1,8]<=[8]"),
-    "mesh": ("replica_groups=mesh['data'=2,'fsdp'=4,'tensor'=1] {'fsdp'}",
-             "replica_groups=mesh['data'=2,'fsdp'=4,'tensor'=1] {'data'}",
-             "replica_groups=mesh['data'=2,'fsdp'=4,'tensor'=1] {'data','fsdp'}"),
+    "mesh": (
+        "replica_groups=mesh['data'=2,'fsdp'=4,'tensor'=1] {'fsdp'}",
+        "replica_groups=mesh['data'=2,'fsdp'=4,'tensor'=1] {'data'}",
+        "replica_groups=mesh['data'=2,'fsdp'=4,'tensor'=1] {'data','fsdp'}",
+    ),
 }
 PER_AXIS_HLO = """HloModule m, num_partitions=8
 

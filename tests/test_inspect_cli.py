@@ -6,6 +6,8 @@ import pytest
 
 from tests.cli_helpers import assert_one_line_error, cli_in_process, run_cli
 from zerojax.accounting import analytic as A
+from zerojax.optim import OPTIMIZERS
+from zerojax.precision import PRECISIONS
 
 TINY = "configs/tiny.yaml"
 PSI = 115008  # the tiny GPT
@@ -57,7 +59,7 @@ def test_bf16_stage_1_specs_per_group_and_total():
         assert leaf["status"] == "sharded"
         assert leaf["spec"]["compute"] == "()" and leaf["spec"]["grads"] == "()"
         assert "fsdp" in leaf["spec"]["master"] and leaf["spec"]["optimizer"] == leaf["spec"]["master"]
-    kept = A.kept_state_bytes(PSI, 8, 1, A.PRECISIONS["bf16"], A.OPTIMIZERS["adamw"])
+    kept = A.kept_state_bytes(PSI, 8, 1, PRECISIONS["bf16"], OPTIMIZERS["adamw"])
     total = out["persistent_bytes_per_device"]
     assert total["compute"] == kept["compute_params"] == 2 * PSI
     assert total["total"] == pytest.approx(kept["total"], rel=0.001)
@@ -72,10 +74,10 @@ def test_table_lists_replicated_and_padded_leaves(three_devices, capsys):
     assert "padded leaves: 9" in out and "padded axis" in out  # the reason column
 
 
-@pytest.mark.parametrize("args, needles", [
-    (["--stage", "7"], ["--stage", "0, 1, 2 or 3"]),
-    (["--set", "precision=fp8"], ["precision", "fp8"]),
-])
+@pytest.mark.parametrize(
+    "args, needles",
+    [(["--stage", "7"], ["--stage", "0, 1, 2 or 3"]), (["--set", "precision=fp8"], ["precision", "fp8"])],
+)
 def test_bad_arguments_exit_2_with_one_line(args, needles):
     assert_one_line_error(cli_in_process("inspect", TINY, *args), *needles)
 
@@ -87,8 +89,17 @@ def test_missing_config_is_one_line():
 def test_names_a_parameter_read_outside_its_unit():
     """The head reads layer `a`'s kernel itself: the report says the root gathers it, in the table's
     last line and in --json."""
-    args = ["configs/tiny.yaml", "--devices", "8", "--set", "model.target=tests.user_code:ReadsAKernel",
-            "--set", "data.target=tests.user_code:blobs", "--set", "zero.engine=shard_map"]
+    args = [
+        "configs/tiny.yaml",
+        "--devices",
+        "8",
+        "--set",
+        "model.target=tests.user_code:ReadsAKernel",
+        "--set",
+        "data.target=tests.user_code:blobs",
+        "--set",
+        "zero.engine=shard_map",
+    ]
     done = cli_in_process("inspect", *args, "--json")
     assert done.returncode == 0, done.stderr[-2000:]
     gathers = json.loads(done.stdout)["gathers"]

@@ -30,8 +30,9 @@ class Ensemble(nn.Module):
     @nn.compact
     def __call__(self, x):
         x = nn.gelu(nn.Dense(WIDTH)(x))
-        heads = nn.vmap(nn.Dense, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=None,
-                        out_axes=0, axis_size=4)
+        heads = nn.vmap(
+            nn.Dense, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=None, out_axes=0, axis_size=4
+        )
         return nn.Dense(10)(heads(WIDTH, name="heads")(x).mean(0))
 
 
@@ -78,10 +79,11 @@ class NNXScanned(nnx.Module):
 MODELS = {"scan": LinenScanDeep(WIDTH, 3), "vmap": Ensemble(), "remat": Rematted(), "nnx_scan": NNXScanned}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _run(kind: str, engine: str, stage: int):
-    trainer = zj.Trainer(MODELS[kind], optax.adamw(1e-2), mesh=zj.make_mesh(fsdp=8), stage=stage, engine=engine,
-                         replicate_below_bytes=0)
+    trainer = zj.Trainer(
+        MODELS[kind], optax.adamw(1e-2), mesh=zj.make_mesh(fsdp=8), stage=stage, engine=engine, replicate_below_bytes=0
+    )
     state = trainer.init(jax.random.key(0), unit_batch(WIDTH))
     losses = []
     for step in range(STEPS):
@@ -91,9 +93,15 @@ def _run(kind: str, engine: str, stage: int):
 
 
 _DEFAULT = [("scan", e, s) for e in ("shard_map", "gspmd") for s in (2, 3)] + [
-    (k, "shard_map", 3) for k in ("vmap", "remat", "nnx_scan")]
-_CASES = _DEFAULT + [pytest.param(k, e, s, marks=pytest.mark.slow) for k in MODELS for e in ("shard_map", "gspmd")
-                     for s in range(4) if (k, e, s) not in _DEFAULT]
+    (k, "shard_map", 3) for k in ("vmap", "remat", "nnx_scan")
+]
+_CASES = _DEFAULT + [
+    pytest.param(k, e, s, marks=pytest.mark.slow)
+    for k in MODELS
+    for e in ("shard_map", "gspmd")
+    for s in range(4)
+    if (k, e, s) not in _DEFAULT
+]
 
 
 @pytest.mark.parametrize("kind, engine, stage", _CASES)
@@ -109,21 +117,29 @@ def test_the_stack_is_found_from_the_transform_and_gathered_per_layer(kind, stac
     assert f"'{stack}' gathered one layer at a time inside its transform" in description, description
 
 
-_DEEP_MODELS = {"scan": LinenScanDeep, "nnx_scan": lambda width, depth: functools.partial(
-    NNXScanned, depth=depth, width=width)}
+_DEEP_MODELS = {
+    "scan": LinenScanDeep,
+    "nnx_scan": lambda width, depth: functools.partial(NNXScanned, depth=depth, width=width),
+}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _temp(kind: str, engine: str, depth: int, width: int = 256) -> int:
-    trainer = zj.Trainer(_DEEP_MODELS[kind](width, depth), OPTIMIZERS["sgd"](), mesh=zj.make_mesh(fsdp=8), stage=3,
-                         engine=engine)
+    trainer = zj.Trainer(
+        _DEEP_MODELS[kind](width, depth), OPTIMIZERS["sgd"](), mesh=zj.make_mesh(fsdp=8), stage=3, engine=engine
+    )
     compiled, _ = compile_partitioned(lower_abstract(trainer, unit_batch(width)), tempfile.mkdtemp(prefix="zerojax-"))
     return compiled.memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("kind, engine", [("scan", "shard_map")] + [
-    pytest.param(k, e, marks=pytest.mark.slow) for k, e in [("scan", "gspmd"), ("nnx_scan", "shard_map"),
-                                                            ("nnx_scan", "gspmd")]])
+@pytest.mark.parametrize(
+    "kind, engine",
+    [("scan", "shard_map")]
+    + [
+        pytest.param(k, e, marks=pytest.mark.slow)
+        for k, e in [("scan", "gspmd"), ("nnx_scan", "shard_map"), ("nnx_scan", "gspmd")]
+    ],
+)
 def test_scanned_stack_temp_memory_does_not_grow_with_depth(kind, engine):
     """Between SHALLOW and DEEP layers, temp may grow by tests/test_units.py's allowance per layer
     (0.15 of a layer's fp32 weights plus its saved input): a stack gathered whole would add a layer."""
@@ -135,7 +151,8 @@ def test_scanned_stack_temp_memory_does_not_grow_with_depth(kind, engine):
 @pytest.mark.parametrize("kind", list(MODELS))
 @pytest.mark.parametrize("engine", ["shard_map", "gspmd"])
 def test_verify_passes(kind, engine):
-    trainer = zj.Trainer(MODELS[kind], optax.adamw(1e-2), mesh=zj.make_mesh(fsdp=8), stage=3, engine=engine,
-                         replicate_below_bytes=0)
+    trainer = zj.Trainer(
+        MODELS[kind], optax.adamw(1e-2), mesh=zj.make_mesh(fsdp=8), stage=3, engine=engine, replicate_below_bytes=0
+    )
     result = trainer.verify([unit_batch(WIDTH, step) for step in range(3)])
     assert result.passed, result.lines()

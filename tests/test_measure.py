@@ -10,26 +10,35 @@ import optax
 import pytest
 
 import zerojax as zj
+from tests.models import token_batch
 from zerojax.accounting import analytic as A
 from zerojax.accounting import measure
+from zerojax.accounting.activations import GPTShape
 from zerojax.models.gpt import GPT, gpt_config
+from zerojax.optim import OPTIMIZERS
+from zerojax.precision import PRECISIONS
 from zerojax.stages import LeafLayout, path_str
-from tests.models import token_batch
 
 P = 8
 ENGINES = ["gspmd"] + (["shard_map"] if importlib.util.find_spec("zerojax.engines.shard_map") else [])
 ROWS, SEQ = 8, 32
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _measured(preset: str, stage: int, engine: str, precision: str = "fp32") -> tuple:
     """(Measurement, params in the scanned layer stack, params outside it) for one compiled step."""
     cfg = gpt_config(preset)
-    trainer = zj.Trainer(functools.partial(GPT, cfg), optax.adamw(1e-3), mesh=zj.make_mesh(fsdp=P),
-                         stage=stage, engine=engine, precision=precision)
+    trainer = zj.Trainer(
+        functools.partial(GPT, cfg),
+        optax.adamw(1e-3),
+        mesh=zj.make_mesh(fsdp=P),
+        stage=stage,
+        engine=engine,
+        precision=precision,
+    )
     batch = token_batch(0, ROWS, SEQ)
     state = trainer.init(jax.random.key(0), batch)
-    m, compiled = measure.measure_step(trainer, state, batch, shape=A.GPTShape.of(cfg), seq_len=SEQ)
+    m, compiled = measure.measure_step(trainer, state, batch, shape=GPTShape.of(cfg), seq_len=SEQ)
     _, metrics = compiled(state, trainer.shard_batch(batch))  # the measured program is the one that trains
     assert math.isfinite(float(metrics["loss"]))
     leaves = jax.tree_util.tree_flatten_with_path(trainer.layout.leaves, is_leaf=lambda x: isinstance(x, LeafLayout))[0]
@@ -41,7 +50,7 @@ def _measured(preset: str, stage: int, engine: str, precision: str = "fp32") -> 
 
 
 def test_kept_state_is_textbook_without_grads_and_without_stage_3_compute_copy():
-    psi, bf16, fp32, adam = 7e9, A.PRECISIONS["bf16"], A.PRECISIONS["fp32"], A.OPTIMIZERS["adamw"]
+    psi, bf16, fp32, adam = 7e9, PRECISIONS["bf16"], PRECISIONS["fp32"], OPTIMIZERS["adamw"]
     kept = [A.kept_state_bytes(psi, P, s, bf16, adam)["total"] for s in range(4)]
     assert kept == pytest.approx([14 * psi, 2 * psi + 12 * psi / P, 2 * psi + 12 * psi / P, 12 * psi / P])
     textbook = [A.model_state_bytes(psi, P, s, bf16, adam)["total"] for s in range(4)]

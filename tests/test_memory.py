@@ -14,22 +14,31 @@ import zerojax as zj
 from zerojax.models.gpt import GPT, gpt_config
 
 P = 8
-CONFIGS = {"small": gpt_config("tiny", d_model=128, n_heads=4, d_ff=512, n_layers=2, seq_len=16),
-           "20m": gpt_config("20m")}
+CONFIGS = {
+    "small": gpt_config("tiny", d_model=128, n_heads=4, d_ff=512, n_layers=2, seq_len=16),
+    "20m": gpt_config("20m"),
+}
 SIZES = ["small", pytest.param("20m", marks=pytest.mark.slow)]
 
 
 def _expected(size: str, precision: str, stage: int) -> float:
     """Textbook bytes per device for Adam, excluding gradients (not kept between steps)."""
     psi = CONFIGS[size].num_params()
-    return {"fp32": [12 * psi, 4 * psi + 8 * psi / P, 4 * psi + 8 * psi / P, 12 * psi / P],
-            "bf16": [14 * psi, 2 * psi + 12 * psi / P, 2 * psi + 12 * psi / P, 12 * psi / P]}[precision][stage]
+    return {
+        "fp32": [12 * psi, 4 * psi + 8 * psi / P, 4 * psi + 8 * psi / P, 12 * psi / P],
+        "bf16": [14 * psi, 2 * psi + 12 * psi / P, 2 * psi + 12 * psi / P, 12 * psi / P],
+    }[precision][stage]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _persistent_bytes(size: str, stage: int, precision: str) -> int:
-    trainer = zj.Trainer(functools.partial(GPT, CONFIGS[size]), optax.adam(1e-3), mesh=zj.make_mesh(fsdp=P),
-                         stage=stage, precision=precision)
+    trainer = zj.Trainer(
+        functools.partial(GPT, CONFIGS[size]),
+        optax.adam(1e-3),
+        mesh=zj.make_mesh(fsdp=P),
+        stage=stage,
+        precision=precision,
+    )
     batch = {"inputs": np.zeros((P, 16), np.int32), "targets": np.zeros((P, 16), np.int32)}
     state = trainer.init(jax.random.key(0), batch)
     measured = trainer.persistent_bytes_per_device(state)

@@ -16,6 +16,7 @@ import pytest
 
 from tests.models import UnevenMLP, classification_batch, train_on_stream
 from zerojax import Trainer, load_params, make_mesh
+from zerojax import offload as offload_lib
 from zerojax.accounting.params import count_params
 from zerojax.checkpoint import CheckpointWriter, restore, run_metadata
 from zerojax.config import load_config
@@ -23,7 +24,6 @@ from zerojax.data import BatchStream, load_corpus
 from zerojax.errors import UserError
 from zerojax.export import export_params
 from zerojax.models.gpt import GPT, gpt_config
-from zerojax import offload as offload_lib
 
 KEY = jax.random.key(0)
 # Every dimension divides 8, so no leaf is padded; leaves under 2 KiB would stay replicated by
@@ -55,8 +55,12 @@ def _kinds(tree) -> set:
 
 
 def _bytes(trainer, state, compiled) -> dict:
-    return {"device": trainer.persistent_bytes_per_device(state), "host": trainer.host_persistent_bytes_per_device(state),
-            "args": offload_lib.compiled_argument_bytes(compiled), "state": state}
+    return {
+        "device": trainer.persistent_bytes_per_device(state),
+        "host": trainer.host_persistent_bytes_per_device(state),
+        "args": offload_lib.compiled_argument_bytes(compiled),
+        "state": state,
+    }
 
 
 def _check_bytes(none, off, psi, p=8):
@@ -117,8 +121,15 @@ def _mlp_losses(stage, engine, offload, steps=20, **kw):
 
 
 # Two of the four run by default; the other two under -m slow.
-@pytest.mark.parametrize("stage,engine", [(1, "gspmd"), (3, "shard_map"), pytest.param(3, "gspmd", marks=pytest.mark.slow),
-                                          pytest.param(1, "shard_map", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "stage,engine",
+    [
+        (1, "gspmd"),
+        (3, "shard_map"),
+        pytest.param(3, "gspmd", marks=pytest.mark.slow),
+        pytest.param(1, "shard_map", marks=pytest.mark.slow),
+    ],
+)
 def test_losses_equal_the_device_resident_run(stage, engine):
     want, ref, ref_state = _mlp_losses(stage, engine, "none")
     got, trainer, state = _mlp_losses(stage, engine, "optimizer")
@@ -200,8 +211,9 @@ def test_restore_across_offload_settings(saved, stream, source, target):
     np.testing.assert_allclose(got, losses, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("stage,offload,devices", [(1, "optimizer", 4),
-                                                   pytest.param(0, "none", 1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "stage,offload,devices", [(1, "optimizer", 4), pytest.param(0, "none", 1, marks=pytest.mark.slow)]
+)
 def test_reshard_offloaded_checkpoint_to_another_stage_and_device_count(saved, stream, stage, offload, devices):
     step_dir, losses = saved["optimizer"].step_dir, saved["optimizer"].losses
     target = _gpt(stage, offload, devices=devices)
@@ -259,10 +271,17 @@ def test_compare_row_reports_device_and_host_space():
     """`zerojax compare --set zero.offload=optimizer`: one row, as the command builds it."""
     from zerojax.accounting.compare import run_row
 
-    sets = ["zero.stage=3", "zero.offload=optimizer", "train.batch_size=8", "train.steps=1", "model.seq_len=16",
-            "data.max_bytes=200000"]
-    row, params, devices = run_row(load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.yaml"),
-                                               sets), steps=1)
+    sets = [
+        "zero.stage=3",
+        "zero.offload=optimizer",
+        "train.batch_size=8",
+        "train.steps=1",
+        "model.seq_len=16",
+        "data.max_bytes=200000",
+    ]
+    row, params, devices = run_row(
+        load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.yaml"), sets), steps=1
+    )
     assert row["persistent_bytes_per_device"] == 12  # the step counter and the RNG key
     assert row["host_persistent_bytes_per_device"] == row["host_argument_bytes_per_device"]
     assert row["host_persistent_bytes_per_device"] == pytest.approx(12 * params / devices, rel=0.01)

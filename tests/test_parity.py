@@ -14,7 +14,7 @@ STEPS = 10
 RTOL = 1e-5
 
 
-@functools.lru_cache(maxsize=None)  # the same run (stage 0, say) serves every test that compares with it
+@functools.cache  # the same run (stage 0, say) serves every test that compares with it
 def _losses(model, batches, stage, mesh, engine="gspmd", precision="fp32"):
     trainer = zj.Trainer(model, optax.adamw(3e-3), mesh=mesh, stage=stage, engine=engine, precision=precision)
     state = trainer.init(jax.random.key(0), batches(0))

@@ -72,9 +72,20 @@ def test_stage_3_traffic_by_axis_with_zeropp_options():
     by collective and mesh axis, plain and with the options (`accounting.zeropp`, checked against
     compiled programs in tests/test_zeropp.py): the inter-node (data) all-reduce becomes a gather and
     a reduce-scatter of the same bytes, and the fsdp gathers and reductions shrink to int8 + scales."""
-    out = _plan("configs/gpu-7b-64xh100.yaml", "--set", "zero.stage=3", "--set", "zero.engine=shard_map",
-                "--set", "zero.quantize_weights=int8", "--set", "zero.quantize_grads=int8",
-                "--set", "zero.hierarchical=true", "--json")
+    out = _plan(
+        "configs/gpu-7b-64xh100.yaml",
+        "--set",
+        "zero.stage=3",
+        "--set",
+        "zero.engine=shard_map",
+        "--set",
+        "zero.quantize_weights=int8",
+        "--set",
+        "zero.quantize_grads=int8",
+        "--set",
+        "zero.hierarchical=true",
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     section = plan["stage_3_traffic_by_axis"]
@@ -88,8 +99,10 @@ def test_stage_3_traffic_by_axis_with_zeropp_options():
     assert "all-reduce" not in chosen and section["with_options_total"] < section["plain_total"]
     # hpZ memory: the 12-byte state over all 64 devices instead of 8, plus a bf16 copy over fsdp
     assert section["plain_memory"] == {"kept": pytest.approx(12 * psi / 8), "secondary_copy": 0.0}
-    assert section["with_options_memory"] == {"kept": pytest.approx(12 * psi / 64),
-                                              "secondary_copy": pytest.approx(2 * psi / 8)}
+    assert section["with_options_memory"] == {
+        "kept": pytest.approx(12 * psi / 64),
+        "secondary_copy": pytest.approx(2 * psi / 8),
+    }
 
 
 def test_no_by_axis_section_on_a_one_axis_mesh_without_options():

@@ -33,21 +33,36 @@ CPU_RUNS = dict(remats=("none", "dots", "full"), offloads=("none",))
 
 def _rank(shape_kw, rows, memory, precision="fp32", **kw):
     cfg = gpt_config("20m", **shape_kw)
-    return picks.rank(cfg.num_params(), P, get_hardware("h100"), rows_per_device=rows, seq_len=cfg.seq_len,
-                      precision=get_precision(precision), optimizer=ADAMW, shape=GPTShape.of(cfg), memory=memory,
-                      **kw)
+    return picks.rank(
+        cfg.num_params(),
+        P,
+        get_hardware("h100"),
+        rows_per_device=rows,
+        seq_len=cfg.seq_len,
+        precision=get_precision(precision),
+        optimizer=ADAMW,
+        shape=GPTShape.of(cfg),
+        memory=memory,
+        **kw,
+    )
 
 
 def _compiled_peak(shape_kw, pick, rows) -> int:
     cfg = gpt_config("20m", **shape_kw, remat=pick.remat)
-    trainer = zj.Trainer(functools.partial(GPT, cfg), optax.adamw(1e-3), mesh=zj.make_mesh(fsdp=P),
-                         stage=pick.stage, grad_accum=pick.grad_accum)
+    trainer = zj.Trainer(
+        functools.partial(GPT, cfg),
+        optax.adamw(1e-3),
+        mesh=zj.make_mesh(fsdp=P),
+        stage=pick.stage,
+        grad_accum=pick.grad_accum,
+    )
     batch = {k: jax.ShapeDtypeStruct((rows * P, cfg.seq_len), jnp.int32) for k in ("inputs", "targets")}
     prep = trainer.prepare(jax.random.key(0), batch)  # abstract: nothing allocated
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding) for k, v in batch.items()}
     ma = prep.step_fn.lower(prep.abstract, batch).compile().memory_analysis()
-    return A.peak_bytes(ma.argument_size_in_bytes, ma.output_size_in_bytes, ma.alias_size_in_bytes,
-                        ma.temp_size_in_bytes)
+    return A.peak_bytes(
+        ma.argument_size_in_bytes, ma.output_size_in_bytes, ma.alias_size_in_bytes, ma.temp_size_in_bytes
+    )
 
 
 # (GPT shape, sequences per device per step, device budget): small GPTs where the budget rules out
@@ -59,8 +74,9 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", [
-    "2x256", pytest.param("4x256", marks=pytest.mark.slow), pytest.param("2x384", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "case", ["2x256", pytest.param("4x256", marks=pytest.mark.slow), pytest.param("2x384", marks=pytest.mark.slow)]
+)
 def test_best_fit_compiles_within_its_prediction_and_a_rejected_one_exceeds_the_budget(case):
     shape_kw, rows, budget = CASES[case]
     ranked = _rank(shape_kw, rows, budget, **CPU_RUNS)
@@ -81,17 +97,23 @@ def test_offload_moves_master_and_moments_to_the_host():
         assert moved["host"] == pytest.approx(12 * psi * share)  # fp32 master + Adam's two moments
         assert plain["device"] - moved["device"] == pytest.approx(moved["host"]) and plain["host"] == 0
     # optimizer+params also moves the bf16 compute copy stages 0-2 keep; fp32's params are the master
-    assert picks.placed_state_bytes(psi, 8, 2, bf16, ADAMW, "optimizer+params")["host"] == pytest.approx(12 * psi / 8 + 2 * psi)
+    assert picks.placed_state_bytes(psi, 8, 2, bf16, ADAMW, "optimizer+params")["host"] == pytest.approx(
+        12 * psi / 8 + 2 * psi
+    )
     assert picks.host_groups("optimizer", get_precision("fp32")) == ("master", "optimizer", "compute_params")
 
 
 def test_offload_and_remat_trade_device_bytes_for_host_link_time():
     h100, bf16 = get_hardware("h100"), get_precision("bf16")
     cfg = gpt_config("7b")
-    common = dict(stage=3, grad_accum=1, micro_batch=4, seq_len=2048, precision=bf16, optimizer=ADAMW,
-                  shape=GPTShape.of(cfg))
-    by = {(o, r): picks.evaluate(cfg.num_params(), 8, h100, offload=o, remat=r, **common)
-          for o in ("none", "optimizer") for r in picks.REMATS}
+    common = dict(
+        stage=3, grad_accum=1, micro_batch=4, seq_len=2048, precision=bf16, optimizer=ADAMW, shape=GPTShape.of(cfg)
+    )
+    by = {
+        (o, r): picks.evaluate(cfg.num_params(), 8, h100, offload=o, remat=r, **common)
+        for o in ("none", "optimizer")
+        for r in picks.REMATS
+    }
     device = {r: by["none", r].device_peak_bytes for r in picks.REMATS}
     assert device["none"] > device["dots"] > device["full"] == device["offload"]
     assert by["none", "offload"].host_activation_bytes > 0 and by["none", "dots"].host_activation_bytes == 0
@@ -109,9 +131,13 @@ def test_accumulation_splits_the_rows_and_stage_3_pays_per_micro_batch():
     ranked = _rank(CASES["2x256"][0], 8, 1e12)
     assert {p.grad_accum for p in ranked} == {1, 2, 4, 8}
     assert all(p.grad_accum * p.micro_batch == 8 for p in ranked)
-    s3 = {p.grad_accum: p.collective_bytes for p in ranked if p.stage == 3 and p.offload == "none" and p.remat == "full"}
+    s3 = {
+        p.grad_accum: p.collective_bytes for p in ranked if p.stage == 3 and p.offload == "none" and p.remat == "full"
+    }
     assert s3[4] == pytest.approx(4 * s3[1])
-    s1 = {p.grad_accum: p.collective_bytes for p in ranked if p.stage == 1 and p.offload == "none" and p.remat == "full"}
+    s1 = {
+        p.grad_accum: p.collective_bytes for p in ranked if p.stage == 1 and p.offload == "none" and p.remat == "full"
+    }
     assert s1[4] == s1[1]
 
 
@@ -130,22 +156,26 @@ def test_plan_cli_ranks_and_prints_the_overrides_of_the_best():
     if ranked[0]["offload"] == "none":  # zero.offload is set only when on
         c = load_config("configs/tiny.yaml", best["overrides"])
         assert (c.zero.stage, c.train.grad_accum, c.model.remat) == (
-            ranked[0]["stage"], ranked[0]["grad_accum"], ranked[0]["remat"])
+            ranked[0]["stage"],
+            ranked[0]["grad_accum"],
+            ranked[0]["remat"],
+        )
     table = cli_in_process("plan", "configs/tiny.yaml", "--devices", "8", "--memory", "2MB")
     assert "Best combination: --set zero.stage=" in table.stdout, table.stdout[-2000:]
     assert "less 10% headroom" in table.stdout
 
 
-@pytest.mark.parametrize("flag, value", [("--memory", "lots"), ("--memory", "-3GB"), ("--memory", "0"),
-                                         ("--host-memory", "x"), ("--headroom", "1.5")])
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--memory", "lots"), ("--memory", "-3GB"), ("--memory", "0"), ("--host-memory", "x"), ("--headroom", "1.5")],
+)
 def test_bad_budgets_are_one_line_errors(flag, value):
     assert_one_line_error(cli_in_process("plan", "--params", "7e9", "--devices", "8", flag, value), flag)
 
 
 def test_host_memory_rules_out_offload_that_does_not_fit_on_the_host():
     cfg = gpt_config("7b")
-    kw = dict(rows_per_device=4, seq_len=2048, precision=get_precision("bf16"), optimizer=ADAMW,
-              shape=GPTShape.of(cfg))
+    kw = dict(rows_per_device=4, seq_len=2048, precision=get_precision("bf16"), optimizer=ADAMW, shape=GPTShape.of(cfg))
     free = picks.rank(cfg.num_params(), 8, get_hardware("h100"), **kw)
     tight = picks.rank(cfg.num_params(), 8, get_hardware("h100"), host_memory=5e9, **kw)
     assert any(p.fits and p.host_bytes > 5e9 for p in free)

@@ -15,10 +15,13 @@ import sys
 import pytest
 
 from zerojax import cli
-from zerojax.accounting import analytic, planning
+from zerojax.accounting import planning
+from zerojax.accounting.activations import GPTShape
 from zerojax.accounting.hardware import get_hardware
 from zerojax.config import load_config
 from zerojax.experiment import model_config
+from zerojax.optim import get_optimizer
+from zerojax.precision import get_precision
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,18 +56,44 @@ def test_pod_config_validates_and_its_stage_fits(name, capsys):
     gpt = model_config(c)
 
     # The planner's CLI, as a user would ask it: state only, sharded over the fsdp axis.
-    assert cli.main(["plan", "--params", str(params), "--devices", str(c.mesh.fsdp), "--hardware", hardware,
-                     "--seq", str(gpt.seq_len), "--micro-batch", str(micro_batch), "--precision", c.precision,
-                     "--optimizer", c.optimizer.name, "--json"]) == 0
+    assert (
+        cli.main(
+            [
+                "plan",
+                "--params",
+                str(params),
+                "--devices",
+                str(c.mesh.fsdp),
+                "--hardware",
+                hardware,
+                "--seq",
+                str(gpt.seq_len),
+                "--micro-batch",
+                str(micro_batch),
+                "--precision",
+                c.precision,
+                "--optimizer",
+                c.optimizer.name,
+                "--json",
+            ]
+        )
+        == 0
+    )
     stages = {s["stage"]: s for s in json.loads(capsys.readouterr().out)["stages"]}
     assert stages[c.zero.stage]["fits"]
 
     # Stricter: with this model's activations at this micro-batch and remat policy.
-    plan = planning.plan(params, c.mesh.fsdp, get_hardware(hardware), gpt.seq_len, micro_batch,
-                         precision=analytic.get_precision(c.precision),
-                         optimizer=analytic.get_optimizer(c.optimizer.name),
-                         shape=analytic.GPTShape(gpt.d_model, gpt.n_layers, gpt.n_heads, gpt.d_ff, gpt.vocab_size),
-                         remat=gpt.remat)
+    plan = planning.plan(
+        params,
+        c.mesh.fsdp,
+        get_hardware(hardware),
+        gpt.seq_len,
+        micro_batch,
+        precision=get_precision(c.precision),
+        optimizer=get_optimizer(c.optimizer.name),
+        shape=GPTShape(gpt.d_model, gpt.n_layers, gpt.n_heads, gpt.d_ff, gpt.vocab_size),
+        remat=gpt.remat,
+    )
     row = plan.stages[c.zero.stage]
     assert row.fits
     assert row.memory["total"] + row.activation_bytes < 0.5 * get_hardware(hardware).hbm_bytes  # headroom
@@ -104,6 +133,12 @@ def test_gpu_flags_exist_in_this_xla():
         "print(float(jax.jit(lambda x: (x * 2).sum())(jnp.ones(4))))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env={**env, "JAX_PLATFORMS": "cpu"})
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**env, "JAX_PLATFORMS": "cpu"},
+    )
     assert done.returncode == 0 and done.stdout.strip() == "8.0", done.stderr[-2000:]

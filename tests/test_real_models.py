@@ -3,7 +3,6 @@ that are not elementwise: the same losses at every stage, in both engines."""
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,11 +12,10 @@ from flax import linen as nn
 from flax import nnx
 
 import zerojax as zj
+from tests.models import UnevenMLP, classification_batch
 from zerojax.checkpoint import CheckpointWriter, restore, run_metadata
 from zerojax.export import export_params, load_model_state, load_params
 from zerojax.optim import pads_exactly
-
-from tests.models import UnevenMLP, classification_batch
 
 KEY = jax.random.key(0)
 ENGINES = ("gspmd", "shard_map")
@@ -68,8 +66,9 @@ def _models():
 
 
 def _run(model, *, stage, engine, steps, batch, tx=None, mesh=None, loss_fn=None):
-    trainer = zj.Trainer(model, tx or optax.adam(1e-2), stage=stage, engine=engine,
-                         mesh=mesh or zj.make_mesh(fsdp=8), loss_fn=loss_fn)
+    trainer = zj.Trainer(
+        model, tx or optax.adam(1e-2), stage=stage, engine=engine, mesh=mesh or zj.make_mesh(fsdp=8), loss_fn=loss_fn
+    )
     state = trainer.init(KEY, batch)
     losses = []
     for _ in range(steps):
@@ -79,14 +78,21 @@ def _run(model, *, stage, engine, steps, batch, tx=None, mesh=None, loss_fn=None
 
 
 # One model per engine in the default suite, the other pair under -m slow.
-_PAIRS = [("nnx", "shard_map"), ("linen", "gspmd"),
-          pytest.param("nnx", "gspmd", marks=pytest.mark.slow), pytest.param("linen", "shard_map", marks=pytest.mark.slow)]
+_PAIRS = [
+    ("nnx", "shard_map"),
+    ("linen", "gspmd"),
+    pytest.param("nnx", "gspmd", marks=pytest.mark.slow),
+    pytest.param("linen", "shard_map", marks=pytest.mark.slow),
+]
 
 
 # Stage 1 (stage 2 without the in-loop scatter) under -m slow, with the other engine of each model.
-@pytest.mark.parametrize("kind,engine,stages", [(*p, (2, 3)) for p in _PAIRS[:2]] + [
-    pytest.param(*p, (1,), marks=pytest.mark.slow) for p in _PAIRS[:2]] + [
-    pytest.param(*p.values, (1, 2, 3), marks=pytest.mark.slow) for p in _PAIRS[2:]])
+@pytest.mark.parametrize(
+    "kind,engine,stages",
+    [(*p, (2, 3)) for p in _PAIRS[:2]]
+    + [pytest.param(*p, (1,), marks=pytest.mark.slow) for p in _PAIRS[:2]]
+    + [pytest.param(*p.values, (1, 2, 3), marks=pytest.mark.slow) for p in _PAIRS[2:]],
+)
 def test_dropout_and_batchnorm_train_with_the_same_losses_at_every_stage(kind, engine, stages):
     batch = classification_batch(0)
     model = _models()[kind]
@@ -101,8 +107,7 @@ def test_dropout_and_batchnorm_train_with_the_same_losses_at_every_stage(kind, e
 @pytest.mark.parametrize("kind,engine", _PAIRS)
 def test_dropout_is_active_in_training_and_off_in_evaluation(kind, engine):
     batch = classification_batch(0)
-    trainer, state, losses = _run(_models()[kind], stage=3, engine=engine, steps=4, batch=batch,
-                                  tx=optax.sgd(0.0))
+    trainer, state, losses = _run(_models()[kind], stage=3, engine=engine, steps=4, batch=batch, tx=optax.sgd(0.0))
     assert len(set(losses)) == len(losses), losses  # lr 0: only the masks (and BatchNorm) change the loss
     first, second = float(trainer.evaluate(state, batch)), float(trainer.evaluate(state, batch))
     assert first == second
@@ -115,21 +120,25 @@ def bn_one_device_losses():
     return _run(_bn_net, stage=0, engine="gspmd", steps=3, batch=classification_batch(0), mesh=one)[2]
 
 
-@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow),
-                                   3])
+@pytest.mark.parametrize(
+    "stage", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3]
+)
 def test_batchnorm_statistics_are_over_the_global_batch(stage, bn_one_device_losses):
     """No dropout: both engines at each stage on 8 devices give 1 device's losses."""
     for engine in ENGINES:
         _, _, losses = _run(_bn_net, stage=stage, engine=engine, steps=3, batch=classification_batch(0))
-        np.testing.assert_allclose(losses, bn_one_device_losses, rtol=1e-5, atol=1e-5,
-                                   err_msg=f"{engine} stage {stage}")
+        np.testing.assert_allclose(
+            losses, bn_one_device_losses, rtol=1e-5, atol=1e-5, err_msg=f"{engine} stage {stage}"
+        )
 
 
 def test_gspmd_dropout_masks_do_not_depend_on_the_device_count():
     """gspmd draws over the global batch (threefry partitionable): 1 and 8 devices agree with dropout
     on; shard_map draws per device, so its masks depend on the device count (documented)."""
     batch = classification_batch(0)
-    _, _, one = _run(DropNet, stage=0, engine="gspmd", steps=3, batch=batch, mesh=zj.make_mesh(devices=jax.devices()[:1]))
+    _, _, one = _run(
+        DropNet, stage=0, engine="gspmd", steps=3, batch=batch, mesh=zj.make_mesh(devices=jax.devices()[:1])
+    )
     _, _, eight = _run(DropNet, stage=3, engine="gspmd", steps=3, batch=batch)
     np.testing.assert_allclose(eight, one, rtol=1e-5, atol=1e-5)
 
@@ -167,8 +176,9 @@ def test_batchnorm_statistics_checkpoint_reshard_and_export(tmp_path):
     _, again = _run_on(trainer, restored, batch, 3)
     assert again == after  # dropout keys come from (seed, step): the resumed run is bit-exact
 
-    other = zj.Trainer(DropNet, optax.adam(1e-2), stage=1, engine="shard_map", mesh=zj.make_mesh(fsdp=4,
-                                                                                                  devices=jax.devices()[:4]))
+    other = zj.Trainer(
+        DropNet, optax.adam(1e-2), stage=1, engine="shard_map", mesh=zj.make_mesh(fsdp=4, devices=jax.devices()[:4])
+    )
     moved, _ = restore(other, step_dir, KEY, batch)
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, moved.model_state), saved["model_state"])
 
@@ -178,8 +188,10 @@ def test_batchnorm_statistics_checkpoint_reshard_and_export(tmp_path):
         assert "batch_stats/blocks/0/bn/mean" in npz.files
         np.testing.assert_array_equal(npz["batch_stats/bn/var"], saved["model_state"]["batch_stats"]["bn"]["var"])
     assert "batch_stats" not in load_params(str(tmp_path / "params.npz"))
-    np.testing.assert_array_equal(load_model_state(str(tmp_path / "params.npz"))["batch_stats"]["bn"]["mean"],
-                                  saved["model_state"]["batch_stats"]["bn"]["mean"])
+    np.testing.assert_array_equal(
+        load_model_state(str(tmp_path / "params.npz"))["batch_stats"]["bn"]["mean"],
+        saved["model_state"]["batch_stats"]["bn"]["mean"],
+    )
 
 
 def _run_on(trainer, state, batch, steps):
@@ -207,8 +219,9 @@ def test_masked_mean_loss_is_exact_in_both_engines():
     runs = {}
     for engine in ENGINES:
         for stage in (0, 3):
-            _, _, runs[engine, stage] = _run(UnevenMLP, stage=stage, engine=engine, steps=5, batch=batch,
-                                             loss_fn=_masked_ce)
+            _, _, runs[engine, stage] = _run(
+                UnevenMLP, stage=stage, engine=engine, steps=5, batch=batch, loss_fn=_masked_ce
+            )
             assert abs(runs[engine, stage][0] - want) < 1e-5, (engine, stage, runs[engine, stage][0], want)
     for key, losses in runs.items():
         np.testing.assert_allclose(losses, runs["gspmd", 0], rtol=1e-5, atol=1e-5, err_msg=str(key))
@@ -234,8 +247,15 @@ OPTIMIZERS = {
 }
 
 
-@pytest.mark.parametrize("name", ["adafactor", "adamw", pytest.param("sgd", marks=pytest.mark.slow),
-                                  pytest.param("momentum", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "adafactor",
+        "adamw",
+        pytest.param("sgd", marks=pytest.mark.slow),
+        pytest.param("momentum", marks=pytest.mark.slow),
+    ],
+)
 def test_optimizers_are_exact_on_padded_leaves(name):
     batch = classification_batch(0)
     assert pads_exactly(OPTIMIZERS[name]()) == (name != "adafactor")
@@ -255,13 +275,19 @@ class NoisyMLP(nnx.Module):
         self.mlp = UnevenMLP(rngs)
 
     def __call__(self, x):
-        x = x + 0.1 * jax.random.normal(self.rngs.noise(), x.shape) + 0.01 * jax.random.normal(self.rngs.params(), x.shape)
+        x = (
+            x
+            + 0.1 * jax.random.normal(self.rngs.noise(), x.shape)
+            + 0.01 * jax.random.normal(self.rngs.params(), x.shape)
+        )
         return self.mlp(x)
 
 
 def test_user_named_nnx_streams_are_keyed_per_step_and_equal_across_stages():
     batch = classification_batch(0)
-    runs = {stage: _run(NoisyMLP, stage=stage, engine="shard_map", steps=3, batch=batch, tx=optax.sgd(0.0))[2]
-            for stage in (0, 3)}
+    runs = {
+        stage: _run(NoisyMLP, stage=stage, engine="shard_map", steps=3, batch=batch, tx=optax.sgd(0.0))[2]
+        for stage in (0, 3)
+    }
     assert len(set(runs[0])) == 3  # new noise every step
     np.testing.assert_allclose(runs[3], runs[0], rtol=1e-5, atol=1e-5)

@@ -76,8 +76,10 @@ def test_offload_on_cpu_is_a_clear_error():
         jax.grad(functools.partial(_loss, graphdef))(params, jnp.zeros((2, 16), jnp.int32))
 
 
-_PLACED = re.compile(r"annotate_device_placement.*_xla_buffer_placement = \"pinned_host\".*"
-                     r"-> tensor<([0-9x]+)x(f32|bf16)>")
+_PLACED = re.compile(
+    r"annotate_device_placement.*_xla_buffer_placement = \"pinned_host\".*"
+    r"-> tensor<([0-9x]+)x(f32|bf16)>"
+)
 
 
 def test_offload_places_the_saved_activations_in_host_memory(monkeypatch):
@@ -89,16 +91,18 @@ def test_offload_places_the_saved_activations_in_host_memory(monkeypatch):
     batch, seq = 4, 64
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     exported = jax.export.export(jax.jit(jax.grad(functools.partial(_loss, graphdef))), platforms=["cuda"])(
-        params, tokens)
+        params, tokens
+    )
     placed = _PLACED.findall(exported.mlir_module())
     assert placed, "no activation was placed in host memory"
     # One scanned layer body carries the annotations; the scan stacks them over the layers.
-    per_layer = sum(int(np.prod([int(d) for d in shape.split("x")])) * (4 if dt == "f32" else 2)
-                    for shape, dt in placed)
+    per_layer = sum(
+        int(np.prod([int(d) for d in shape.split("x")])) * (4 if dt == "f32" else 2) for shape, dt in placed
+    )
     assert per_layer * cfg.n_layers == host_activation_bytes_gpt(
-        cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_ff, seq, batch, 4, "offload")
+        cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_ff, seq, batch, 4, "offload"
+    )
     # and none of them without offload
     graphdef, params = _split(gpt_config("tiny", remat="dots"))
-    plain = jax.export.export(jax.jit(jax.grad(functools.partial(_loss, graphdef))), platforms=["cuda"])(
-        params, tokens)
+    plain = jax.export.export(jax.jit(jax.grad(functools.partial(_loss, graphdef))), platforms=["cuda"])(params, tokens)
     assert "pinned_host" not in plain.mlir_module()

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.cli_helpers import RECORDS_POLL_S, dir_digest, read_records, wait_for
 from zerojax import cli
 from zerojax.checkpoint import complete_steps, restore
 from zerojax.config import load_config
@@ -22,7 +23,6 @@ from zerojax.engines.common import cross_entropy
 from zerojax.errors import UserError
 from zerojax.experiment import build_experiment
 from zerojax.run import fit
-from tests.cli_helpers import RECORDS_POLL_S, dir_digest, read_records, wait_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "tiny.yaml")
@@ -49,8 +49,13 @@ def _train_cmd(out, *sets) -> list[str]:
 def env(tmp_path_factory) -> dict:
     """Each subprocess compiles the same step: a shared disk cache makes all but the first cheap."""
     cache = tmp_path_factory.mktemp("xla_cache")
-    return {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "PYTHONPATH": REPO, "COLUMNS": "200"}
+    return {
+        **os.environ,
+        "JAX_COMPILATION_CACHE_DIR": str(cache),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "PYTHONPATH": REPO,
+        "COLUMNS": "200",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -163,11 +168,26 @@ def test_bad_checkpoints_exit_2_with_one_line_and_change_nothing(reference, env,
     for f in data.iterdir():
         f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     before = dir_digest(run)
-    done = subprocess.run([sys.executable, "-m", "zerojax.cli", "export", str(run / "checkpoints" / str(STEPS - 2)),
-                           str(tmp_path / "p.npz")], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zerojax.cli",
+            "export",
+            str(run / "checkpoints" / str(STEPS - 2)),
+            str(tmp_path / "p.npz"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr.splitlines() == [f"error: checkpoint {str(run / 'checkpoints' / str(STEPS - 2))!r} is "
-                                        "corrupted or truncated: its parameters cannot be read."]
+    assert done.stderr.splitlines() == [
+        f"error: checkpoint {str(run / 'checkpoints' / str(STEPS - 2))!r} is "
+        "corrupted or truncated: its parameters cannot be read."
+    ]
     assert dir_digest(run) == before and not (tmp_path / "p.npz").exists()
 
 
@@ -212,8 +232,14 @@ class _Poisoned:
 
 
 def _experiment(bad: set[int], *sets: str):
-    base = ["zero.stage=0", "train.steps=6", "checkpoint.every=2", "checkpoint.keep=3", "data.max_bytes=200000",
-            "train.eval_batches=1"]
+    base = [
+        "zero.stage=0",
+        "train.steps=6",
+        "checkpoint.every=2",
+        "checkpoint.keep=3",
+        "data.max_bytes=200000",
+        "train.eval_batches=1",
+    ]
     exp = build_experiment(load_config(CONFIG, base + list(sets)))
     exp.trainer.loss_fn = _poisonable_loss
     exp.train_data = _Poisoned(exp.train_data, bad)
@@ -229,8 +255,12 @@ def test_fit_resume_at_stage_0_is_bit_exact_and_a_nan_batch_is_skipped(compile_c
     assert rec[2]["loss"] is None and all(np.isfinite(r["loss"]) for i, r in enumerate(rec) if i != 2)
 
     # The bad step kept params and optimizer state bit for bit and still advanced the step.
-    state, _ = restore(exp.trainer, str(a / "checkpoints" / "2"), jax.random.key(0),
-                       exp.train_data.global_batch(2, exp.trainer.batch_sharding))
+    state, _ = restore(
+        exp.trainer,
+        str(a / "checkpoints" / "2"),
+        jax.random.key(0),
+        exp.train_data.global_batch(2, exp.trainer.batch_sharding),
+    )
     kept = jax.tree.map(np.asarray, {k: getattr(state, k) for k in ("params", "opt_state")})
     after, metrics = exp.trainer.step(state, exp.train_data.global_batch(2, exp.trainer.batch_sharding))
     assert int(metrics["bad_step"]) == 1 and int(after.step) == 3
@@ -250,8 +280,11 @@ def test_fit_resume_at_stage_0_is_bit_exact_and_a_nan_batch_is_skipped(compile_c
 
 def test_max_bad_steps_stops_the_run_and_keeps_the_last_good_checkpoint(compile_cache, tmp_path):
     exp = _experiment({4, 5}, "train.steps=8", "train.max_bad_steps=2")
-    with pytest.raises(UserError, match=r"training stopped at step 6: 2 consecutive steps had a non-finite loss, "
-                                        r"gradient norm or update \(train.max_bad_steps=2\); the last good checkpoint is step 4"):
+    with pytest.raises(
+        UserError,
+        match=r"training stopped at step 6: 2 consecutive steps had a non-finite loss, "
+        r"gradient norm or update \(train.max_bad_steps=2\); the last good checkpoint is step 4",
+    ):
         fit(exp, str(tmp_path))
     assert complete_steps(str(tmp_path / "checkpoints")) == [2, 4]
     assert [r["bad_step"] for r in _records(tmp_path)] == [0, 0, 0, 0, 1, 1]

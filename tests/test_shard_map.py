@@ -16,12 +16,13 @@ import pytest
 from flax import nnx
 
 import zerojax as zj
-from tests.programs import KEY, lower_abstract
 from tests.models import LinenMLP, UnevenMLP, classification_batch, tiny_gpt, token_batch
+from tests.programs import KEY, lower_abstract
 from zerojax.accounting.analytic import peak_bytes
 from zerojax.accounting.hlo import collective_bytes, compile_partitioned, partitioned_hlo_text
 from zerojax.models import GPT, gpt_config
 from zerojax.wrap import WrapRule, as_rule, choose_units
+
 
 class _Block(nnx.Module):
     def __init__(self, rngs: nnx.Rngs):
@@ -59,11 +60,18 @@ EXTRA_MODELS = {"nested_nnx": (_Nested, lambda step: classification_batch(0))}
 
 
 def _trainer(model, stage, engine, mesh, precision="fp32", **options):
-    return zj.Trainer(model, optax.adamw(3e-3), mesh=mesh, stage=stage, engine=engine, precision=precision,
-                      engine_options=options or None)
+    return zj.Trainer(
+        model,
+        optax.adamw(3e-3),
+        mesh=mesh,
+        stage=stage,
+        engine=engine,
+        precision=precision,
+        engine_options=options or None,
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _run(name, engine, stage, data=1, **options):
     """(losses over STEPS steps, gather report) for one model / engine / stage / mesh."""
     model, batches = {**MODELS, **EXTRA_MODELS}[name]
@@ -92,13 +100,16 @@ def test_matches_gspmd_at_the_same_stage(name, stage):
     np.testing.assert_allclose(_run(name, "shard_map", stage)[0], _run(name, "gspmd", stage)[0], rtol=RTOL, atol=0)
 
 
-@pytest.mark.parametrize("name, stage, route, text", [
-    ("gpt", 3, "layers", "per layer: 'blocks'"),
-    ("gpt", 2, "layers", "per layer: 'blocks'"),
-    ("uneven_nnx", 3, "units", "FSDP units: 2 x Linear"),
-    ("linen", 2, "units", "FSDP units: 3 x Dense"),
-    ("linen", 1, "replicated", "stage 1"),
-])
+@pytest.mark.parametrize(
+    "name, stage, route, text",
+    [
+        ("gpt", 3, "layers", "per layer: 'blocks'"),
+        ("gpt", 2, "layers", "per layer: 'blocks'"),
+        ("uneven_nnx", 3, "units", "FSDP units: 2 x Linear"),
+        ("linen", 2, "units", "FSDP units: 3 x Dense"),
+        ("linen", 1, "replicated", "stage 1"),
+    ],
+)
 def test_report_says_how_params_were_gathered(name, stage, route, text):
     report = _run(name, "shard_map", stage)[1]
     assert report.route == route and report.description.startswith(text)
@@ -146,11 +157,20 @@ def test_prefetch_trains_the_same():
 
 def test_auto_wrap_rule_picks_outermost_repeated_classes():
     class Block: ...
+
     class Linear: ...
+
     class Norm: ...
-    modules = [(("blocks", "0"), Block, 4), (("blocks", "0", "fc"), Linear, 2), (("blocks", "1"), Block, 4),
-               (("blocks", "1", "fc"), Linear, 2), (("head",), Linear, 2), (("norm",), Norm, 1),
-               (("dropout",), Norm, 0)]
+
+    modules = [
+        (("blocks", "0"), Block, 4),
+        (("blocks", "0", "fc"), Linear, 2),
+        (("blocks", "1"), Block, 4),
+        (("blocks", "1", "fc"), Linear, 2),
+        (("head",), Linear, 2),
+        (("norm",), Norm, 1),
+        (("dropout",), Norm, 0),
+    ]
     # Block repeats; Linear repeats but the two inside blocks are covered; the head is its own unit.
     assert choose_units(modules, as_rule("auto")) == [("blocks", "0"), ("blocks", "1"), ("head",)]
     assert choose_units(modules, WrapRule((Norm,))) == [("norm",)]  # no params: never a unit
@@ -166,8 +186,12 @@ def _hlo_and_memory(trainer, batch):
     compiled, hlo = compile_partitioned(lower_abstract(trainer, batch), tempfile.mkdtemp(prefix="zerojax-hlo-"))
     m = compiled.memory_analysis()
     peak = peak_bytes(m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes, m.temp_size_in_bytes)
-    return {"traffic": collective_bytes(hlo), "cpu_traffic": collective_bytes(compiled.as_text()),
-            "peak": peak, "temp": m.temp_size_in_bytes}
+    return {
+        "traffic": collective_bytes(hlo),
+        "cpu_traffic": collective_bytes(compiled.as_text()),
+        "peak": peak,
+        "temp": m.temp_size_in_bytes,
+    }
 
 
 class _Measured(dict):
@@ -193,8 +217,10 @@ def _unit(bytes_per_element=2, p=8) -> float:
 
 # Stage 0 (checked on the tiny GPT by test_measure's all-reduce test) and stage 1 (whose shard_map
 # program the tests below compile too) under -m slow.
-@pytest.mark.parametrize("stage, units", [pytest.param(0, 2.0, marks=pytest.mark.slow),
-                                          pytest.param(1, 2.0, marks=pytest.mark.slow), (2, 2.0), (3, 3.0)])
+@pytest.mark.parametrize(
+    "stage, units",
+    [pytest.param(0, 2.0, marks=pytest.mark.slow), pytest.param(1, 2.0, marks=pytest.mark.slow), (2, 2.0), (3, 3.0)],
+)
 def test_traffic_is_textbook_and_never_above_gspmd(measured, stage, units):
     ours = measured["shard_map", stage]["traffic"]
     assert ours["unknown_trip_counts"] == 0
@@ -243,8 +269,9 @@ def test_stage_2_peak_below_stage_1_by_half_a_gradient(measured):
 def test_reduce_dtype_fp32_doubles_only_the_gradient_bytes():
     mesh = zj.make_mesh(fsdp=8)
     model, batches = MODELS["gpt"]
-    trainer = zj.Trainer(model, optax.adamw(1e-3), mesh=mesh, stage=3, engine="shard_map", precision="bf16",
-                         reduce_dtype="fp32")
+    trainer = zj.Trainer(
+        model, optax.adamw(1e-3), mesh=mesh, stage=3, engine="shard_map", precision="bf16", reduce_dtype="fp32"
+    )
     hlo = partitioned_hlo_text(lower_abstract(trainer, batches(0)), tempfile.mkdtemp(prefix="zerojax-hlo-"))
     traffic = collective_bytes(hlo)["bytes"]
     params = sum(x.size for x in jax.tree.leaves(trainer.prepare(KEY, batches(0)).abstract.params))
@@ -253,24 +280,24 @@ def test_reduce_dtype_fp32_doubles_only_the_gradient_bytes():
     assert traffic["all-gather"] / (2 * unit) < 2.0  # bf16 weights (at most twice per leaf)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tiny_stage_3_hlo(engine: str) -> str:
     """The compiled stage-3 step (tiny GPT, bf16, AdamW, fsdp=8) as text."""
     model, _ = tiny_gpt()
-    trainer = zj.Trainer(model, optax.adamw(1e-3), mesh=zj.make_mesh(fsdp=8), stage=3, engine=engine,
-                         precision="bf16")
+    trainer = zj.Trainer(model, optax.adamw(1e-3), mesh=zj.make_mesh(fsdp=8), stage=3, engine=engine, precision="bf16")
     return lower_abstract(trainer, token_batch(0)).compile().as_text()
 
 
 def _state_copies(hlo_text: str) -> list[str]:
     """The entry computation's copies of its array arguments (the state it updates in place)."""
-    entry = hlo_text[hlo_text.index("\nENTRY"):]
-    signature = entry[:entry.index(") -> ")]
+    entry = hlo_text[hlo_text.index("\nENTRY") :]
+    signature = entry[: entry.index(") -> ")]
     arrays = {name for name, shape in re.findall(r"%?([\w.]+): (\w+\[[^\]]*\])", signature) if shape[-2:] != "[]"}
     # a plain copy, or a fusion wrapping one alone
     copies = r" copy\(%?([\w.]+)\)| fusion\(%?([\w.]+)\), kind=\w+, calls=%?wrapped_copy"
-    return [line for line in entry.splitlines()
-            if (m := re.search(copies, line)) and (m.group(1) or m.group(2)) in arrays]
+    return [
+        line for line in entry.splitlines() if (m := re.search(copies, line)) and (m.group(1) or m.group(2)) in arrays
+    ]
 
 
 @pytest.mark.parametrize("engine", ["shard_map", "gspmd"])
@@ -284,8 +311,12 @@ def test_update_writes_the_state_in_place(engine):
 
 def _dot_forms(hlo_text: str) -> set[tuple[str, str]]:
     """(lhs contracting dims, rhs contracting dims) of every dot of a compiled program's layer loops."""
-    return {m for line in hlo_text.splitlines() if "/while/" in line
-            for m in re.findall(r" dot\(.*lhs_contracting_dims=\{([\d,]*)\}, rhs_contracting_dims=\{([\d,]*)\}", line)}
+    return {
+        m
+        for line in hlo_text.splitlines()
+        if "/while/" in line
+        for m in re.findall(r" dot\(.*lhs_contracting_dims=\{([\d,]*)\}, rhs_contracting_dims=\{([\d,]*)\}", line)
+    }
 
 
 def test_weight_gradient_dots_keep_gspmds_forms():

@@ -48,8 +48,10 @@ class Nested(nnx.Module):
 
     def __init__(self, rngs: nnx.Rngs, width: int = 32, **block_kwargs):
         self.inp = nnx.Linear(width, width, rngs=rngs)
-        self.trunk = nnx.Dict(first=zj.Stacked(Block, 3, width, rngs=rngs, **block_kwargs),
-                              second=zj.Stacked(Block, 2, width, rngs=rngs, **block_kwargs))
+        self.trunk = nnx.Dict(
+            first=zj.Stacked(Block, 3, width, rngs=rngs, **block_kwargs),
+            second=zj.Stacked(Block, 2, width, rngs=rngs, **block_kwargs),
+        )
         self.out = nnx.Linear(width, 10, rngs=rngs)
 
     def __call__(self, x):
@@ -58,13 +60,22 @@ class Nested(nnx.Module):
 
 def _batch(width: int, seed: int = 0, rows: int = ROWS) -> dict:
     rng = np.random.default_rng(seed)
-    return {"inputs": rng.normal(size=(rows, width)).astype(np.float32),
-            "targets": rng.integers(0, 10, size=(rows,)).astype(np.int32)}
+    return {
+        "inputs": rng.normal(size=(rows, width)).astype(np.float32),
+        "targets": rng.integers(0, 10, size=(rows,)).astype(np.int32),
+    }
 
 
 def _trainer(model, stage, engine, optimizer=None, **kwargs):
-    return zj.Trainer(model, optimizer or optax.sgd(1e-2), mesh=zj.make_mesh(fsdp=DEVICES), stage=stage,
-                      engine=engine, precision="fp32", **kwargs)
+    return zj.Trainer(
+        model,
+        optimizer or optax.sgd(1e-2),
+        mesh=zj.make_mesh(fsdp=DEVICES),
+        stage=stage,
+        engine=engine,
+        precision="fp32",
+        **kwargs,
+    )
 
 
 def _losses(trainer, width, steps=3, params=None, rows=ROWS):
@@ -76,7 +87,7 @@ def _losses(trainer, width, steps=3, params=None, rows=ROWS):
     return np.array(out), state
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(name: str):
     """Stage-0 losses (gspmd, AdamW) of the models below, computed once."""
     model, rows = {"nested": (Nested, 16)}[name]
@@ -97,13 +108,16 @@ def test_stack_leaves_keep_the_layer_axis_whole():
     assert leaves["inp/kernel"].axis == 0
 
 
-@pytest.mark.parametrize("engine,options,stage", [
-    ("shard_map", {"prefetch": True}, 3),
-    ("gspmd", {}, 3),
-    pytest.param("shard_map", {}, 3, marks=pytest.mark.slow),
-    pytest.param("shard_map", {}, 2, marks=pytest.mark.slow),
-    pytest.param("gspmd", {}, 2, marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "engine,options,stage",
+    [
+        ("shard_map", {"prefetch": True}, 3),
+        ("gspmd", {}, 3),
+        pytest.param("shard_map", {}, 3, marks=pytest.mark.slow),
+        pytest.param("shard_map", {}, 2, marks=pytest.mark.slow),
+        pytest.param("gspmd", {}, 2, marks=pytest.mark.slow),
+    ],
+)
 def test_trains_like_stage_0_one_layer_at_a_time(engine, options, stage):
     """Two nested stacks (the second given an extra argument), fp32: losses equal stage 0's within 1e-5."""
     trainer = _trainer(Nested, stage, engine, optax.adamw(3e-3), engine_options=options, replicate_below_bytes=0)
@@ -146,8 +160,11 @@ def test_trains_like_the_unrolled_list_at_stage_3(engine):
     width, depth = 32, 4
     params = functional(_stacked(width, depth)).init(jax.random.key(1), None)[0]
     stacked, _ = _losses(_trainer(_stacked(width, depth), 3, engine, optax.adamw(3e-3)), width, params=params)
-    plain, _ = _losses(_trainer(unrolled_blocks(width, depth), 3, engine, optax.adamw(3e-3)), width,
-                       params=_unrolled_params(params, depth))
+    plain, _ = _losses(
+        _trainer(unrolled_blocks(width, depth), 3, engine, optax.adamw(3e-3)),
+        width,
+        params=_unrolled_params(params, depth),
+    )
     np.testing.assert_allclose(stacked, plain, rtol=1e-5, atol=0)
 
 
@@ -173,7 +190,7 @@ def test_each_layer_draws_its_own_dropout_mask():
     params, model_state, static = fm.init(jax.random.key(0), None)
     out, _ = fm.apply(params, model_state, static, jnp.ones((64, 64)), rng=jax.random.key(3), train=True)
     kept = float(jnp.mean(out != 0))
-    assert abs(kept - 0.5 ** 4) < 0.03, kept  # one shared mask would keep half
+    assert abs(kept - 0.5**4) < 0.03, kept  # one shared mask would keep half
     again, _ = fm.apply(params, model_state, static, jnp.ones((64, 64)), rng=jax.random.key(4), train=True)
     assert not np.array_equal(np.asarray(out), np.asarray(again))  # masks follow the step's key
     evaluated, _ = fm.apply(params, model_state, static, jnp.ones((64, 64)), train=False)
@@ -194,8 +211,9 @@ def test_batch_norm_statistics_are_per_layer():
     fm = functional(lambda rngs: Nested(rngs, norm=True))
     params, model_state, static = fm.init(jax.random.key(0), None)
     assert model_state["batch_stats"]["trunk"]["first"]["layers"]["norm"]["mean"].shape == (3, 32)
-    _, updated = jax.jit(lambda p, m, x: fm.apply(p, m, static, x, train=True))(params, model_state,
-                                                                                 _batch(32)["inputs"])
+    _, updated = jax.jit(lambda p, m, x: fm.apply(p, m, static, x, train=True))(
+        params, model_state, _batch(32)["inputs"]
+    )
     mean = updated["batch_stats"]["trunk"]["first"]["layers"]["norm"]["mean"]
     assert not np.allclose(mean, 0) and not np.allclose(mean[0], mean[1])  # each layer its own statistics
     _, kept = jax.jit(lambda p, m, x: fm.apply(p, m, static, x, train=False))(params, updated, _batch(32)["inputs"])
@@ -213,8 +231,9 @@ def test_batch_norm_in_blocks_updates_each_layer(engine):
     np.testing.assert_allclose(losses, reference, rtol=1e-5, atol=0)
     mean = state.model_state["batch_stats"]["trunk"]["first"]["layers"]["norm"]["mean"]
     assert mean.shape == (3, 32) and not np.allclose(mean[0], mean[1])  # each layer its own statistics
-    np.testing.assert_allclose(mean, ref_state.model_state["batch_stats"]["trunk"]["first"]["layers"]["norm"]["mean"],
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        mean, ref_state.model_state["batch_stats"]["trunk"]["first"]["layers"]["norm"]["mean"], rtol=1e-5, atol=1e-6
+    )
 
 
 def test_bad_arguments_are_user_errors():
@@ -230,7 +249,7 @@ def test_bad_arguments_are_user_errors():
 # ---- compiled: temp memory flat in depth, textbook traffic ------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(width, depth, stage, engine):
     trainer = _trainer(_stacked(width, depth), stage, engine)
     batch = _batch(width)

@@ -56,8 +56,9 @@ def test_optimizer_moments_follow_params_and_counters_replicate():
     shapes = {"w": jax.ShapeDtypeStruct((37, 129), jnp.float32), "b": jax.ShapeDtypeStruct((64,), jnp.float32)}
     layout = make_layout(mesh, get_stage(1), get_precision("fp32"), shapes)
     tx = optax.adam(1e-3)
-    opt_shapes = jax.eval_shape(tx.init, {k: jax.ShapeDtypeStruct(v, jnp.float32)
-                                         for k, v in layout.shapes(True).items()})
+    opt_shapes = jax.eval_shape(
+        tx.init, {k: jax.ShapeDtypeStruct(v, jnp.float32) for k, v in layout.shapes(True).items()}
+    )
     shardings = layout.opt_state_shardings(tx, opt_shapes)
     adam = shardings[0]
     assert adam.mu["w"].spec == jax.sharding.PartitionSpec(None, "fsdp")

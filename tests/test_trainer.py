@@ -43,8 +43,9 @@ def test_model_init_is_traced_once_per_preparation():
         trainer.step(abstract, batch)
     state = trainer.init(jax.random.key(0), batch)
     assert len(traced) == 2  # the real init, inside jit; the preparation is reused
-    assert jax.tree.map(lambda a: (a.shape, a.dtype, a.sharding), abstract) == \
-        jax.tree.map(lambda a: (a.shape, a.dtype, a.sharding), state.replace(compute=None))
+    assert jax.tree.map(lambda a: (a.shape, a.dtype, a.sharding), abstract) == jax.tree.map(
+        lambda a: (a.shape, a.dtype, a.sharding), state.replace(compute=None)
+    )
 
 
 def test_step_refuses_other_shapes_instead_of_retracing():
@@ -60,15 +61,18 @@ def test_options_an_engine_does_not_support_are_refused():
 
     engines.register("plain", lambda *a, **k: None, supports=("wrap",))
     try:
-        with pytest.raises(zj.UserError, match="plain engine does not support the option prefetch=True; "
-                                               "engines that do: gspmd, shard_map"):
+        with pytest.raises(
+            zj.UserError,
+            match="plain engine does not support the option prefetch=True; engines that do: gspmd, shard_map",
+        ):
             _trainer(engine="plain", engine_options={"prefetch": True})
     finally:
         del engines._REGISTRY["plain"]
     gpt, _ = tiny_gpt()
     with pytest.raises(zj.UserError, match="gspmd engine prefetches FSDP units only.*shard_map"):
-        _trainer(gpt, engine="gspmd", stage=3, engine_options={"prefetch": True}).init(jax.random.key(0),
-                                                                                        token_batch(0))
+        _trainer(gpt, engine="gspmd", stage=3, engine_options={"prefetch": True}).init(
+            jax.random.key(0), token_batch(0)
+        )
     with pytest.raises(zj.UserError, match="unknown engine option 'prefech'"):
         _trainer(engine="shard_map", engine_options={"prefech": True})
     with pytest.raises(zj.UserError, match="zero.engine must be one of gspmd, shard_map"):
@@ -93,15 +97,20 @@ def _poisoned_step(checked: bool, engine: str):
     NaN): (bad_step, whether the new params are finite, the params unchanged, the next step's
     bad_step)."""
     tx = optax.chain(optax.sgd(1e-2), optax.scale(jnp.nan))
-    trainer = zj.Trainer(UnevenMLP, tx, mesh=zj.make_mesh(fsdp=8), stage=1, engine=engine,
-                         engine_options={"checked_update": checked})
+    trainer = zj.Trainer(
+        UnevenMLP, tx, mesh=zj.make_mesh(fsdp=8), stage=1, engine=engine, engine_options={"checked_update": checked}
+    )
     state = trainer.init(jax.random.key(0), classification_batch(0))
     before = [np.asarray(x) for x in jax.tree.leaves(state.params)]
     state, metrics = trainer.step(state, classification_batch(0))
     after = [np.asarray(x) for x in jax.tree.leaves(state.params)]
     _, following = trainer.step(state, classification_batch(1))
-    return (int(metrics["bad_step"]), all(np.isfinite(x).all() for x in after),
-            all((a == b).all() for a, b in zip(after, before)), int(following["bad_step"]))
+    return (
+        int(metrics["bad_step"]),
+        all(np.isfinite(x).all() for x in after),
+        all((a == b).all() for a, b in zip(after, before)),
+        int(following["bad_step"]),
+    )
 
 
 @pytest.mark.parametrize("engine", ["gspmd", "shard_map"])
@@ -134,8 +143,14 @@ def test_a_model_takes_rngs_by_keyword_or_position_as_flax_writes_it():
         return ByKeyword(rngs=rngs)
 
     shapes = []
-    for model in (ByKeyword, ByPosition, factory, functools.partial(ByKeyword, width=8),
-                  functools.partial(ByPosition, width=8), ByKeyword(rngs=nnx.Rngs(0))):
+    for model in (
+        ByKeyword,
+        ByPosition,
+        factory,
+        functools.partial(ByKeyword, width=8),
+        functools.partial(ByPosition, width=8),
+        ByKeyword(rngs=nnx.Rngs(0)),
+    ):
         params = jax.eval_shape(functional(model).init, jax.random.key(0), None)[0]
         shapes.append(jax.tree.map(lambda x: x.shape, params))
     assert all(s == {"fc": {"kernel": (4, 8), "bias": (8,)}} for s in shapes), shapes

@@ -32,17 +32,25 @@ SAVED_PER_BLOCK = {"full": 1, "dots": 2}
 
 def _batch(seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
-    return {"inputs": rng.normal(size=(ROWS, WIDTH)).astype(np.float32),
-            "targets": rng.integers(0, 10, size=(ROWS,)).astype(np.int32)}
+    return {
+        "inputs": rng.normal(size=(ROWS, WIDTH)).astype(np.float32),
+        "targets": rng.integers(0, 10, size=(ROWS,)).astype(np.int32),
+    }
 
 
 def _trainer(kind, engine, depth, remat, prefetch=False):
     model = unrolled_blocks(WIDTH, depth) if kind == "nnx" else LinenDeep(WIDTH, depth)
-    return zj.Trainer(model, optax.sgd(1e-2), mesh=zj.make_mesh(fsdp=DEVICES), stage=3, engine=engine,
-                      engine_options={"wrap": WrapRule(remat=remat), "prefetch": prefetch})
+    return zj.Trainer(
+        model,
+        optax.sgd(1e-2),
+        mesh=zj.make_mesh(fsdp=DEVICES),
+        stage=3,
+        engine=engine,
+        engine_options={"wrap": WrapRule(remat=remat), "prefetch": prefetch},
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _temp_and_step(kind, engine, depth, remat, prefetch=False):
     """(compiled temp bytes per device, the state after one step as numpy leaves)"""
     trainer = _trainer(kind, engine, depth, remat, prefetch)
@@ -53,8 +61,14 @@ def _temp_and_step(kind, engine, depth, remat, prefetch=False):
     return temp, float(metrics["loss"]), [np.asarray(x) for x in jax.tree.leaves(state.params)]
 
 
-@pytest.mark.parametrize("kind,engine", [("nnx", "shard_map")] + [
-    pytest.param(k, e, marks=pytest.mark.slow) for k, e in [("linen", "gspmd"), ("nnx", "gspmd"), ("linen", "shard_map")]])
+@pytest.mark.parametrize(
+    "kind,engine",
+    [("nnx", "shard_map")]
+    + [
+        pytest.param(k, e, marks=pytest.mark.slow)
+        for k, e in [("linen", "gspmd"), ("nnx", "gspmd"), ("linen", "shard_map")]
+    ],
+)
 def test_policies_keep_what_they_name_and_never_the_gathered_weights(kind, engine):
     temps = {r: _temp_and_step(kind, engine, DEEP, r)[0] for r in ("none", "dots", "full")}
     assert temps["none"] > temps["dots"] > temps["full"]

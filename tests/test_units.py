@@ -27,19 +27,36 @@ from flax import nnx
 import zerojax as zj
 from tests.models import classification_batch, tiny_gpt, token_batch
 from tests.programs import KEY, lower_abstract
-from tests.unit_models import (BLOCK_CLASS, DEEP, DEVICES, OPTIMIZERS, ROWS, SHALLOW, block_bytes,
-                                 unit_allowance, unit_batch, unit_model)
+from tests.unit_models import (
+    BLOCK_CLASS,
+    DEEP,
+    DEVICES,
+    OPTIMIZERS,
+    ROWS,
+    SHALLOW,
+    block_bytes,
+    unit_allowance,
+    unit_batch,
+    unit_model,
+)
 from zerojax.accounting.analytic import peak_bytes
 from zerojax.accounting.hlo import _parse, collective_bytes, compile_partitioned
 from zerojax.wrap import WrapRule
 
+
 def _trainer(width, depth, stage, engine, optimizer=None, kind="nnx", precision="fp32", prefetch=False):
-    return zj.Trainer(unit_model(kind, width, depth), optimizer or OPTIMIZERS["sgd"](), mesh=zj.make_mesh(fsdp=DEVICES),
-                      stage=stage, engine=engine, precision=precision,
-                      engine_options={"prefetch": True} if prefetch else None)
+    return zj.Trainer(
+        unit_model(kind, width, depth),
+        optimizer or OPTIMIZERS["sgd"](),
+        mesh=zj.make_mesh(fsdp=DEVICES),
+        stage=stage,
+        engine=engine,
+        precision=precision,
+        engine_options={"prefetch": True} if prefetch else None,
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(width, depth, stage, engine, kind="nnx", precision="fp32", prefetch=False, optimizer="sgd"):
     tx = OPTIMIZERS[optimizer]()
     trainer = _trainer(width, depth, stage, engine, tx, kind=kind, precision=precision, prefetch=prefetch)
@@ -48,8 +65,14 @@ def _compiled(width, depth, stage, engine, kind="nnx", precision="fp32", prefetc
     m = compiled.memory_analysis()
     peak = peak_bytes(m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes, m.temp_size_in_bytes)
     traffic = collective_bytes(hlo)
-    return {"temp": m.temp_size_in_bytes, "peak": peak, "traffic": traffic["bytes"], "counts": traffic["counts"],
-            "report": trainer.prepare(KEY, batch).report, "gathers": _gather_levels(hlo)}
+    return {
+        "temp": m.temp_size_in_bytes,
+        "peak": peak,
+        "traffic": traffic["bytes"],
+        "counts": traffic["counts"],
+        "report": trainer.prepare(KEY, batch).report,
+        "gathers": _gather_levels(hlo),
+    }
 
 
 def _grown_and_allowance(kind, engine, precision, width, optimizer="sgd", depths=(SHALLOW, DEEP)):
@@ -58,23 +81,34 @@ def _grown_and_allowance(kind, engine, precision, width, optimizer="sgd", depths
     shallow = _compiled(width, low, 3, engine, kind, precision, optimizer=optimizer)
     deep = _compiled(width, high, 3, engine, kind, precision, optimizer=optimizer)
     assert deep["report"].route == "units"
-    assert deep["report"].description.startswith(f"FSDP units: {high} x {BLOCK_CLASS[kind]}") or \
-        f", {high} x {BLOCK_CLASS[kind]}" in deep["report"].description, deep["report"].description
+    assert (
+        deep["report"].description.startswith(f"FSDP units: {high} x {BLOCK_CLASS[kind]}")
+        or f", {high} x {BLOCK_CLASS[kind]}" in deep["report"].description
+    ), deep["report"].description
     return deep["temp"] - shallow["temp"], (high - low) * unit_allowance(width, 2 if precision == "bf16" else 4)
 
 
 # (model, engine, precision, width): each model, precision and engine once in the default suite
 _DEPTH_CASES = [("nnx", "shard_map", "fp32", 256), ("nnx", "gspmd", "fp32", 256), ("linen", "shard_map", "bf16", 256)]
-_SLOW_DEPTH_CASES = [(k, e, p, w) for k in ("nnx", "linen") for e in ("shard_map", "gspmd") for p in ("fp32", "bf16")
-                     for w in (256, 512) if (k, e, p, w) not in _DEPTH_CASES]
+_SLOW_DEPTH_CASES = [
+    (k, e, p, w)
+    for k in ("nnx", "linen")
+    for e in ("shard_map", "gspmd")
+    for p in ("fp32", "bf16")
+    for w in (256, 512)
+    if (k, e, p, w) not in _DEPTH_CASES
+]
 _SLOW_DEPTH_CASES += [("linen_setup", e, "fp32", 256) for e in ("shard_map", "gspmd")]
 
 
 # The slow cases compare 4 and 8 blocks: at 2 and 4, bf16 under gspmd and Linen bf16 at width 512
 # grow by more than the allowance per block (the 2-block program's first and last units are most of
 # it), so only the three default cases, which stay within it there too, use the shallower pair.
-@pytest.mark.parametrize("kind,engine,precision,width,depths", [(*case, (SHALLOW, DEEP)) for case in _DEPTH_CASES] + [
-    pytest.param(*case, (4, 8), marks=pytest.mark.slow) for case in _SLOW_DEPTH_CASES + _DEPTH_CASES])
+@pytest.mark.parametrize(
+    "kind,engine,precision,width,depths",
+    [(*case, (SHALLOW, DEEP)) for case in _DEPTH_CASES]
+    + [pytest.param(*case, (4, 8), marks=pytest.mark.slow) for case in _SLOW_DEPTH_CASES + _DEPTH_CASES],
+)
 def test_stage_3_temp_memory_does_not_grow_with_depth(kind, engine, precision, width, depths):
     grown, allowance = _grown_and_allowance(kind, engine, precision, width, depths=depths)
     assert grown <= allowance, (grown, allowance)
@@ -90,8 +124,11 @@ def test_clipped_gradients_wait_as_shards(engine):
     assert grown <= allowance, (grown, allowance)
 
 
-@pytest.mark.parametrize("engine,precision", [("shard_map", "bf16"), ("gspmd", "fp32")] + [
-    pytest.param(*case, marks=pytest.mark.slow) for case in (("gspmd", "bf16"), ("shard_map", "fp32"))])
+@pytest.mark.parametrize(
+    "engine,precision",
+    [("shard_map", "bf16"), ("gspmd", "fp32")]
+    + [pytest.param(*case, marks=pytest.mark.slow) for case in (("gspmd", "bf16"), ("shard_map", "fp32"))],
+)
 def test_adamw_new_state_does_not_wait_beside_the_old(engine, precision):
     """AdamW's new master and moments are 12 bytes per parameter shard, 0.75 of a bf16 block per
     block: written over the old state in place, they do not wait for the verdict. The growth stays
@@ -115,8 +152,11 @@ def test_adamw_new_state_does_not_wait_beside_the_old(engine, precision):
     assert deep - shallow - added * activations <= added * new_state * share, (deep - shallow, new_state)
 
 
-@pytest.mark.parametrize("kind,engine", [("nnx", "shard_map"), ("nnx", "gspmd")] + [
-    pytest.param("linen", e, marks=pytest.mark.slow) for e in ("shard_map", "gspmd")])
+@pytest.mark.parametrize(
+    "kind,engine",
+    [("nnx", "shard_map"), ("nnx", "gspmd")]
+    + [pytest.param("linen", e, marks=pytest.mark.slow) for e in ("shard_map", "gspmd")],
+)
 def test_stage_3_peak_below_stage_2(kind, engine):
     precision = "bf16" if (kind, engine) == ("linen", "shard_map") else "fp32"  # the temp test's compiles
     for depth in (SHALLOW, DEEP):
@@ -145,14 +185,19 @@ def test_shard_map_gathers_each_unit_in_one_collective(kind, precision):
     assert _compiled(256, depth, 3, "shard_map", kind, precision)["counts"]["all-gather"] == 2 * depth + 3
 
 
-@pytest.mark.parametrize("kind,engine", [("nnx", "shard_map"), ("nnx", "gspmd"), ("linen", "gspmd")] + [
-    pytest.param(k, e, marks=pytest.mark.slow) for k, e in [("linen", "shard_map"), ("linen_setup", "shard_map"),
-                                                            ("linen_setup", "gspmd")]])
+@pytest.mark.parametrize(
+    "kind,engine",
+    [("nnx", "shard_map"), ("nnx", "gspmd"), ("linen", "gspmd")]
+    + [
+        pytest.param(k, e, marks=pytest.mark.slow)
+        for k, e in [("linen", "shard_map"), ("linen_setup", "shard_map"), ("linen_setup", "gspmd")]
+    ],
+)
 def test_units_train_like_stage_0(kind, engine):
     np.testing.assert_allclose(_losses(kind, engine, 3), _losses(kind, "gspmd", 0), rtol=1e-5, atol=0)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _losses(kind, engine, stage, prefetch=False, width=64, depth=4, steps=4):
     trainer = _trainer(width, depth, stage, engine, optax.adamw(3e-3), kind=kind, prefetch=prefetch)
     state = trainer.init(jax.random.key(0), unit_batch(width))
@@ -199,8 +244,10 @@ def _one_unit_earlier(levels, forward_dots: int):
     return sorted(moved)
 
 
-_PREFETCH_CASES = [("nnx", "shard_map")] + [pytest.param(k, e, marks=pytest.mark.slow) for k, e in
-                                              [("nnx", "gspmd"), ("linen", "shard_map"), ("linen", "gspmd")]]
+_PREFETCH_CASES = [("nnx", "shard_map")] + [
+    pytest.param(k, e, marks=pytest.mark.slow)
+    for k, e in [("nnx", "gspmd"), ("linen", "shard_map"), ("linen", "gspmd")]
+]
 
 
 @pytest.mark.parametrize("kind,engine", _PREFETCH_CASES)
@@ -220,9 +267,12 @@ def test_prefetch_gathers_one_unit_ahead(kind, engine):
 
 
 # The 8- and 16-block programs (a slow compile, unrolled) run under -m slow; 2 and 4 blocks by default.
-@pytest.mark.parametrize("kind,engine,depths", [(*case, (SHALLOW, DEEP)) for case in _PREFETCH_CASES[:1]] + [
-    pytest.param("nnx", "shard_map", (8, 16), marks=pytest.mark.slow)] + [
-    pytest.param(*case.values, (4, 8, 16), marks=pytest.mark.slow) for case in _PREFETCH_CASES[1:]])
+@pytest.mark.parametrize(
+    "kind,engine,depths",
+    [(*case, (SHALLOW, DEEP)) for case in _PREFETCH_CASES[:1]]
+    + [pytest.param("nnx", "shard_map", (8, 16), marks=pytest.mark.slow)]
+    + [pytest.param(*case.values, (4, 8, 16), marks=pytest.mark.slow) for case in _PREFETCH_CASES[1:]],
+)
 def test_prefetch_temp_growth_is_bounded(kind, engine, depths):
     """Prefetch holds about one more unit's gathered weights (the next unit's, forward and backward),
     at every depth: temp(prefetch) - temp(without) <= 1.6 blocks at 2, 4, 8 and 16 blocks. A prefetch
@@ -236,14 +286,21 @@ def test_prefetch_temp_growth_is_bounded(kind, engine, depths):
     width = 256
     block = block_bytes(width)
     for depth in depths:
-        extra = _compiled(width, depth, 3, engine, kind, prefetch=True)["temp"] - \
-            _compiled(width, depth, 3, engine, kind)["temp"]
+        extra = (
+            _compiled(width, depth, 3, engine, kind, prefetch=True)["temp"]
+            - _compiled(width, depth, 3, engine, kind)["temp"]
+        )
         assert extra <= 1.6 * block, (depth, extra / block)
 
 
-@pytest.mark.parametrize("kind,engine", [("nnx", "shard_map")] + [
-    pytest.param(k, e, marks=pytest.mark.slow) for k, e in [("nnx", "gspmd"), ("linen", "shard_map"),
-                                                            ("linen", "gspmd"), ("linen_setup", "shard_map")]])
+@pytest.mark.parametrize(
+    "kind,engine",
+    [("nnx", "shard_map")]
+    + [
+        pytest.param(k, e, marks=pytest.mark.slow)
+        for k, e in [("nnx", "gspmd"), ("linen", "shard_map"), ("linen", "gspmd"), ("linen_setup", "shard_map")]
+    ],
+)
 def test_prefetch_trains_like_without_it(kind, engine):
     prefetched = _losses(kind, engine, 3, prefetch=True)
     np.testing.assert_allclose(prefetched, _losses(kind, engine, 3), rtol=1e-5, atol=0)
@@ -275,8 +332,9 @@ def test_linen_units_with_batchnorm_and_dropout_train_like_stage_0(engine):
     batch = classification_batch(0)
     runs = {}
     for stage in (0, 3):
-        trainer = zj.Trainer(LinenStatefulNet(), optax.adam(1e-2), stage=stage, engine=engine,
-                             mesh=zj.make_mesh(fsdp=DEVICES))
+        trainer = zj.Trainer(
+            LinenStatefulNet(), optax.adam(1e-2), stage=stage, engine=engine, mesh=zj.make_mesh(fsdp=DEVICES)
+        )
         state = trainer.init(jax.random.key(0), batch)
         first_stats = None
         losses = []
@@ -289,8 +347,11 @@ def test_linen_units_with_batchnorm_and_dropout_train_like_stage_0(engine):
     np.testing.assert_allclose(runs[3][0], runs[0][0], rtol=1e-5, atol=1e-5)
     assert len(set(runs[3][0])) == 4
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), runs[3][1], runs[0][1])
-    moved = jax.tree.map(lambda a, b: not np.allclose(a, b), runs[3][1],
-                         jax.tree.map(np.asarray, runs[3][2].init(jax.random.key(0), batch).model_state))
+    moved = jax.tree.map(
+        lambda a, b: not np.allclose(a, b),
+        runs[3][1],
+        jax.tree.map(np.asarray, runs[3][2].init(jax.random.key(0), batch).model_state),
+    )
     assert all(jax.tree.leaves(moved))  # every unit's running mean and variance was updated
 
 
@@ -315,13 +376,24 @@ class LinenScaledBlock(nn.Module):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["shard_map", "gspmd"])
-@pytest.mark.parametrize("wrap,units", [("auto", "2 x Dense, 2 x LinenScaledBlock"),
-                                        (WrapRule(reshard_after_forward=False), "2 x Dense, 2 x LinenScaledBlock"),
-                                        ((LinenScaledBlock, nn.Dense), "6 x Dense, 2 x LinenScaledBlock")])
+@pytest.mark.parametrize(
+    "wrap,units",
+    [
+        ("auto", "2 x Dense, 2 x LinenScaledBlock"),
+        (WrapRule(reshard_after_forward=False), "2 x Dense, 2 x LinenScaledBlock"),
+        ((LinenScaledBlock, nn.Dense), "6 x Dense, 2 x LinenScaledBlock"),
+    ],
+)
 def test_linen_shared_and_nested_units_train_like_stage_0(engine, wrap, units):
     def run(stage):
-        trainer = zj.Trainer(LinenSharedNet(), optax.adamw(3e-3), mesh=zj.make_mesh(fsdp=DEVICES), stage=stage,
-                             engine=engine, engine_options={"wrap": wrap})
+        trainer = zj.Trainer(
+            LinenSharedNet(),
+            optax.adamw(3e-3),
+            mesh=zj.make_mesh(fsdp=DEVICES),
+            stage=stage,
+            engine=engine,
+            engine_options={"wrap": wrap},
+        )
         state = trainer.init(jax.random.key(0), unit_batch(32))
         losses = []
         for step in range(3):
@@ -349,8 +421,14 @@ def test_prefetch_with_nested_units_and_model_state_trains_like_stage_0(engine, 
         model, wrap, batch = LinenStatefulNet(), "auto", lambda i: classification_batch(0)
 
     def run(stage, prefetch):
-        trainer = zj.Trainer(model, optax.adamw(3e-3), mesh=zj.make_mesh(fsdp=DEVICES), stage=stage, engine=engine,
-                             engine_options={"wrap": wrap, "prefetch": prefetch})
+        trainer = zj.Trainer(
+            model,
+            optax.adamw(3e-3),
+            mesh=zj.make_mesh(fsdp=DEVICES),
+            stage=stage,
+            engine=engine,
+            engine_options={"wrap": wrap, "prefetch": prefetch},
+        )
         state = trainer.init(jax.random.key(0), batch(0))
         losses = []
         for step in range(3):
@@ -387,15 +465,15 @@ def test_stage_3_eval_gathers_the_parameters_once(engine):
     sharded = _sharded_bytes(trainer, 4)
     assert moved <= sharded * (DEVICES - 1) / DEVICES * 1.02 + 64  # + the scalar loss's all-reduce
     assert moved >= sharded * (DEVICES - 1) / DEVICES * 0.98
-    np.testing.assert_allclose(loss, _eval_traffic_and_loss(_trainer(width, depth, 0, "gspmd"), batch)[1],
-                               rtol=1e-5)
+    np.testing.assert_allclose(loss, _eval_traffic_and_loss(_trainer(width, depth, 0, "gspmd"), batch)[1], rtol=1e-5)
 
 
 def test_gpt_stage_3_bf16_eval_gathers_each_layer_once():
     """The shipped GPT's eval moved 1.5x the whole train step's bytes before it went through the engine."""
     model, _ = tiny_gpt()
-    trainer = zj.Trainer(model, optax.adamw(1e-3), mesh=zj.make_mesh(fsdp=DEVICES), stage=3, engine="shard_map",
-                         precision="bf16")
+    trainer = zj.Trainer(
+        model, optax.adamw(1e-3), mesh=zj.make_mesh(fsdp=DEVICES), stage=3, engine="shard_map", precision="bf16"
+    )
     moved, loss, trainer = _eval_traffic_and_loss(trainer, token_batch(0))
     assert moved <= _sharded_bytes(trainer, 2) * (DEVICES - 1) / DEVICES * 1.02 + 64
     assert np.isfinite(loss)

@@ -20,10 +20,26 @@ from zerojax.sources import ArraySource, IterableSource, global_batch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 8
-TARGETS = ["--set", "model.target=tests.user_code:MLP", "--set", "data.target=tests.user_code:blobs",
-           "--set", "data.eval_kwargs={}", "--set", "train.batch_size=16", "--set", "precision=fp32",
-           "--set", "optimizer.warmup_steps=0", "--set", "checkpoint.every=2", "--set", "checkpoint.keep=3",
-           "--set", "train.eval_batches=1"]
+TARGETS = [
+    "--set",
+    "model.target=tests.user_code:MLP",
+    "--set",
+    "data.target=tests.user_code:blobs",
+    "--set",
+    "data.eval_kwargs={}",
+    "--set",
+    "train.batch_size=16",
+    "--set",
+    "precision=fp32",
+    "--set",
+    "optimizer.warmup_steps=0",
+    "--set",
+    "checkpoint.every=2",
+    "--set",
+    "checkpoint.keep=3",
+    "--set",
+    "train.eval_batches=1",
+]
 
 
 def _records(out) -> list[dict]:
@@ -66,16 +82,29 @@ def test_iterable_source_replays_to_the_step():
 
 def test_fit_trains_any_trainer_and_resume_is_bit_exact(tmp_path):
     opts = dict(checkpoint_every=2, checkpoint_keep=3, eval_every=4, eval_batches=1)
-    full = zj.fit(_trainer(), blobs(seed=0, batch_size=16), str(tmp_path / "a"), steps=STEPS,
-                  eval_source=blobs(seed=1, batch_size=16), **opts)
+    full = zj.fit(
+        _trainer(),
+        blobs(seed=0, batch_size=16),
+        str(tmp_path / "a"),
+        steps=STEPS,
+        eval_source=blobs(seed=1, batch_size=16),
+        **opts,
+    )
     ref = _records(tmp_path / "a")
     assert [r["step"] for r in ref] == list(range(1, STEPS + 1)) and ref[-1]["loss"] < ref[0]["loss"]
     assert full["params"] == 12 * 24 + 24 + 24 * 4 + 4 and full["eval_loss"] is not None
     assert full["tokens_per_s"] > 0 and ref[0]["tokens_per_s"] > 0  # examples per second: float inputs
 
     zj.fit(_trainer(), blobs(seed=0, batch_size=16), str(tmp_path / "b"), steps=5, **opts)
-    resumed = zj.fit(_trainer(), blobs(seed=0, batch_size=16), str(tmp_path / "b"), steps=STEPS, resume=True,
-                     eval_source=blobs(seed=1, batch_size=16), **opts)
+    resumed = zj.fit(
+        _trainer(),
+        blobs(seed=0, batch_size=16),
+        str(tmp_path / "b"),
+        steps=STEPS,
+        resume=True,
+        eval_source=blobs(seed=1, batch_size=16),
+        **opts,
+    )
     got = _records(tmp_path / "b")
     assert resumed["resumed_from"] == 5  # the 5-step run saved its last step
     assert [r["loss"] for r in got] == [r["loss"] for r in ref]  # bit for bit
@@ -86,10 +115,20 @@ def test_summary_and_metrics_have_the_gpt_fields(tmp_path):
     from zerojax.config import load_config
     from zerojax.experiment import build_experiment
 
-    gpt = zj.fit(build_experiment(load_config("configs/tiny.yaml", ["train.steps=2", "data.max_bytes=100000",
-                                                                     "train.eval_batches=1"])), str(tmp_path / "g"))
-    mine = zj.fit(_trainer(), blobs(seed=0, batch_size=16), str(tmp_path / "m"), steps=2,
-                  eval_source=blobs(seed=1, batch_size=16), eval_batches=1)
+    gpt = zj.fit(
+        build_experiment(
+            load_config("configs/tiny.yaml", ["train.steps=2", "data.max_bytes=100000", "train.eval_batches=1"])
+        ),
+        str(tmp_path / "g"),
+    )
+    mine = zj.fit(
+        _trainer(),
+        blobs(seed=0, batch_size=16),
+        str(tmp_path / "m"),
+        steps=2,
+        eval_source=blobs(seed=1, batch_size=16),
+        eval_batches=1,
+    )
     assert set(mine) == set(gpt)
     assert set(_records(tmp_path / "m")[0]) == set(_records(tmp_path / "g")[0])
 
@@ -103,8 +142,21 @@ def env(tmp_path_factory) -> dict:
 
 
 def _cmd(out, *extra) -> list[str]:
-    return [sys.executable, "-m", "zerojax.cli", "train", "configs/tiny.yaml", "--devices", "8", "--out", str(out),
-            "--set", f"train.steps={STEPS}", *TARGETS, *extra]
+    return [
+        sys.executable,
+        "-m",
+        "zerojax.cli",
+        "train",
+        "configs/tiny.yaml",
+        "--devices",
+        "8",
+        "--out",
+        str(out),
+        "--set",
+        f"train.steps={STEPS}",
+        *TARGETS,
+        *extra,
+    ]
 
 
 def _sigkill_and_resume(env, tmp_path, *sets) -> tuple[list[dict], list[dict]]:
@@ -152,15 +204,24 @@ BAD = {
     "not callable": (["data.target=tests.user_code:NOT_CALLABLE"], ["data.target", "NOT_CALLABLE"]),
     "no colon": (["loss.target=tests.user_code"], ["loss.target", "package.module:name"]),
     "model returns the wrong kind": (["model.target=tests.user_code:not_a_model"], ["model.target", "int"]),
-    "data returns the wrong kind": (["model.target=tests.user_code:MLP", "data.target=tests.user_code:not_a_source"],
-                                    ["data.target", "batch source"]),
-    "bad model kwargs": (["model.target=tests.user_code:MLP", "model.kwargs={colour: red}"], ["model.kwargs", "colour"]),
+    "data returns the wrong kind": (
+        ["model.target=tests.user_code:MLP", "data.target=tests.user_code:not_a_source"],
+        ["data.target", "batch source"],
+    ),
+    "bad model kwargs": (
+        ["model.target=tests.user_code:MLP", "model.kwargs={colour: red}"],
+        ["model.kwargs", "colour"],
+    ),
     "GPT key with a target": ([*_MLP, "model.remat=dots"], ["model.remat configures the shipped GPT", "model.kwargs"]),
     # the model, the loss and the batch do not fit: found on abstract shapes before compiling
-    "output vs targets": (["model.target=tests.user_code:FlatMLP", "data.target=tests.user_code:blobs"],
-                          ["model's output is float32[16]", "targets are int32[16]", "[16, 'classes']"]),
-    "no targets": (["model.target=tests.user_code:MLP", "data.target=tests.user_code:unlabelled"],
-                   ["no 'targets' key", "['inputs']"]),
+    "output vs targets": (
+        ["model.target=tests.user_code:FlatMLP", "data.target=tests.user_code:blobs"],
+        ["model's output is float32[16]", "targets are int32[16]", "[16, 'classes']"],
+    ),
+    "no targets": (
+        ["model.target=tests.user_code:MLP", "data.target=tests.user_code:unlabelled"],
+        ["no 'targets' key", "['inputs']"],
+    ),
     "per-row loss": ([*_MLP, "loss.target=tests.user_code:per_row_loss"], ["loss function returned shape [16]"]),
     "labels outside the classes": ([*_MLP, "model.kwargs={classes: 3}"], ["a target is 3", "3 output classes"]),
 }
@@ -170,8 +231,9 @@ BAD = {
 def test_bad_target_is_one_line_exit_2(case, tmp_path):
     sets, needles = BAD[case]
     args = [a for s in sets for a in ("--set", s)]
-    assert_one_line_error(cli_in_process("train", "configs/tiny.yaml", "--devices", "8", "--out", str(tmp_path), *args),
-                          *needles)
+    assert_one_line_error(
+        cli_in_process("train", "configs/tiny.yaml", "--devices", "8", "--out", str(tmp_path), *args), *needles
+    )
 
 
 def test_plan_and_inspect_count_a_target_model(tmp_path):
@@ -187,8 +249,19 @@ def test_plan_and_inspect_count_a_target_model(tmp_path):
 
 @pytest.mark.slow
 def test_compare_runs_a_target_model(tmp_path):
-    done = run_cli("compare", "configs/tiny.yaml", *TARGETS, "--devices", "8", "--stages", "0,3", "--steps", "2",
-                   "--json", str(tmp_path / "c.json"))
+    done = run_cli(
+        "compare",
+        "configs/tiny.yaml",
+        *TARGETS,
+        "--devices",
+        "8",
+        "--stages",
+        "0,3",
+        "--steps",
+        "2",
+        "--json",
+        str(tmp_path / "c.json"),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "c.json").read_text())["rows"]
     assert abs(rows[0]["final_loss"] - rows[1]["final_loss"]) < 1e-5
@@ -197,13 +270,49 @@ def test_compare_runs_a_target_model(tmp_path):
 @pytest.mark.slow
 def test_launch_two_processes_match_one_with_targets(env, tmp_path):
     base = [*TARGETS, "--set", f"train.steps={STEPS}"]
-    one = subprocess.run([sys.executable, "-m", "zerojax.cli", "train", "configs/tiny.yaml", "--devices", "8",
-                          "--out", str(tmp_path / "one"), *base], env=env, cwd=REPO, capture_output=True, text=True,
-                         timeout=600)
+    one = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zerojax.cli",
+            "train",
+            "configs/tiny.yaml",
+            "--devices",
+            "8",
+            "--out",
+            str(tmp_path / "one"),
+            *base,
+        ],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert one.returncode == 0, one.stderr[-3000:]
-    two = subprocess.run([sys.executable, "-m", "zerojax.cli", "launch", "--processes", "2", "--devices-per-process",
-                          "4", "--", "train", "configs/tiny.yaml", "--out", str(tmp_path / "two"), *base],
-                         env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zerojax.cli",
+            "launch",
+            "--processes",
+            "2",
+            "--devices-per-process",
+            "4",
+            "--",
+            "train",
+            "configs/tiny.yaml",
+            "--out",
+            str(tmp_path / "two"),
+            *base,
+        ],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = _records(tmp_path / "one"), _records(tmp_path / "two")
     assert len(a) == len(b) == STEPS

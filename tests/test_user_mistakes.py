@@ -20,16 +20,23 @@ def _trainer(model=MLP, loss=None, engine="shard_map"):
     return zj.Trainer(model, optax.sgd(0.1), mesh=zj.make_mesh(fsdp=8), stage=3, engine=engine, loss_fn=loss)
 
 
-@pytest.mark.parametrize("model, loss, batch, needles", [
-    (FlatMLP, None, {"inputs": X, "targets": LABELS}, ["output is float32[8]", "targets are int32[8]"]),
-    (MLP, None, {"inputs": X, "targets": LABELS[:, None]}, ["output is float32[8, 4]", "int32[8, 1]"]),
-    (MLP, None, {"inputs": X, "targets": LABELS.astype(np.float32)}, ["integer class targets"]),
-    (MLP, per_row_loss, {"inputs": X, "targets": LABELS}, ["returned shape [8]"]),
-    (MLP, lambda out, batch: out.sum() + batch["weights"].sum(), {"inputs": X, "targets": LABELS},
-     ["loss function failed", "KeyError: 'weights'"]),
-    (MLP, None, {"inputs": X, "targets": LABELS + 1}, ["a target is 4", "4 output classes"]),
-    (MLP, None, {"inputs": X, "targets": LABELS - 1}, ["a target is -1"]),
-])
+@pytest.mark.parametrize(
+    "model, loss, batch, needles",
+    [
+        (FlatMLP, None, {"inputs": X, "targets": LABELS}, ["output is float32[8]", "targets are int32[8]"]),
+        (MLP, None, {"inputs": X, "targets": LABELS[:, None]}, ["output is float32[8, 4]", "int32[8, 1]"]),
+        (MLP, None, {"inputs": X, "targets": LABELS.astype(np.float32)}, ["integer class targets"]),
+        (MLP, per_row_loss, {"inputs": X, "targets": LABELS}, ["returned shape [8]"]),
+        (
+            MLP,
+            lambda out, batch: out.sum() + batch["weights"].sum(),
+            {"inputs": X, "targets": LABELS},
+            ["loss function failed", "KeyError: 'weights'"],
+        ),
+        (MLP, None, {"inputs": X, "targets": LABELS + 1}, ["a target is 4", "4 output classes"]),
+        (MLP, None, {"inputs": X, "targets": LABELS - 1}, ["a target is -1"]),
+    ],
+)
 @pytest.mark.parametrize("engine", ["shard_map", "gspmd"])
 def test_a_mistake_is_one_sentence_before_compiling(model, loss, batch, needles, engine):
     with pytest.raises(UserError) as e:

@@ -29,8 +29,10 @@ def shard_for(monkeypatch):
 
         def faulty(self, leaves, values):
             out = gather_group(self, leaves, values)
-            return [jnp.resize(jnp.asarray(x, w.dtype), w.shape) if leaf.path == path else w
-                    for leaf, x, w in zip(leaves, values, out)]
+            return [
+                jnp.resize(jnp.asarray(x, w.dtype), w.shape) if leaf.path == path else w
+                for leaf, x, w in zip(leaves, values, out)
+            ]
 
         monkeypatch.setattr(Reduce, "gather_group", faulty)
 
@@ -38,8 +40,9 @@ def shard_for(monkeypatch):
 
 
 def _trainer(kind="nnx", engine="shard_map", stage=3):
-    return zj.Trainer(MODELS[kind], optax.adamw(1e-2), mesh=zj.make_mesh(fsdp=8), stage=stage, engine=engine,
-                      replicate_below_bytes=0)
+    return zj.Trainer(
+        MODELS[kind], optax.adamw(1e-2), mesh=zj.make_mesh(fsdp=8), stage=stage, engine=engine, replicate_below_bytes=0
+    )
 
 
 def test_verify_passes_on_a_tied_decoder():
@@ -59,9 +62,22 @@ def test_verify_fails_and_names_the_parameter_a_gather_left_as_a_shard(shard_for
 
 
 # The shipped GPT's tiny shape, one layer: a few thousand parameters.
-_SMALL = ["--set", "model.n_layers=1", "--set", "model.d_model=32", "--set", "model.d_ff=64", "--set",
-          "model.seq_len=16", "--set", "train.batch_size=8", "--set", "data.max_bytes=100000", "--set",
-          "zero.engine=shard_map"]
+_SMALL = [
+    "--set",
+    "model.n_layers=1",
+    "--set",
+    "model.d_model=32",
+    "--set",
+    "model.d_ff=64",
+    "--set",
+    "model.seq_len=16",
+    "--set",
+    "train.batch_size=8",
+    "--set",
+    "data.max_bytes=100000",
+    "--set",
+    "zero.engine=shard_map",
+]
 
 
 def test_cli_verify_exit_0_and_1_with_the_parameter(shard_for):

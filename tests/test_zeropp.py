@@ -18,8 +18,8 @@ from tests.models import tiny_gpt, token_batch
 from tests.unit_models import DEEP, SHALLOW, block_bytes, unit_allowance, unit_batch, unit_model
 from zerojax.accounting import measure
 from zerojax.accounting.analytic import GPTShape, peak_bytes
-from zerojax.accounting.zeropp import ZeroPP, stage_3_traffic_by_axis, totals
 from zerojax.accounting.hlo import axes_spanned, collective_bytes, collectives, compile_partitioned
+from zerojax.accounting.zeropp import ZeroPP, stage_3_traffic_by_axis, totals
 from zerojax.config import load_config
 from zerojax.engines.quantize import Quantizer
 from zerojax.errors import UserError
@@ -41,22 +41,35 @@ def test_block_quantization_round_trip(kind, rel):
     assert bool(jnp.all(back[1, 64:128] == 0))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _run(data=1, precision="bf16", steps=STEPS, grad_accum=1, **options):
     """(collective bytes of the step's partitioned HLO, losses over `steps` steps); also kept in
     `_RUNS`: the HLO's collectives, the state's bytes per device and the sharded parameter count."""
     model, _ = tiny_gpt()
     mesh = zj.make_mesh(data=data, fsdp=8 // data)
-    trainer = zj.Trainer(model, optax.adamw(3e-3), mesh=mesh, stage=3, engine="shard_map", precision=precision,
-                         engine_options=options or None, grad_accum=grad_accum)
+    trainer = zj.Trainer(
+        model,
+        optax.adamw(3e-3),
+        mesh=mesh,
+        stage=3,
+        engine="shard_map",
+        precision=precision,
+        engine_options=options or None,
+        grad_accum=grad_accum,
+    )
     state = trainer.init(jax.random.key(0), token_batch(0))
     # one compile serves the byte count and the steps
-    step, hlo = compile_partitioned(trainer.lower(state, trainer.shard_batch(token_batch(0))),
-                                    tempfile.mkdtemp(prefix="zerojax-hlo-"))
+    step, hlo = compile_partitioned(
+        trainer.lower(state, trainer.shard_batch(token_batch(0))), tempfile.mkdtemp(prefix="zerojax-hlo-")
+    )
     sharded = _sharded_params(trainer)
     _RUNS[data, options.get("hierarchical", False), grad_accum] = SimpleNamespace(
-        collectives=collectives(hlo), persistent=trainer.persistent_bytes_per_device(state), sharded=sharded,
-        temp=step.memory_analysis().temp_size_in_bytes, mesh=mesh)
+        collectives=collectives(hlo),
+        persistent=trainer.persistent_bytes_per_device(state),
+        sharded=sharded,
+        temp=step.memory_analysis().temp_size_in_bytes,
+        mesh=mesh,
+    )
     losses = []
     for i in range(steps):
         state, metrics = step(state, trainer.shard_batch(token_batch(i)))
@@ -69,8 +82,9 @@ _is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
 
 
 def _sharded_params(trainer) -> int:
-    return sum(math.prod(l.shape) for l in jax.tree.leaves(trainer.layout.leaves, is_leaf=_is_layout)
-               if l.axis is not None)
+    return sum(
+        math.prod(l.shape) for l in jax.tree.leaves(trainer.layout.leaves, is_leaf=_is_layout) if l.axis is not None
+    )
 
 
 def test_qwz_and_qgz_halve_the_bf16_bytes():
@@ -146,8 +160,15 @@ def _peak_and_state(data, rows, **options):
     """(the compiled step's peak bytes per device, state bytes per device, sharded parameter count)
     for stage 3 on a 4-layer GPT of width 256, bf16, on data x fsdp = 8 devices."""
     model, _ = tiny_gpt(d_model=256, n_layers=4, d_ff=1024)
-    trainer = zj.Trainer(model, optax.adamw(3e-3), mesh=zj.make_mesh(data=data, fsdp=8 // data), stage=3,
-                         engine="shard_map", precision="bf16", engine_options=options or None)
+    trainer = zj.Trainer(
+        model,
+        optax.adamw(3e-3),
+        mesh=zj.make_mesh(data=data, fsdp=8 // data),
+        stage=3,
+        engine="shard_map",
+        precision="bf16",
+        engine_options=options or None,
+    )
     state = trainer.init(jax.random.key(0), token_batch(0, rows=rows))
     m = trainer.lower(state, trainer.shard_batch(token_batch(0, rows=rows))).compile().memory_analysis()
     peak = peak_bytes(m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes, m.temp_size_in_bytes)
@@ -169,8 +190,15 @@ def test_hpz_memory_rises_by_the_secondary_copy():
 def _unit_route_temp(depth, **options):
     """(temp bytes per device, first loss) of stage 3 on a user NNX model of `depth` blocks (FSDP
     units), fp32, on data=2 x fsdp=4."""
-    trainer = zj.Trainer(unit_model("nnx", 256, depth), optax.sgd(1e-2), mesh=zj.make_mesh(data=2, fsdp=4), stage=3,
-                         engine="shard_map", precision="fp32", engine_options=options or None)
+    trainer = zj.Trainer(
+        unit_model("nnx", 256, depth),
+        optax.sgd(1e-2),
+        mesh=zj.make_mesh(data=2, fsdp=4),
+        stage=3,
+        engine="shard_map",
+        precision="fp32",
+        engine_options=options or None,
+    )
     batch = unit_batch(256)
     state = trainer.init(jax.random.key(0), batch)
     step = trainer.compile(state, batch)
@@ -193,9 +221,14 @@ def test_hpz_on_a_user_models_units():
 def test_refusals():
     model, _ = tiny_gpt()
     mesh = zj.make_mesh(fsdp=8)
-    make = lambda stage, engine, **o: zj.Trainer(model, optax.adamw(1e-3), mesh=mesh, stage=stage,  # noqa: E731
-                                                  engine=engine, engine_options=o).init(jax.random.key(0),
-                                                                                         token_batch(0))
+    make = lambda stage, engine, **o: zj.Trainer(
+        model,
+        optax.adamw(1e-3),
+        mesh=mesh,
+        stage=stage,  # noqa: E731
+        engine=engine,
+        engine_options=o,
+    ).init(jax.random.key(0), token_batch(0))
     with pytest.raises(UserError, match="gspmd engine does not support the option quantize_weights"):
         make(3, "gspmd", quantize_weights="int8")
     with pytest.raises(UserError, match="gspmd engine does not support the option quantize_grads"):
@@ -209,13 +242,16 @@ def test_refusals():
     with pytest.raises(UserError, match="gspmd engine does not support the option hierarchical"):
         make(3, "gspmd", hierarchical=True)
     with pytest.raises(UserError, match="zero.hierarchical"):
-        zj.Trainer(model, optax.adamw(1e-3), mesh=mesh, stage=2, engine="shard_map",
-                   engine_options={"hierarchical": True}).init(jax.random.key(0), token_batch(0))
+        zj.Trainer(
+            model, optax.adamw(1e-3), mesh=mesh, stage=2, engine="shard_map", engine_options={"hierarchical": True}
+        ).init(jax.random.key(0), token_batch(0))
 
 
 def test_config_keys():
-    c = load_config("configs/tiny.yaml", ["zero.engine=shard_map", "zero.quantize_weights=int8",
-                                          "zero.quantize_grads=int8", "zero.quantize_block=128"])
+    c = load_config(
+        "configs/tiny.yaml",
+        ["zero.engine=shard_map", "zero.quantize_weights=int8", "zero.quantize_grads=int8", "zero.quantize_block=128"],
+    )
     assert (c.zero.quantize_weights, c.zero.quantize_grads, c.zero.quantize_block) == ("int8", "int8", 128)
     assert load_config("configs/tiny.yaml", ["zero.hierarchical=true"]).zero.hierarchical is True
     with pytest.raises(UserError, match="zero.quantize_grads"):
@@ -224,12 +260,18 @@ def test_config_keys():
         load_config("configs/tiny.yaml", ["zero.quantize_block=0"])
 
 
-@pytest.mark.parametrize("data,options", [
-    (1, {}), (1, {"quantize_weights": "int8", "quantize_grads": "int8"}),
-    (2, {"hierarchical": True, "quantize_weights": "int8", "quantize_grads": "int8"}),
-    (2, {"grad_accum": 2, "quantize_weights": "int8"}),
-    pytest.param(2, {}, marks=pytest.mark.slow), pytest.param(2, {"hierarchical": True}, marks=pytest.mark.slow),
-    pytest.param(2, {"reshard_after_forward": False}, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "data,options",
+    [
+        (1, {}),
+        (1, {"quantize_weights": "int8", "quantize_grads": "int8"}),
+        (2, {"hierarchical": True, "quantize_weights": "int8", "quantize_grads": "int8"}),
+        (2, {"grad_accum": 2, "quantize_weights": "int8"}),
+        pytest.param(2, {}, marks=pytest.mark.slow),
+        pytest.param(2, {"hierarchical": True}, marks=pytest.mark.slow),
+        pytest.param(2, {"reshard_after_forward": False}, marks=pytest.mark.slow),
+    ],
+)
 def test_analytic_model_matches_every_kind_and_axis(data, options):
     """`accounting.zeropp.stage_3_traffic_by_axis` against the partitioned HLO, within 2% for every
     collective kind on the fsdp and data axes (the replicated leaves' all-reduce over both is not
@@ -238,11 +280,14 @@ def test_analytic_model_matches_every_kind_and_axis(data, options):
     traffic = _run(data=data, steps=2, **options)[0]["by_kind_axis"]
     k = options.get("grad_accum", 1)
     run = _RUNS[data, options.get("hierarchical", False), k]
-    zpp = ZeroPP(options.get("quantize_weights"), options.get("quantize_grads"), 256, options.get("hierarchical", False))
+    zpp = ZeroPP(
+        options.get("quantize_weights"), options.get("quantize_grads"), 256, options.get("hierarchical", False)
+    )
     cfg = tiny_gpt()[1]
     once = 2 * cfg.vocab_size * cfg.d_model + cfg.d_model
-    model = stage_3_traffic_by_axis(run.sharded, data, 8 // data, 2, 2, zpp, k, once,
-                                    options.get("reshard_after_forward", True))
+    model = stage_3_traffic_by_axis(
+        run.sharded, data, 8 // data, 2, 2, zpp, k, once, options.get("reshard_after_forward", True)
+    )
     for kind, axes in model.items():
         for axis, want in axes.items():
             assert traffic[kind][axis] == pytest.approx(want, rel=0.02), (kind, axis)
@@ -255,11 +300,19 @@ def test_compare_rows_model_zeropp_per_axis():
     about 1 (int8 gathers and reductions, hpZ on data=2 x fsdp=4), not the plain bf16 figure's ~0.5."""
     model, cfg = tiny_gpt()
     options = {"hierarchical": True, "quantize_weights": "int8", "quantize_grads": "int8"}
-    trainer = zj.Trainer(model, optax.adamw(3e-3), mesh=zj.make_mesh(data=2, fsdp=4), stage=3, engine="shard_map",
-                         precision="bf16", engine_options=options)
+    trainer = zj.Trainer(
+        model,
+        optax.adamw(3e-3),
+        mesh=zj.make_mesh(data=2, fsdp=4),
+        stage=3,
+        engine="shard_map",
+        precision="bf16",
+        engine_options=options,
+    )
     state = trainer.init(jax.random.key(0), token_batch(0))
-    m, _ = measure.measure_step(trainer, state, trainer.shard_batch(token_batch(0)), shape=GPTShape.of(cfg),
-                                seq_len=cfg.seq_len)
+    m, _ = measure.measure_step(
+        trainer, state, trainer.shard_batch(token_batch(0)), shape=GPTShape.of(cfg), seq_len=cfg.seq_len
+    )
     row = m.row()
     assert row["collective_ratio"] == pytest.approx(1.0, abs=0.03)
     for kind, axes in row["ideal_collective_bytes_by_kind_axis"].items():

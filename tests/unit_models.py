@@ -81,8 +81,9 @@ class LinenScanDeep(nn.Module):
     @nn.compact
     def __call__(self, x):
         x = nn.Dense(self.width)(x)
-        stack = nn.scan(nn.remat(LinenScanBlock), variable_axes={"params": 0}, split_rngs={"params": True},
-                        length=self.depth)
+        stack = nn.scan(
+            nn.remat(LinenScanBlock), variable_axes={"params": 0}, split_rngs={"params": True}, length=self.depth
+        )
         x, _ = stack(self.width, name="layers")(x, None)
         return nn.Dense(10)(x)
 
@@ -97,8 +98,10 @@ def unit_model(kind: str, width: int, depth: int):
 
 def unit_batch(width: int, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
-    return {"inputs": rng.normal(size=(ROWS, width)).astype(np.float32),
-            "targets": rng.integers(0, 10, size=(ROWS,)).astype(np.int32)}
+    return {
+        "inputs": rng.normal(size=(ROWS, width)).astype(np.float32),
+        "targets": rng.integers(0, 10, size=(ROWS,)).astype(np.int32),
+    }
 
 
 def block_bytes(width: int, itemsize: int = 4) -> int:

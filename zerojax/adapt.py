@@ -16,8 +16,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -139,8 +140,19 @@ def _nnx_functions(make: Callable[[Any], nnx.Module] | None, concrete: nnx.Modul
     stacks = () if hooked else stacked_lib.stack_paths(abstract)
     declared = tuple((name,) for name in getattr(type(abstract), "layer_stacks", ())) if hooked else ()
 
-    def apply(params, model_state, static, inputs, *, rng=None, train=True, layer_hook=None, around=None,
-              layer_loop=None, sync=None):
+    def apply(
+        params,
+        model_state,
+        static,
+        inputs,
+        *,
+        rng=None,
+        train=True,
+        layer_hook=None,
+        around=None,
+        layer_loop=None,
+        sync=None,
+    ):
         # Without a key: the stored streams, copied, so units may update them in any trace.
         rng_state = jax.tree.map(lambda x: x, static) if rng is None else _reseed(static, rng)
         module = nnx.merge(graphdef, nnx.State(params), rng_state, _merge_state(model_state))
@@ -161,8 +173,18 @@ def _nnx_functions(make: Callable[[Any], nnx.Module] | None, concrete: nnx.Modul
             out = module(inputs, **kwargs)
         return out, _nnx_split(module)[3] if model_state else model_state
 
-    def unit_around(units, materialize, param_paths, reshard_after_forward=True, wait_for_grads=False,
-                    prefetch=False, policy=None, loose=frozenset(), stacks=(), ranks=None):
+    def unit_around(
+        units,
+        materialize,
+        param_paths,
+        reshard_after_forward=True,
+        wait_for_grads=False,
+        prefetch=False,
+        policy=None,
+        loose=frozenset(),
+        stacks=(),
+        ranks=None,
+    ):
         del param_paths, stacks, ranks  # an NNX module finds its params itself; its stacks take the layers route
         return wrap.nnx_around(units, materialize, reshard_after_forward, wait_for_grads, prefetch, policy, loose)
 
@@ -176,16 +198,31 @@ def _nnx_functions(make: Callable[[Any], nnx.Module] | None, concrete: nnx.Modul
         sliced: set = set()
 
         def run(params, model_state, static, inputs):
-            return apply(params, model_state, static, inputs, rng=jax.random.key(0),
-                         around=wrap.nnx_slice_recorder(stored, sliced))[0]
+            return apply(
+                params,
+                model_state,
+                static,
+                inputs,
+                rng=jax.random.key(0),
+                around=wrap.nnx_slice_recorder(stored, sliced),
+            )[0]
 
         jax.eval_shape(run, params, model_state, static, inputs)
         return tuple(sorted(p for p in sliced if not any(q != p and p[: len(q)] == q for q in sliced)))
 
-    return FunctionalModel(init, apply, hooked or bool(stacks), type(abstract), looped or bool(stacks),
-                           modules=lambda params, static, inputs: wrap.nnx_modules(abstract),
-                           unit_around=unit_around, sync_batch_stats=sync_batch_stats, stacks=stacks,
-                           declared_stacks=declared, lifted_stacks=None if hooked or stacks else lifted_stacks)
+    return FunctionalModel(
+        init,
+        apply,
+        hooked or bool(stacks),
+        type(abstract),
+        looped or bool(stacks),
+        modules=lambda params, static, inputs: wrap.nnx_modules(abstract),
+        unit_around=unit_around,
+        sync_batch_stats=sync_batch_stats,
+        stacks=stacks,
+        declared_stacks=declared,
+        lifted_stacks=None if hooked or stacks else lifted_stacks,
+    )
 
 
 def _single(hooks):
@@ -215,8 +252,19 @@ def _linen_functions(module: nn.Module, rng_streams: tuple[str, ...]) -> Functio
         model_state = {k: v for k, v in variables.items() if k != "params"}
         return dict(variables["params"]), model_state, None
 
-    def apply(params, model_state, static, inputs, *, rng=None, train=True, layer_hook=None, around=None,
-              layer_loop=None, sync=None):
+    def apply(
+        params,
+        model_state,
+        static,
+        inputs,
+        *,
+        rng=None,
+        train=True,
+        layer_hook=None,
+        around=None,
+        layer_loop=None,
+        sync=None,
+    ):
         del static, layer_hook, layer_loop
         rngs = {s: jax.random.fold_in(rng, i) for i, s in enumerate(rng_streams)} if rng is not None else None
         mutable = list(model_state) if train else []
@@ -227,17 +275,38 @@ def _linen_functions(module: nn.Module, rng_streams: tuple[str, ...]) -> Functio
             contexts.enter_context(around(module))
             mutable = [*mutable, "params"]  # the root writes its gathered params into its scope
         with contexts:
-            out = module.apply({"params": params, **model_state}, inputs, rngs=rngs, mutable=mutable or False,
-                               **mode(train))
+            out = module.apply(
+                {"params": params, **model_state}, inputs, rngs=rngs, mutable=mutable or False, **mode(train)
+            )
         if not mutable:
             return out, model_state
         out, updates = out
         return out, {**model_state, **{k: v for k, v in updates.items() if k in model_state}}
 
-    def unit_around(units, materialize, param_paths, reshard_after_forward=True, wait_for_grads=False,
-                    prefetch=False, policy=None, loose=frozenset(), stacks=(), ranks=None):
-        return wrap_linen.linen_around(units, materialize, param_paths, reshard_after_forward, wait_for_grads,
-                                       prefetch, policy, loose, stacks, ranks or {})
+    def unit_around(
+        units,
+        materialize,
+        param_paths,
+        reshard_after_forward=True,
+        wait_for_grads=False,
+        prefetch=False,
+        policy=None,
+        loose=frozenset(),
+        stacks=(),
+        ranks=None,
+    ):
+        return wrap_linen.linen_around(
+            units,
+            materialize,
+            param_paths,
+            reshard_after_forward,
+            wait_for_grads,
+            prefetch,
+            policy,
+            loose,
+            stacks,
+            ranks or {},
+        )
 
     def modules(params, model_state, inputs):
         return wrap_linen.linen_structure(module, params, model_state, inputs, **mode(False))[0]
@@ -245,8 +314,16 @@ def _linen_functions(module: nn.Module, rng_streams: tuple[str, ...]) -> Functio
     def lifted_stacks(params, model_state, static, inputs):
         return wrap_linen.linen_structure(module, params, model_state, inputs, **mode(False))[1]
 
-    return FunctionalModel(init, apply, False, type(module), modules=modules, unit_around=unit_around,
-                           sync_batch_stats=lambda m, axes: _linen_sync(axes), lifted_stacks=lifted_stacks)
+    return FunctionalModel(
+        init,
+        apply,
+        False,
+        type(module),
+        modules=modules,
+        unit_around=unit_around,
+        sync_batch_stats=lambda m, axes: _linen_sync(axes),
+        lifted_stacks=lifted_stacks,
+    )
 
 
 def _linen_sync(axes):

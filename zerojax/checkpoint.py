@@ -77,7 +77,9 @@ def find_step_dir(path: str) -> str:
         steps = complete_steps(directory, report=False)
         if steps:
             return os.path.join(directory, str(steps[-1]))
-    raise UserError(f"{path!r} holds no complete checkpoint; give a checkpoint step directory or a run's output folder.")
+    raise UserError(
+        f"{path!r} holds no complete checkpoint; give a checkpoint step directory or a run's output folder."
+    )
 
 
 # ---- metadata ------------------------------------------------------------------------------------
@@ -116,7 +118,10 @@ def run_metadata(trainer, *, seed: int, config: dict | None = None, model: dict 
     """The parts of a checkpoint's metadata fixed for a whole run."""
     layout = trainer.layout
     params = {
-        leaf.path: {"shape": list(leaf.shape), "stored": list(leaf.padded_shape if layout.master_sharded else leaf.shape)}
+        leaf.path: {
+            "shape": list(leaf.shape),
+            "stored": list(leaf.padded_shape if layout.master_sharded else leaf.shape),
+        }
         for leaf in jax.tree.leaves(layout.leaves, is_leaf=lambda x: hasattr(x, "padded_shape"))
     }
     return {
@@ -167,9 +172,13 @@ def _os_failure(e: BaseException) -> str | None:
         return "permission denied"
     if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
         return "out of memory"
-    for errno_name, words in (("ENOSPC", "No space left on device"), ("EFBIG", "File too large"),
-                              ("EROFS", "Read-only file system"), ("EDQUOT", "Disk quota exceeded"),
-                              ("EIO", "Input/output error")):
+    for errno_name, words in (
+        ("ENOSPC", "No space left on device"),
+        ("EFBIG", "File too large"),
+        ("EROFS", "Read-only file system"),
+        ("EDQUOT", "Disk quota exceeded"),
+        ("EIO", "Input/output error"),
+    ):
         if words in text:
             return f"{words.lower()} ({errno_name})"
     if isinstance(e, OSError) and not isinstance(e, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
@@ -229,7 +238,9 @@ class CheckpointWriter:
     def __init__(self, directory: str, *, keep: int, run_meta: dict):
         ocp = _ocp()
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=True, create=True,
+            max_to_keep=keep,
+            enable_async_checkpointing=True,
+            create=True,
             cleanup_tmp_directories=True,  # interrupted saves were reported by `complete_steps`
         )
         self.directory = directory
@@ -246,11 +257,18 @@ class CheckpointWriter:
         A failed write (this save's or the previous one's) is a `UserError` naming the step and why."""
         ocp = _ocp()
         saved = state.saved()
-        meta = {**self._run_meta, "step": step, "data": {"position": step, "seed": self._run_meta["seed"]},
-                "leaves": _leaf_table(saved, _checksums(saved))}
+        meta = {
+            **self._run_meta,
+            "step": step,
+            "data": {"position": step, "seed": self._run_meta["seed"]},
+            "leaves": _leaf_table(saved, _checksums(saved)),
+        }
         with self._writing(step):
-            self._manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(saved),
-                                                             meta=ocp.args.JsonSave(meta)), force=True)
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.PyTreeSave(saved), meta=ocp.args.JsonSave(meta)),
+                force=True,
+            )
         self._step = step
 
     @contextlib.contextmanager
@@ -261,8 +279,10 @@ class CheckpointWriter:
             why = failure(e) or f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             self._closed = True  # the manager is unusable now; don't wait for it again
             self._remove_partial()
-            raise WriteFailed(f"writing the checkpoint of step {self._step or step} to {self.directory!r} failed "
-                            f"({why}); the earlier checkpoints there are intact.") from None
+            raise WriteFailed(
+                f"writing the checkpoint of step {self._step or step} to {self.directory!r} failed "
+                f"({why}); the earlier checkpoints there are intact."
+            ) from None
 
     def _remove_partial(self, settle_s: float = 0.25, limit_s: float = 10.0) -> None:
         """A failed save leaves a tmp folder, removed at once (process 0). Writer threads still in
@@ -271,8 +291,11 @@ class CheckpointWriter:
             return
         deadline = time.monotonic() + limit_s
         while True:
-            partial = [os.path.join(self.directory, n) for n in
-                       (os.listdir(self.directory) if os.path.isdir(self.directory) else ()) if _TMP_MARK in n]
+            partial = [
+                os.path.join(self.directory, n)
+                for n in (os.listdir(self.directory) if os.path.isdir(self.directory) else ())
+                if _TMP_MARK in n
+            ]
             for path in partial:
                 shutil.rmtree(path, ignore_errors=True)
             if not partial or time.monotonic() > deadline:
@@ -300,20 +323,28 @@ def _check_model(meta: dict, layout, step_dir: str) -> None:
     here = {l.path: l.shape for l in jax.tree.leaves(layout.leaves, is_leaf=lambda x: hasattr(x, "padded_shape"))}
     for path in sorted(set(saved) | set(here)):
         if path not in here:
-            raise UserError(f"checkpoint {step_dir!r} is from another model: it has parameter {path!r}, which this model lacks.")
+            raise UserError(
+                f"checkpoint {step_dir!r} is from another model: it has parameter {path!r}, which this model lacks."
+            )
         if path not in saved:
-            raise UserError(f"checkpoint {step_dir!r} is from another model: it lacks parameter {path!r} of this model.")
+            raise UserError(
+                f"checkpoint {step_dir!r} is from another model: it lacks parameter {path!r} of this model."
+            )
         if saved[path] != here[path]:
-            raise UserError(f"checkpoint {step_dir!r} is from another model: parameter {path!r} has shape "
-                            f"{saved[path]} there but {here[path]} here.")
+            raise UserError(
+                f"checkpoint {step_dir!r} is from another model: parameter {path!r} has shape "
+                f"{saved[path]} there but {here[path]} here."
+            )
 
 
 def _check_leaves(meta: dict, target: dict, step_dir: str) -> None:
     saved, here = meta["leaves"], _leaf_table(target)
     differ = sorted(set(saved) ^ set(here)) or [p for p in sorted(here) if saved[p]["dtype"] != here[p]["dtype"]]
     if differ:
-        raise UserError(f"checkpoint {step_dir!r} holds the state of another optimizer ({differ[0]!r} does not "
-                        "match); resume with the optimizer it was trained with.")
+        raise UserError(
+            f"checkpoint {step_dir!r} holds the state of another optimizer ({differ[0]!r} does not "
+            "match); resume with the optimizer it was trained with."
+        )
 
 
 def restore(trainer, step_dir: str, key, batch: dict) -> tuple[TrainState, dict]:
@@ -332,13 +363,15 @@ def restore(trainer, step_dir: str, key, batch: dict) -> tuple[TrainState, dict]
     def args_for(path, t):
         stored = tuple(meta["leaves"][path_str(path)]["shape"])
         # Only leaves whose padding differs between the two layouts may be padded or cropped.
-        return ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape, dtype=t.dtype,
-                                    strict=stored == tuple(t.shape))
+        return ocp.ArrayRestoreArgs(
+            sharding=t.sharding, global_shape=t.shape, dtype=t.dtype, strict=stored == tuple(t.shape)
+        )
 
     restore_args = jax.tree_util.tree_unflatten(treedef, [args_for(p, t) for p, t in flat])
     try:
         saved = state_handler().restore(
-            item_path(step_dir, "state"), args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))
+            item_path(step_dir, "state"), args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args)
+        )
     except Exception as e:  # noqa: BLE001 - tensorstore and orbax raise many types for damaged files
         raise unreadable(step_dir, "arrays", e) from None
     _verify(meta, saved, step_dir)

@@ -9,7 +9,8 @@ computed, and the check is the same whatever the stage or engine.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -29,12 +30,12 @@ def check_keys(batch: dict, default_loss: bool) -> None:
     missing = [k for k in needed if k not in batch]
     if missing:
         why = " (the default loss, softmax cross-entropy, reads 'targets')" if "targets" in missing else ""
-        raise UserError(f"the batch has no {' or '.join(repr(k) for k in missing)} key{why}; "
-                        f"it has {sorted(batch)}.")
+        raise UserError(f"the batch has no {' or '.join(repr(k) for k in missing)} key{why}; it has {sorted(batch)}.")
 
 
-def check_model_and_loss(run_model: Callable, model_args: tuple, loss_fn: Callable, batch: dict,
-                         default_loss: bool) -> int | None:
+def check_model_and_loss(
+    run_model: Callable, model_args: tuple, loss_fn: Callable, batch: dict, default_loss: bool
+) -> int | None:
     """Run `run_model(*model_args, inputs) -> outputs` and `loss_fn(outputs, batch)` on abstract
     values; one sentence for what does not fit. Returns the number of classes the default loss reads
     targets against (the output's last dimension), or None."""
@@ -48,8 +49,10 @@ def check_model_and_loss(run_model: Callable, model_args: tuple, loss_fn: Callab
         value = jax.eval_shape(loss_fn, out, abstract)
     except Exception as e:  # the user's loss: report what it was given, and its own first line
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise UserError(f"the loss function failed on the model's output {_describe(out)} and the batch "
-                        f"({', '.join(f'{k} {_shape(v)}' for k, v in abstract.items())}): {type(e).__name__}: {first}") from None
+        raise UserError(
+            f"the loss function failed on the model's output {_describe(out)} and the batch "
+            f"({', '.join(f'{k} {_shape(v)}' for k, v in abstract.items())}): {type(e).__name__}: {first}"
+        ) from None
     _check_loss_value(value)
     return int(out.shape[-1]) if default_loss else None
 
@@ -63,16 +66,22 @@ def _describe(out: Any) -> str:
 
 def _check_for_cross_entropy(out, targets) -> None:
     if not hasattr(out, "shape") or not np.issubdtype(out.dtype, np.floating) or not out.shape:
-        raise UserError(f"the default loss (softmax cross-entropy) needs the model to return one float array of "
-                        f"logits; it returned {_describe(out)}.")
+        raise UserError(
+            f"the default loss (softmax cross-entropy) needs the model to return one float array of "
+            f"logits; it returned {_describe(out)}."
+        )
     if targets is None:
         return
     if not np.issubdtype(targets.dtype, np.integer):
-        raise UserError(f"the default loss (softmax cross-entropy) needs integer class targets; the batch's "
-                        f"'targets' are {_shape(targets)}.")
+        raise UserError(
+            f"the default loss (softmax cross-entropy) needs integer class targets; the batch's "
+            f"'targets' are {_shape(targets)}."
+        )
     if tuple(out.shape[:-1]) != tuple(targets.shape):
-        raise UserError(f"the model's output is {_shape(out)} but the batch's targets are {_shape(targets)}: the "
-                        f"default loss (softmax cross-entropy) needs logits of shape {list(targets.shape) + ['classes']}.")
+        raise UserError(
+            f"the model's output is {_shape(out)} but the batch's targets are {_shape(targets)}: the "
+            f"default loss (softmax cross-entropy) needs logits of shape {list(targets.shape) + ['classes']}."
+        )
 
 
 def _check_loss_value(value) -> None:
@@ -80,11 +89,15 @@ def _check_loss_value(value) -> None:
         shapes = [getattr(v, "shape", None) for v in value]
         if len(value) == 2 and all(s == () for s in shapes):
             return
-        raise UserError(f"the loss function returned {len(value)} values of shapes {shapes}; it must return a scalar "
-                        f"or a (total, weight) pair of scalars.")
+        raise UserError(
+            f"the loss function returned {len(value)} values of shapes {shapes}; it must return a scalar "
+            f"or a (total, weight) pair of scalars."
+        )
     if getattr(value, "shape", None) != ():
-        raise UserError(f"the loss function returned shape {list(getattr(value, 'shape', []))}; it must return a "
-                        f"scalar (the batch's mean) or a (total, weight) pair of scalars, summed over the batch.")
+        raise UserError(
+            f"the loss function returned shape {list(getattr(value, 'shape', []))}; it must return a "
+            f"scalar (the batch's mean) or a (total, weight) pair of scalars, summed over the batch."
+        )
 
 
 def check_targets(batch: dict, classes: int) -> None:
@@ -94,11 +107,15 @@ def check_targets(batch: dict, classes: int) -> None:
     targets = batch.get("targets")
     if targets is None:
         return
-    parts = [np.asarray(s.data) for s in targets.addressable_shards] if isinstance(targets, jax.Array) \
+    parts = (
+        [np.asarray(s.data) for s in targets.addressable_shards]
+        if isinstance(targets, jax.Array)
         else [np.asarray(targets)]
+    )
     if not parts or not np.issubdtype(parts[0].dtype, np.integer):
         return
     low, high = min(int(p.min()) for p in parts if p.size), max(int(p.max()) for p in parts if p.size)
     if low < 0 or high >= classes:
-        raise UserError(f"a target is {low if low < 0 else high}, outside the model's {classes} output classes "
-                        f"(0..{classes - 1}).")
+        raise UserError(
+            f"a target is {low if low < 0 else high}, outside the model's {classes} output classes (0..{classes - 1})."
+        )

@@ -9,7 +9,7 @@ dotted key, the value and what is valid.
 from __future__ import annotations
 
 import os
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationError
@@ -40,26 +40,26 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    target: Optional[str] = None  # "package.module:name": the user's model instead of the shipped GPT
+    target: str | None = None  # "package.module:name": the user's model instead of the shipped GPT
     kwargs: dict = Field(default_factory=dict)  # passed to model.target
     preset: str = "tiny"  # this and the keys below: the shipped GPT only
-    d_model: Optional[Int] = None
-    n_layers: Optional[Int] = None
-    n_heads: Optional[Int] = None
-    d_ff: Optional[Int] = None
-    seq_len: Optional[Int] = None
-    remat: Optional[str] = None  # the GPT config owns the valid policies and checks them
+    d_model: Int | None = None
+    n_layers: Int | None = None
+    n_heads: Int | None = None
+    d_ff: Int | None = None
+    seq_len: Int | None = None
+    remat: str | None = None  # the GPT config owns the valid policies and checks them
 
 
 class ZeroConfig(_Section):
     stage: Int = 3
     engine: str = "gspmd"
-    reduce_dtype: Optional[str] = None
+    reduce_dtype: str | None = None
     prefetch: StrictBool = False  # stage 3: gather the next layer (shard_map) or FSDP unit (both engines) one ahead
     reshard_after_forward: StrictBool = True  # stage 3, False: gather once per step, keep across micro-batches
     offload: str = "none"  # "optimizer": fp32 master + optimizer state in host memory; "optimizer+params"
-    quantize_weights: Optional[Literal["int8", "fp8"]] = None  # ZeRO++ qwZ, shard_map stage 3
-    quantize_grads: Optional[Literal["int8"]] = None  # ZeRO++ qgZ, shard_map stages 1-3
+    quantize_weights: Literal["int8", "fp8"] | None = None  # ZeRO++ qwZ, shard_map stage 3
+    quantize_grads: Literal["int8"] | None = None  # ZeRO++ qgZ, shard_map stages 1-3
     quantize_block: PositiveInt = 256  # elements per quantization scale
     hierarchical: StrictBool = False  # ZeRO++ hpZ, shard_map stage 3 on a data x fsdp mesh
     checked_update: StrictBool = False  # also refuse a non-finite new state: two optimizer passes
@@ -67,7 +67,7 @@ class ZeroConfig(_Section):
 
 class MeshConfig(_Section):
     data: Int = 1
-    fsdp: Optional[Int] = None  # default: every device not on `data`
+    fsdp: Int | None = None  # default: every device not on `data`
 
 
 class OptimizerConfig(_Section):
@@ -77,7 +77,7 @@ class OptimizerConfig(_Section):
     b1: Annotated[Float, Field(ge=0, lt=1)] = 0.9  # 1 would never forget: updates become NaN
     b2: Annotated[Float, Field(ge=0, lt=1)] = 0.95
     warmup_steps: NonNegativeInt = 0
-    grad_clip: Optional[Annotated[Float, Field(gt=0)]] = 1.0
+    grad_clip: Annotated[Float, Field(gt=0)] | None = 1.0
 
 
 class TrainConfig(_Section):
@@ -91,20 +91,20 @@ class TrainConfig(_Section):
 
 
 class DataConfig(_Section):
-    target: Optional[str] = None  # "package.module:name", called as name(seed=, batch_size=, **kwargs)
+    target: str | None = None  # "package.module:name", called as name(seed=, batch_size=, **kwargs)
     kwargs: dict = Field(default_factory=dict)
-    eval_kwargs: Optional[dict] = None  # with data.target: an eval source from seed + 1 and kwargs | eval_kwargs
-    path: Optional[str] = None  # None: the Python standard library's own sources
+    eval_kwargs: dict | None = None  # with data.target: an eval source from seed + 1 and kwargs | eval_kwargs
+    path: str | None = None  # None: the Python standard library's own sources
     max_bytes: Annotated[Int, Field(gt=0)] = 16 * 2**20
     eval_fraction: Annotated[Float, Field(ge=0, lt=1)] = 0.05
 
 
 class LossConfig(_Section):
-    target: Optional[str] = None  # "package.module:name": (outputs, batch) -> loss; default cross entropy
+    target: str | None = None  # "package.module:name": (outputs, batch) -> loss; default cross entropy
 
 
 class CheckpointConfig(_Section):
-    dir: Optional[str] = None  # default: OUT/checkpoints
+    dir: str | None = None  # default: OUT/checkpoints
     every: NonNegativeInt = 0  # steps; 0 = off
     keep: PositiveInt = 2
 
@@ -198,8 +198,9 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
             with open(path, encoding="utf-8") as f:
                 raw = yaml.safe_load(f) or {}
         except UnicodeDecodeError as e:
-            raise UserError(f"config file {path!r} is not UTF-8 text (byte {e.start} cannot be decoded); "
-                            "save it as UTF-8.") from None
+            raise UserError(
+                f"config file {path!r} is not UTF-8 text (byte {e.start} cannot be decoded); save it as UTF-8."
+            ) from None
         except OSError as e:
             raise UserError(f"config file {path!r} cannot be read: {e.strerror or e}.") from None
         except yaml.YAMLError as e:
@@ -240,19 +241,25 @@ def validate(c: Config) -> None:
     get_optimizer(c.optimizer.name)
     check_sizes(c.mesh.data, c.mesh.fsdp)
     if c.model.kwargs and not c.model.target:
-        raise UserError("model.kwargs needs a model.target to pass them to; the shipped GPT takes model.preset, "
-                        "model.d_model, ... instead.")
-    gpt_only = [k for k in ("d_model", "n_layers", "n_heads", "d_ff", "seq_len", "remat")
-                if c.model.target and getattr(c.model, k) is not None]
+        raise UserError(
+            "model.kwargs needs a model.target to pass them to; the shipped GPT takes model.preset, "
+            "model.d_model, ... instead."
+        )
+    gpt_only = [
+        k
+        for k in ("d_model", "n_layers", "n_heads", "d_ff", "seq_len", "remat")
+        if c.model.target and getattr(c.model, k) is not None
+    ]
     if gpt_only:
-        raise UserError(f"model.{gpt_only[0]} configures the shipped GPT, not model.target={c.model.target!r}: pass "
-                        "your model's sizes through model.kwargs, and rematerialise inside it (nnx.remat, nn.remat).")
+        raise UserError(
+            f"model.{gpt_only[0]} configures the shipped GPT, not model.target={c.model.target!r}: pass "
+            "your model's sizes through model.kwargs, and rematerialise inside it (nnx.remat, nn.remat)."
+        )
     if (c.data.kwargs or c.data.eval_kwargs is not None) and not c.data.target:
         raise UserError("data.kwargs and data.eval_kwargs need a data.target to pass them to.")
     from zerojax.targets import import_target
 
-    for key, text in (("model.target", c.model.target), ("data.target", c.data.target),
-                      ("loss.target", c.loss.target)):
+    for key, text in (("model.target", c.model.target), ("data.target", c.data.target), ("loss.target", c.loss.target)):
         if text is not None:
             import_target(text, key)  # importable and callable: fails here, before JAX starts
     if c.mesh.fsdp is not None:

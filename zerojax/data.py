@@ -13,8 +13,12 @@ from zerojax.errors import UserError
 VOCAB_SIZE = 256
 _BINARY_PROBE = 8192  # a NUL byte in the first 8 KiB marks a file as binary
 # Text with a byte-order mark in these encodings is read as its UTF-8 bytes (it holds NUL bytes).
-_BOMS = ((b"\xff\xfe\x00\x00", "utf-32"), (b"\x00\x00\xfe\xff", "utf-32"),
-         (b"\xff\xfe", "utf-16"), (b"\xfe\xff", "utf-16"))
+_BOMS = (
+    (b"\xff\xfe\x00\x00", "utf-32"),
+    (b"\x00\x00\xfe\xff", "utf-32"),
+    (b"\xff\xfe", "utf-16"),
+    (b"\xfe\xff", "utf-16"),
+)
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
 
 
@@ -65,12 +69,16 @@ def load_corpus(path: str | None, max_bytes: int = 16 * 2**20) -> np.ndarray:
     elif os.path.isfile(path):
         files = [path]
     else:
-        raise UserError(f"data.path={path!r} does not exist; give an existing text file or folder, or null for the built-in corpus.")
+        raise UserError(
+            f"data.path={path!r} does not exist; give an existing text file or folder, or null for the built-in corpus."
+        )
     data = _read_until(files, max_bytes)
     if not data:
-        raise UserError(f"data.path={path!r} holds no usable bytes (empty, unreadable, or only files with NUL "
-                        "bytes: binary, or UTF-16/32 text without a byte-order mark, which must be converted "
-                        "to UTF-8); give a non-empty text corpus.")
+        raise UserError(
+            f"data.path={path!r} holds no usable bytes (empty, unreadable, or only files with NUL "
+            "bytes: binary, or UTF-16/32 text without a byte-order mark, which must be converted "
+            "to UTF-8); give a non-empty text corpus."
+        )
     return np.frombuffer(data, dtype=np.uint8).copy()
 
 

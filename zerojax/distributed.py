@@ -17,8 +17,8 @@ import os
 import re
 import sys
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from zerojax.errors import Preempted, UserError
 
@@ -55,20 +55,43 @@ class DistributedSpec:
 def add_arguments(parser) -> None:
     """The distributed flags of `zerojax train` (and any command that trains)."""
     g = parser.add_argument_group("multi-process (jax.distributed)")
-    g.add_argument("--distributed", action="store_true",
-                   help="join a multi-process run, detecting SLURM / TPU pod / Open MPI / Kubernetes")
-    g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                   help=f"address of process 0's coordinator (or ${ENV_COORDINATOR})")
-    g.add_argument("--num-processes", type=int, default=None, metavar="N",
-                   help=f"number of processes in the run (or ${ENV_NUM_PROCESSES})")
-    g.add_argument("--process-id", type=int, default=None, metavar="I",
-                   help=f"this process's index, 0..N-1 (or ${ENV_PROCESS_ID})")
-    g.add_argument("--heartbeat-timeout", type=int, default=None, metavar="S",
-                   help=f"seconds without heartbeats before a process counts as dead "
-                        f"(default {DEFAULT_HEARTBEAT_TIMEOUT_S}, or ${ENV_HEARTBEAT_TIMEOUT})")
-    g.add_argument("--shutdown-timeout", type=int, default=None, metavar="S",
-                   help=f"seconds an exiting process waits for the others "
-                        f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S}, or ${ENV_SHUTDOWN_TIMEOUT})")
+    g.add_argument(
+        "--distributed",
+        action="store_true",
+        help="join a multi-process run, detecting SLURM / TPU pod / Open MPI / Kubernetes",
+    )
+    g.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="HOST:PORT",
+        help=f"address of process 0's coordinator (or ${ENV_COORDINATOR})",
+    )
+    g.add_argument(
+        "--num-processes",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"number of processes in the run (or ${ENV_NUM_PROCESSES})",
+    )
+    g.add_argument(
+        "--process-id", type=int, default=None, metavar="I", help=f"this process's index, 0..N-1 (or ${ENV_PROCESS_ID})"
+    )
+    g.add_argument(
+        "--heartbeat-timeout",
+        type=int,
+        default=None,
+        metavar="S",
+        help=f"seconds without heartbeats before a process counts as dead "
+        f"(default {DEFAULT_HEARTBEAT_TIMEOUT_S}, or ${ENV_HEARTBEAT_TIMEOUT})",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=int,
+        default=None,
+        metavar="S",
+        help=f"seconds an exiting process waits for the others "
+        f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S}, or ${ENV_SHUTDOWN_TIMEOUT})",
+    )
 
 
 def _int_from(name: str, flag, env: Mapping[str, str], env_name: str) -> int | None:
@@ -100,8 +123,10 @@ def resolve(
     process_id = _int_from("--process-id", process_id, env, ENV_PROCESS_ID)
     heartbeat = _int_from("--heartbeat-timeout", heartbeat_timeout, env, ENV_HEARTBEAT_TIMEOUT)
     shutdown = _int_from("--shutdown-timeout", shutdown_timeout, env, ENV_SHUTDOWN_TIMEOUT)
-    timeouts = {"heartbeat_timeout_s": DEFAULT_HEARTBEAT_TIMEOUT_S if heartbeat is None else heartbeat,
-                "shutdown_timeout_s": DEFAULT_SHUTDOWN_TIMEOUT_S if shutdown is None else shutdown}
+    timeouts = {
+        "heartbeat_timeout_s": DEFAULT_HEARTBEAT_TIMEOUT_S if heartbeat is None else heartbeat,
+        "shutdown_timeout_s": DEFAULT_SHUTDOWN_TIMEOUT_S if shutdown is None else shutdown,
+    }
     for key, value in timeouts.items():
         if value < 1:
             flag = "--" + key.removesuffix("_s").replace("_", "-")
@@ -123,15 +148,22 @@ def resolve(
     missing = [k for k, v in given.items() if v is None]
     if missing and not distributed:
         # Half-given settings are a typo far more often than an intent to auto-detect the rest.
-        raise UserError(f"a multi-process run needs --coordinator, --num-processes and --process-id together "
-                        f"(missing {', '.join(missing)}); or pass --distributed to auto-detect the rest.")
+        raise UserError(
+            f"a multi-process run needs --coordinator, --num-processes and --process-id together "
+            f"(missing {', '.join(missing)}); or pass --distributed to auto-detect the rest."
+        )
     return DistributedSpec("auto" if missing else "explicit", coordinator, num_processes, process_id, **timeouts)
 
 
 def spec_from_args(args) -> DistributedSpec:
-    return resolve(distributed=args.distributed, coordinator=args.coordinator, num_processes=args.num_processes,
-                   process_id=args.process_id, heartbeat_timeout=args.heartbeat_timeout,
-                   shutdown_timeout=args.shutdown_timeout)
+    return resolve(
+        distributed=args.distributed,
+        coordinator=args.coordinator,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+        heartbeat_timeout=args.heartbeat_timeout,
+        shutdown_timeout=args.shutdown_timeout,
+    )
 
 
 def apply_compiler_flags(xla_flags: list[str], libtpu_flags: list[str], env=None) -> None:
@@ -165,20 +197,26 @@ def initialize(spec: DistributedSpec) -> None:
         )
     except (ValueError, TypeError) as e:  # auto-detection found no cluster, or inconsistent values
         if spec.mode == "auto" and ("should be defined" in str(e) or "must be defined" in str(e)):
-            raise UserError("--distributed found no cluster to join (SLURM, Cloud TPU pod, Open MPI or Kubernetes); "
-                            "pass --coordinator HOST:PORT --num-processes N --process-id I instead.") from None
+            raise UserError(
+                "--distributed found no cluster to join (SLURM, Cloud TPU pod, Open MPI or Kubernetes); "
+                "pass --coordinator HOST:PORT --num-processes N --process-id I instead."
+            ) from None
         raise UserError(f"could not start the multi-process run: {e}") from None
     except RuntimeError as e:  # e.g. the coordinator never answered within the init timeout
-        raise UserError(f"could not join the multi-process run at {spec.coordinator or 'the detected coordinator'}: "
-                        f"{str(e).splitlines()[0]}") from None
+        raise UserError(
+            f"could not join the multi-process run at {spec.coordinator or 'the detected coordinator'}: "
+            f"{str(e).splitlines()[0]}"
+        ) from None
 
 
 def describe() -> str:
     """One line naming this process and what it sees, e.g. for the launcher's log."""
     import jax
 
-    return (f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} local "
-            f"{jax.default_backend()} devices, {jax.device_count()} in all")
+    return (
+        f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} local "
+        f"{jax.default_backend()} devices, {jax.device_count()} in all"
+    )
 
 
 def _exit_now(code: int) -> None:
@@ -216,8 +254,10 @@ def fail_fast(spec: DistributedSpec):
         _exit_now(e.exit_code)
     except jax.errors.JaxRuntimeError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        sys.stderr.write(f"error: {who}: a collective with the other processes failed; another process most "
-                         f"likely died or was stopped (see its log). XLA said: {first}\n")
+        sys.stderr.write(
+            f"error: {who}: a collective with the other processes failed; another process most "
+            f"likely died or was stopped (see its log). XLA said: {first}\n"
+        )
         _exit_now(1)
     except BaseException as e:  # noqa: BLE001 - a bug, ^C or SIGTERM: still never wait for the others
         traceback.print_exc()

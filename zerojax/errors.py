@@ -1,8 +1,8 @@
 """The exceptions the CLI turns into one line and a documented exit status, never a traceback.
 
-  UserError  bad input (config, data path, checkpoint, output folder, device counts): exit 2
-  Diverged   train.max_bad_steps non-finite steps in a row; the last good checkpoint is kept: exit 3
-  Preempted  SIGTERM (or JAX's preemption notice): a checkpoint of the last step is complete: exit 75
+UserError  bad input (config, data path, checkpoint, output folder, device counts): exit 2
+Diverged   train.max_bad_steps non-finite steps in a row; the last good checkpoint is kept: exit 3
+Preempted  SIGTERM (or JAX's preemption notice): a checkpoint of the last step is complete: exit 75
 """
 
 

@@ -23,8 +23,9 @@ from zerojax.trainer import Trainer
 
 
 def model_config(c: Config) -> GPTConfig:
-    overrides = {k: v for k, v in c.model.model_dump().items()
-                 if k not in ("preset", "target", "kwargs") and v is not None}
+    overrides = {
+        k: v for k, v in c.model.model_dump().items() if k not in ("preset", "target", "kwargs") and v is not None
+    }
     return gpt_config(c.model.preset, **overrides)
 
 
@@ -56,15 +57,20 @@ def build_data(c: Config, gpt: GPTConfig | None) -> tuple[Any, Any | None]:
         train = build_source(c.data.target, c.data.kwargs, seed=c.train.seed, batch_size=c.train.batch_size)
         evals = None
         if c.data.eval_kwargs is not None:
-            evals = build_source(c.data.target, {**c.data.kwargs, **c.data.eval_kwargs}, seed=c.train.seed + 1,
-                                 batch_size=c.train.batch_size)
+            evals = build_source(
+                c.data.target,
+                {**c.data.kwargs, **c.data.eval_kwargs},
+                seed=c.train.seed + 1,
+                batch_size=c.train.batch_size,
+            )
         return train, evals
     seq_len = (gpt or model_config(c)).seq_len
     tokens = load_corpus(c.data.path, c.data.max_bytes)
     train_tokens, eval_tokens = split_corpus(tokens, c.data.eval_fraction)
     stream = functools.partial(BatchStream, seq_len=seq_len, global_batch=c.train.batch_size, path=c.data.path)
-    return stream(train_tokens, seed=c.train.seed), (stream(eval_tokens, seed=c.train.seed + 1)
-                                                      if len(eval_tokens) else None)
+    return stream(train_tokens, seed=c.train.seed), (
+        stream(eval_tokens, seed=c.train.seed + 1) if len(eval_tokens) else None
+    )
 
 
 def build_experiment(c: Config, devices=None) -> Experiment:
@@ -87,10 +93,15 @@ def build_experiment(c: Config, devices=None) -> Experiment:
         precision=c.precision,
         loss_fn=loss_fn,
         reduce_dtype=c.zero.reduce_dtype,
-        engine_options=EngineOptions(prefetch=c.zero.prefetch, reshard_after_forward=c.zero.reshard_after_forward,
-                                     quantize_weights=c.zero.quantize_weights, quantize_grads=c.zero.quantize_grads,
-                                     quantize_block=c.zero.quantize_block, hierarchical=c.zero.hierarchical,
-                                     checked_update=c.zero.checked_update),
+        engine_options=EngineOptions(
+            prefetch=c.zero.prefetch,
+            reshard_after_forward=c.zero.reshard_after_forward,
+            quantize_weights=c.zero.quantize_weights,
+            quantize_grads=c.zero.quantize_grads,
+            quantize_block=c.zero.quantize_block,
+            hierarchical=c.zero.hierarchical,
+            checked_update=c.zero.checked_update,
+        ),
         grad_accum=c.train.grad_accum,
         offload=c.zero.offload,
     )

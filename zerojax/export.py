@@ -9,7 +9,7 @@ import zipfile
 import jax
 import numpy as np
 
-from zerojax.checkpoint import unreadable, failure, find_step_dir, item_path, read_meta, state_handler
+from zerojax.checkpoint import failure, find_step_dir, item_path, read_meta, state_handler, unreadable
 from zerojax.errors import UserError
 from zerojax.stages import path_str
 
@@ -83,8 +83,13 @@ def export_params(checkpoint: str, out_path: str) -> dict:
         if isinstance(e, OSError) and e.filename is None and failure(e):  # zipfile's own write to `partial`
             raise UserError(f"writing {out_path!r} failed ({failure(e)}); nothing was written.") from None
         raise unreadable(step_dir, "parameters", e) from None
-    return {"step": meta["step"], "path": out_path, "params": len(keys), "model_state": len(state_keys),
-            "from": step_dir}
+    return {
+        "step": meta["step"],
+        "path": out_path,
+        "params": len(keys),
+        "model_state": len(state_keys),
+        "from": step_dir,
+    }
 
 
 def _check_target(out_path: str, partial: str) -> None:
@@ -96,8 +101,9 @@ def _check_target(out_path: str, partial: str) -> None:
         raise UserError(f"output folder {out_dir!r} is not writable; give an .npz path in a folder you can write to.")
     for path in (out_path, partial):
         if os.path.isdir(path):
-            raise UserError(f"{path!r} is a folder; export writes a file there, so give another .npz path "
-                            "or move the folder away.")
+            raise UserError(
+                f"{path!r} is a folder; export writes a file there, so give another .npz path or move the folder away."
+            )
 
 
 def _read_leaf(handler, step_dir: str, meta: dict, group: str, k: tuple) -> np.ndarray:
@@ -108,8 +114,10 @@ def _read_leaf(handler, step_dir: str, meta: dict, group: str, k: tuple) -> np.n
     if group == "params" and name not in meta["params"]:
         raise KeyError(name)
     args = _nested((group, *k), ocp.RestoreArgs(restore_type=np.ndarray))
-    tree = handler.restore(item_path(step_dir, "state"), args=ocp.args.PyTreeRestore(
-        item=_nested((group, *k), 0), restore_args=args, partial_restore=True))
+    tree = handler.restore(
+        item_path(step_dir, "state"),
+        args=ocp.args.PyTreeRestore(item=_nested((group, *k), 0), restore_args=args, partial_restore=True),
+    )
     stored = np.asarray(_dig(tree, (group, *k)))
     want = meta["leaves"][f"{group}/{name}"]
     if "checksum" in want and want["checksum"] != _host_checksum(stored):

@@ -13,12 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zerojax import offload as offload_lib
 from zerojax.precision import Precision, cast_tree
-from zerojax.stages import FSDP_AXIS, LeafLayout, Stage, fit_to, leaf_layout, path_str
 from zerojax.stacked import under
+from zerojax.stages import FSDP_AXIS, LeafLayout, Stage, fit_to, leaf_layout, path_str
 from zerojax.state import TrainState
 
 _is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
@@ -114,8 +115,13 @@ class StateLayout:
             return self._own_rule(state_leaf)
 
         return optax.tree_map_params(
-            tx, follow_param, opt_state_shapes, self._opt, shapes,
-            transform_non_params=self._own_rule, is_leaf=lambda x: _is_layout(x) or isinstance(x, tuple) and all(isinstance(i, int) for i in x),
+            tx,
+            follow_param,
+            opt_state_shapes,
+            self._opt,
+            shapes,
+            transform_non_params=self._own_rule,
+            is_leaf=lambda x: _is_layout(x) or isinstance(x, tuple) and all(isinstance(i, int) for i in x),
         )
 
     def _own_rule(self, leaf) -> NamedSharding:
@@ -128,8 +134,11 @@ class StateLayout:
 
     def opt_state_shapes(self, tx: optax.GradientTransformation):
         """The optimizer state's abstract leaves, from the optimizer group's storage shapes."""
-        params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, self.precision.master_dtype),
-                              self.opt_shapes(), is_leaf=lambda x: isinstance(x, tuple))
+        params = jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s, self.precision.master_dtype),
+            self.opt_shapes(),
+            is_leaf=lambda x: isinstance(x, tuple),
+        )
         return jax.eval_shape(tx.init, params)
 
     def state_shardings(self, tx, opt_state_shapes) -> TrainState:
@@ -148,19 +157,24 @@ class StateLayout:
         shardings = self.state_shardings(tx, opt_state_shapes)
 
         def group(sharded: bool, dtype, placed):
-            return jax.tree.map(lambda shape, sh: jax.ShapeDtypeStruct(shape, dtype, sharding=sh),
-                                self.shapes(sharded), placed, is_leaf=lambda x: isinstance(x, tuple))
+            return jax.tree.map(
+                lambda shape, sh: jax.ShapeDtypeStruct(shape, dtype, sharding=sh),
+                self.shapes(sharded),
+                placed,
+                is_leaf=lambda x: isinstance(x, tuple),
+            )
 
-        opt_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                                 opt_state_shapes, shardings.opt_state)
+        opt_state = jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), opt_state_shapes, shardings.opt_state
+        )
         return TrainState(
             step=jax.ShapeDtypeStruct((), np.int32, sharding=shardings.step),
             params=group(self.master_sharded, self.precision.master_dtype, shardings.params),
             opt_state=opt_state,
-            compute=(group(False, self.precision.compute_dtype, shardings.compute)
-                     if self.keeps_compute_copy else None),
+            compute=(
+                group(False, self.precision.compute_dtype, shardings.compute) if self.keeps_compute_copy else None
+            ),
         )
-
 
     def fresh_state(self, tx: optax.GradientTransformation, params) -> TrainState:
         """Step 0 from logical params (any dtype): master, optimizer and compute groups in their layouts."""
@@ -179,9 +193,19 @@ class StateLayout:
         """The persistent compute copy of master `params`: logical shapes, compute dtype, replicated."""
         return cast_tree(self.to_layout(params, sharded=False), self.precision.compute_dtype)
 
-def make_layout(mesh, stage: Stage, precision: Precision, param_shapes, *, replicate_below_bytes: int = 2048,
-                pad_free_optimizer: bool = False, stack_paths: tuple = (), offload: str = "none",
-                hierarchical: bool = False) -> StateLayout:
+
+def make_layout(
+    mesh,
+    stage: Stage,
+    precision: Precision,
+    param_shapes,
+    *,
+    replicate_below_bytes: int = 2048,
+    pad_free_optimizer: bool = False,
+    stack_paths: tuple = (),
+    offload: str = "none",
+    hierarchical: bool = False,
+) -> StateLayout:
     """One `LeafLayout` per parameter; leaves under one of the `stack_paths` (the param paths of the
     model's layer stacks: `zj.Stacked`, or what a model taking `layer_hook` declares) keep axis 0 whole.
 
@@ -197,13 +221,32 @@ def make_layout(mesh, stage: Stage, precision: Precision, param_shapes, *, repli
         keys = tuple(getattr(k, "key", k) for k in path)
         stacked = under(keys, stack_paths)
         itemsize = np.dtype(precision.master_dtype).itemsize
-        return leaf_layout(name, leaf.shape, itemsize, fsdp, layer_axis=0 if stacked else None,
-                           replicate_below_bytes=replicate_below_bytes, over=over)
+        return leaf_layout(
+            name,
+            leaf.shape,
+            itemsize,
+            fsdp,
+            layer_axis=0 if stacked else None,
+            replicate_below_bytes=replicate_below_bytes,
+            over=over,
+        )
 
     leaves = jax.tree_util.tree_map_with_path(rule, param_shapes)
     opt_leaves = None
     if pad_free_optimizer and stage.optimizer and any(l.padded for l in jax.tree.leaves(leaves, is_leaf=_is_layout)):
         opt_leaves = jax.tree.map(
-            lambda l: LeafLayout(l.path, l.shape, l.shape, None, "replicated in the optimizer: padding would "
-                                 "change a non-elementwise update") if l.padded else l, leaves, is_leaf=_is_layout)
+            lambda l: (
+                LeafLayout(
+                    l.path,
+                    l.shape,
+                    l.shape,
+                    None,
+                    "replicated in the optimizer: padding would change a non-elementwise update",
+                )
+                if l.padded
+                else l
+            ),
+            leaves,
+            is_leaf=_is_layout,
+        )
     return StateLayout(mesh, stage, precision, leaves, opt_leaves, offload, tuple(stack_paths))

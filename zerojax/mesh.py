@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -40,8 +40,10 @@ def check_sizes(data, fsdp=None, tensor=1) -> None:
 def check_batch(batch_size: int, data_parallel: int) -> None:
     """The global batch splits evenly over every data-parallel device (mesh data x fsdp)."""
     if batch_size % data_parallel:
-        raise UserError(f"train.batch_size={batch_size} is not divisible by the data-parallel size "
-                        f"{data_parallel} (mesh.data x mesh.fsdp).")
+        raise UserError(
+            f"train.batch_size={batch_size} is not divisible by the data-parallel size "
+            f"{data_parallel} (mesh.data x mesh.fsdp)."
+        )
 
 
 def make_mesh(data: int = 1, fsdp: int | None = None, tensor: int = 1, *, devices: Sequence | None = None):
@@ -58,9 +60,7 @@ def make_mesh(data: int = 1, fsdp: int | None = None, tensor: int = 1, *, device
     check_sizes(data, fsdp, tensor)
     if fsdp is None:
         if n % (data * tensor):
-            raise UserError(
-                f"mesh.data={data} x mesh.tensor={tensor} does not divide the {n} available devices."
-            )
+            raise UserError(f"mesh.data={data} x mesh.tensor={tensor} does not divide the {n} available devices.")
         fsdp = n // (data * tensor)
     shape = (data, fsdp, tensor)
     if math.prod(shape) != n:

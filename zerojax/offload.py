@@ -55,9 +55,11 @@ def check_backend(mode: str, devices) -> None:
     for device in devices:
         kinds = [m.kind for m in device.addressable_memories()]
         if HOST not in kinds:
-            raise UserError(f"zero.offload: {mode} needs the memory kind {HOST!r}, which device {device} "
-                            f"(platform {device.platform}, jax {jax.__version__}) does not have; it has "
-                            f"{', '.join(kinds)}. Use zero.offload: none here.")
+            raise UserError(
+                f"zero.offload: {mode} needs the memory kind {HOST!r}, which device {device} "
+                f"(platform {device.platform}, jax {jax.__version__}) does not have; it has "
+                f"{', '.join(kinds)}. Use zero.offload: none here."
+            )
 
 
 def to_host(sharding):
@@ -78,8 +80,11 @@ def place(state, shardings, names, where):
     if not names:
         return state
     kind = to_device if where == DEVICE else to_host
-    moved = {g: jax.tree.map(lambda x, s: jax.device_put(x, kind(s)), getattr(state, g), getattr(shardings, g))
-             for g in names if getattr(state, g) is not None}
+    moved = {
+        g: jax.tree.map(lambda x, s: jax.device_put(x, kind(s)), getattr(state, g), getattr(shardings, g))
+        for g in names
+        if getattr(state, g) is not None
+    }
     return state.replace(**moved)
 
 
@@ -114,8 +119,21 @@ def split_bytes(tree, device=None) -> dict[str, int]:
     return out
 
 
-_DTYPE_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1, "f64": 8,
-                "s64": 8, "u64": 8, "s16": 2, "u16": 2}
+_DTYPE_BYTES = {
+    "f32": 4,
+    "s32": 4,
+    "u32": 4,
+    "bf16": 2,
+    "f16": 2,
+    "s8": 1,
+    "u8": 1,
+    "pred": 1,
+    "f64": 8,
+    "s64": 8,
+    "u64": 8,
+    "s16": 2,
+    "u16": 2,
+}
 _SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\](?:\{([^}]*)\})?")
 
 

@@ -7,8 +7,9 @@ JAX-free.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from zerojax.errors import UserError
 
@@ -103,7 +104,7 @@ def pads_exactly(tx, shape: tuple[int, int] = (129, 131), padded: tuple[int, int
                 up, sp = tx.update(pad(g), sp, qp)
                 if not np.allclose(np.asarray(up)[: shape[0], : shape[1]], np.asarray(u), rtol=1e-6, atol=1e-8):
                     return False
-                if np.any(np.asarray(up)[:, shape[1]:]):
+                if np.any(np.asarray(up)[:, shape[1] :]):
                     return False
                 q, qp = q + u, qp + up
         return True

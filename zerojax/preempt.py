@@ -22,7 +22,7 @@ class Preemption:
         self._multi = jax.process_count() > 1
         self._old = None
 
-    def __enter__(self) -> "Preemption":
+    def __enter__(self) -> Preemption:
         if not self._multi and threading.current_thread() is threading.main_thread():
             self._old = signal.signal(signal.SIGTERM, self._on_signal)
         return self

@@ -16,7 +16,7 @@ and 0.12), so the residuals would silently stay in device memory. `remat` theref
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 
@@ -48,7 +48,8 @@ def checkpoint_policy(policy: str):
             raise UserError(
                 f"remat=offload keeps saved activations in host memory, which the {platform} backend "
                 "cannot place from a compiled program (JAX lowers the move to the host as a no-op there); "
-                "use remat=full for the same device memory on CPU, or run on a GPU or TPU.")
+                "use remat=full for the same device memory on CPU, or run on a GPU or TPU."
+            )
         return jax.checkpoint_policies.offload_dot_with_no_batch_dims(offload_src="device", offload_dst="pinned_host")
     return None
 

@@ -20,14 +20,24 @@ def training_progress(total_steps: int):
     if jax.process_index() != 0:
         yield lambda record: None
         return
-    columns = (TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("loss {task.fields[loss]}"),
-               TextColumn("{task.fields[tps]} tok/s"), TimeElapsedColumn())
+    columns = (
+        TextColumn("step"),
+        MofNCompleteColumn(),
+        BarColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[tps]} tok/s"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("train", total=total_steps, loss="-", tps="-")
 
         def on_step(record: dict) -> None:
-            progress.update(task, completed=record["step"], loss=_loss(record["loss"], record.get("bad_step")),
-                            tps=f"{record['tokens_per_s']:,.0f}")
+            progress.update(
+                task,
+                completed=record["step"],
+                loss=_loss(record["loss"], record.get("bad_step")),
+                tps=f"{record['tokens_per_s']:,.0f}",
+            )
 
         yield on_step
 
@@ -79,9 +89,15 @@ def summary_table(summary: dict, out_dir: str) -> None:
         ("loss first -> final", f"{_loss(summary['first_loss'])} -> {_loss(summary['final_loss'])}"),
         ("eval loss", "-" if summary["eval_loss"] is None else _loss(summary["eval_loss"])),
         ("bad steps (skipped)", f"{summary.get('bad_steps', 0)}"),
-        ("state per device", _bytes(summary["persistent_bytes_per_device"])
-         + (f" (+ {_bytes(summary['host_persistent_bytes_per_device'])} in host memory)"
-            if summary.get("host_persistent_bytes_per_device") else "")),
+        (
+            "state per device",
+            _bytes(summary["persistent_bytes_per_device"])
+            + (
+                f" (+ {_bytes(summary['host_persistent_bytes_per_device'])} in host memory)"
+                if summary.get("host_persistent_bytes_per_device")
+                else ""
+            ),
+        ),
         ("compile", f"{summary['compile_s']:.1f} s"),
         ("median step", f"{summary['median_step_time_s'] * 1e3:.1f} ms ({summary['tokens_per_s']:,.0f} tok/s)"),
         ("output", out_dir),

@@ -14,8 +14,8 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import jax
 import numpy as np
@@ -47,11 +47,20 @@ class FitOptions:
     model: dict | None = field(default=None, compare=False)  # the model's description, for checkpoints
 
     @classmethod
-    def from_config(cls, c, model: dict | None = None) -> "FitOptions":
+    def from_config(cls, c, model: dict | None = None) -> FitOptions:
         t, k = c.train, c.checkpoint
-        return cls(steps=t.steps, seed=t.seed, eval_every=t.eval_every, eval_batches=t.eval_batches,
-                   max_bad_steps=t.max_bad_steps, checkpoint_every=k.every, checkpoint_keep=k.keep,
-                   checkpoint_dir=k.dir, config=c.to_dict(), model=model)
+        return cls(
+            steps=t.steps,
+            seed=t.seed,
+            eval_every=t.eval_every,
+            eval_batches=t.eval_batches,
+            max_bad_steps=t.max_bad_steps,
+            checkpoint_every=k.every,
+            checkpoint_keep=k.keep,
+            checkpoint_dir=k.dir,
+            config=c.to_dict(),
+            model=model,
+        )
 
 
 def evaluate(trainer, source, state, batches: int) -> float | None:
@@ -98,8 +107,10 @@ def _start(trainer, source, o: FitOptions, ckpt_dir: str, resume: bool) -> tuple
     key = jax.random.key(o.seed)
     steps = checkpoint.complete_steps(ckpt_dir)
     if steps and not resume and o.checkpoint_every:
-        raise UserError(f"{ckpt_dir} already holds checkpoints (latest step {steps[-1]}); pass --resume to "
-                        "continue from it, or choose another --out or checkpoint.dir.")
+        raise UserError(
+            f"{ckpt_dir} already holds checkpoints (latest step {steps[-1]}); pass --resume to "
+            "continue from it, or choose another --out or checkpoint.dir."
+        )
     if resume and not o.checkpoint_every:
         warn("checkpoint.every=0: this run writes no checkpoints to resume from later.")
     if not (resume and steps):
@@ -111,8 +122,10 @@ def _start(trainer, source, o: FitOptions, ckpt_dir: str, resume: bool) -> tuple
     if isinstance(meta.get("config"), dict) and o.config is not None:
         check_resume_config(meta["config"], o.config, step_dir, meta.get("mesh"), dict(trainer.mesh.shape))
     elif meta.get("seed") != o.seed:
-        raise UserError(f"train.seed={o.seed} differs from the seed {meta.get('seed')} the checkpoint in "
-                        f"{ckpt_dir} was trained with; resume with --set train.seed={meta.get('seed')}.")
+        raise UserError(
+            f"train.seed={o.seed} differs from the seed {meta.get('seed')} the checkpoint in "
+            f"{ckpt_dir} was trained with; resume with --set train.seed={meta.get('seed')}."
+        )
     # The data source is a pure function of (seed, step): the data position is the step.
     state, meta = checkpoint.restore(trainer, step_dir, key, sources.global_batch(source, steps[-1], sharding))
     return state, int(meta["step"])
@@ -121,8 +134,16 @@ def _start(trainer, source, o: FitOptions, ckpt_dir: str, resume: bool) -> tuple
 # Keys that may change between a run and its resume: where and how the same computation runs, when
 # it is saved, and how long it goes on. Every other key changes the trajectory (model, optimizer,
 # learning rate and schedule, batch size, data, seed, precision) and stops the resume.
-SAFE_ON_RESUME = ("zero.", "mesh.", "checkpoint.", "xla.", "train.steps", "train.eval_every",
-                  "train.eval_batches", "train.max_bad_steps")
+SAFE_ON_RESUME = (
+    "zero.",
+    "mesh.",
+    "checkpoint.",
+    "xla.",
+    "train.steps",
+    "train.eval_every",
+    "train.eval_batches",
+    "train.max_bad_steps",
+)
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -139,8 +160,9 @@ def _safe(key: str) -> bool:
     return any(key == s or (s.endswith(".") and key.startswith(s)) for s in SAFE_ON_RESUME)
 
 
-def check_resume_config(saved: dict, current: dict, step_dir: str, saved_mesh: dict | None = None,
-                        mesh: dict | None = None) -> None:
+def check_resume_config(
+    saved: dict, current: dict, step_dir: str, saved_mesh: dict | None = None, mesh: dict | None = None
+) -> None:
     """Stop a resume that changes the trajectory (naming each key and both values); warn about the
     safe changes it makes, a new device count or mesh among them. A longer or shorter `train.steps`
     rebuilds the learning-rate schedule over the new total, so with warm-up and cosine decay the rate
@@ -153,8 +175,10 @@ def check_resume_config(saved: dict, current: dict, step_dir: str, saved_mesh: d
     fatal = [k for k in changed if not _safe(k)]
     if fatal:
         what = "; ".join(f"{k} is {new.get(k)!r} here but {old.get(k)!r} in the checkpoint" for k in fatal)
-        raise UserError(f"cannot resume from {step_dir!r} with a config that changes the training trajectory: "
-                        f"{what}. Resume with the checkpoint's values, or start a new run in another --out.")
+        raise UserError(
+            f"cannot resume from {step_dir!r} with a config that changes the training trajectory: "
+            f"{what}. Resume with the checkpoint's values, or start a new run in another --out."
+        )
     changes = [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in changed]
     if saved_mesh and mesh and {k: int(v) for k, v in saved_mesh.items()} != {k: int(v) for k, v in mesh.items()}:
         changes.insert(0, f"devices {_describe_mesh(saved_mesh)} -> {_describe_mesh(mesh)}")
@@ -208,8 +232,9 @@ class _Outputs:
         if self.writer is None:
             o = self._o
             meta = checkpoint.run_metadata(self._trainer, seed=o.seed, config=o.config, model=o.model)
-            self.writer = checkpoint.CheckpointWriter(_ckpt_dir(o, self._out_dir), keep=o.checkpoint_keep,
-                                                      run_meta=meta)
+            self.writer = checkpoint.CheckpointWriter(
+                _ckpt_dir(o, self._out_dir), keep=o.checkpoint_keep, run_meta=meta
+            )
         return self.writer
 
     def write(self, record: dict) -> None:
@@ -247,8 +272,14 @@ def _train_step(trainer, eval_source, o: FitOptions, run: _Run, step: int, batch
     run.times.append(dt)
     bad = int(metrics.get("bad_step", 0))
     run.bad_run = run.bad_run + 1 if bad else 0
-    record = {"step": step + 1, "loss": _finite(loss), "grad_norm": _finite(float(metrics["grad_norm"])),
-              "bad_step": bad, "step_time_s": dt, "tokens_per_s": run.items_per_step / dt}
+    record = {
+        "step": step + 1,
+        "loss": _finite(loss),
+        "grad_norm": _finite(float(metrics["grad_norm"])),
+        "bad_step": bad,
+        "step_time_s": dt,
+        "tokens_per_s": run.items_per_step / dt,
+    }
     if o.eval_every and (step + 1) % o.eval_every == 0:
         run.eval_loss = record["eval_loss"] = evaluate(trainer, eval_source, run.state, o.eval_batches)
     run.records.append(record)
@@ -259,16 +290,23 @@ def _after_step(o: FitOptions, run: _Run, out: _Outputs, step: int, ckpt_dir: st
     """Stop after too many non-finite steps in a row; save a checkpoint when one is due; on a
     termination request, save this step, wait until the checkpoint is complete, and stop."""
     if run.bad_run >= o.max_bad_steps:
-        kept = f"the last good checkpoint is step {run.last_saved} in {ckpt_dir}" if run.last_saved \
+        kept = (
+            f"the last good checkpoint is step {run.last_saved} in {ckpt_dir}"
+            if run.last_saved
             else "no checkpoint was written"
-        raise Diverged(f"training stopped at step {step + 1}: {run.bad_run} consecutive steps had a non-finite "
-                       f"loss, gradient norm or update (train.max_bad_steps={o.max_bad_steps}); {kept}.")
+        )
+        raise Diverged(
+            f"training stopped at step {step + 1}: {run.bad_run} consecutive steps had a non-finite "
+            f"loss, gradient norm or update (train.max_bad_steps={o.max_bad_steps}); {kept}."
+        )
     if preemption.reached(step + 1):
         if run.last_saved != step + 1:
             out.open_writer().save(step + 1, run.state)  # a bad step's state is the last good one, step advanced
         out.writer.close()  # waits until the checkpoint is complete on disk
-        raise Preempted(f"a termination request arrived; step {step + 1} is saved in {ckpt_dir}; "
-                        "run the same command with --resume to continue.")
+        raise Preempted(
+            f"a termination request arrived; step {step + 1} is saved in {ckpt_dir}; "
+            "run the same command with --resume to continue."
+        )
     # A bad step kept the old state, but its checkpoint would push a good one out: skip it.
     bad = run.records[-1]["bad_step"]
     if out.writer and not bad and ((step + 1) % o.checkpoint_every == 0 or step + 1 == o.steps):
@@ -276,9 +314,19 @@ def _after_step(o: FitOptions, run: _Run, out: _Outputs, step: int, ckpt_dir: st
         run.last_saved = step + 1
 
 
-def fit(trainer, source=None, out_dir: str | None = None, *, steps: int | None = None,
-        eval_source=None, options: FitOptions | None = None, resume: bool = False,
-        on_step: Callable[[dict], None] | None = None, start: Start | None = None, **kwargs) -> dict:
+def fit(
+    trainer,
+    source=None,
+    out_dir: str | None = None,
+    *,
+    steps: int | None = None,
+    eval_source=None,
+    options: FitOptions | None = None,
+    resume: bool = False,
+    on_step: Callable[[dict], None] | None = None,
+    start: Start | None = None,
+    **kwargs,
+) -> dict:
     """Train `trainer` on batch source `source` up to `steps`; returns the summary also written to
     OUT/summary.json, beside OUT/metrics.jsonl (one record per step) and OUT/checkpoints.
 
@@ -295,8 +343,16 @@ def fit(trainer, source=None, out_dir: str | None = None, *, steps: int | None =
         if out_dir is not None and on_step is None:
             on_step = out_dir
         options = FitOptions.from_config(exp.config, exp.model_meta)
-        return fit(exp.trainer, exp.train_data, source, eval_source=exp.eval_data, options=options,
-                   resume=resume, on_step=on_step, start=start)
+        return fit(
+            exp.trainer,
+            exp.train_data,
+            source,
+            eval_source=exp.eval_data,
+            options=options,
+            resume=resume,
+            on_step=on_step,
+            start=start,
+        )
     if options is None:
         if steps is None:
             raise TypeError("fit needs steps=N (or options=FitOptions(...))")

@@ -21,7 +21,8 @@ of batches; see its resume caveat). The byte corpus `zerojax.data.BatchStream` i
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, runtime_checkable
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -39,8 +40,10 @@ def is_source(obj: Any) -> bool:
 
 def _check(batch: Any, source: Any, step: int) -> dict:
     if not isinstance(batch, Mapping) or "inputs" not in batch:
-        raise UserError(f"the batch source {type(source).__name__} returned {type(batch).__name__} for step {step}; "
-                        "batch(step) must return a dict of arrays with at least an 'inputs' entry.")
+        raise UserError(
+            f"the batch source {type(source).__name__} returned {type(batch).__name__} for step {step}; "
+            "batch(step) must return a dict of arrays with at least an 'inputs' entry."
+        )
     return dict(batch)
 
 
@@ -62,8 +65,9 @@ def global_batch(source: Any, step: int, sharding) -> dict:
         return source.global_batch(step, sharding)
     if callable(getattr(source, "rows", None)) and getattr(source, "batch_size", None):
         n = int(source.batch_size)
-        spans = [idx[0].indices(n)[:2] if idx else (0, n)
-                 for idx in sharding.addressable_devices_indices_map((n,)).values()]
+        spans = [
+            idx[0].indices(n)[:2] if idx else (0, n) for idx in sharding.addressable_devices_indices_map((n,)).values()
+        ]
         lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
         local = {k: np.asarray(v) for k, v in _check(source.rows(step, lo, hi), source, step).items()}
 
@@ -72,7 +76,7 @@ def global_batch(source: Any, step: int, sharding) -> dict:
 
             def shard(index):
                 start, stop, _ = (index[0] if index else slice(None)).indices(n)
-                return value[start - lo:stop - lo][(slice(None), *index[1:])]
+                return value[start - lo : stop - lo][(slice(None), *index[1:])]
 
             return jax.make_array_from_callback(shape, sharding, shard)
 
@@ -103,13 +107,15 @@ class ArraySource:
             raise UserError(f"ArraySource arrays must have the same number of rows, got {lengths}.")
         self.size = next(iter(lengths.values()))
         if batch_size < 1 or self.size < 1:
-            raise UserError(f"ArraySource needs batch_size >= 1 and at least one row, got batch_size={batch_size}, "
-                            f"{self.size} rows.")
+            raise UserError(
+                f"ArraySource needs batch_size >= 1 and at least one row, got batch_size={batch_size}, "
+                f"{self.size} rows."
+            )
         self.arrays, self.batch_size, self.seed, self.shuffle = dict(arrays), batch_size, seed, shuffle
         self._perm: tuple[int, np.ndarray] | None = None
 
     @classmethod
-    def from_npy(cls, paths: Mapping[str, str], **kwargs) -> "ArraySource":
+    def from_npy(cls, paths: Mapping[str, str], **kwargs) -> ArraySource:
         """Memory-mapped `.npy` files, e.g. {"inputs": "x.npy", "targets": "y.npy"}."""
         return cls({k: np.load(p, mmap_mode="r") for k, p in paths.items()}, **kwargs)
 
@@ -167,8 +173,10 @@ class IterableSource:
                 self._next += 1
             out = next(self._it)
         except StopIteration:
-            raise UserError(f"the iterable batch source ended before step {step}; give one that yields at least "
-                            "train.steps batches.") from None
+            raise UserError(
+                f"the iterable batch source ended before step {step}; give one that yields at least "
+                "train.steps batches."
+            ) from None
         self._next += 1
         self._last = (step, {k: np.asarray(v) for k, v in _check(out, self, step).items()})
         return self._last[1]

@@ -38,24 +38,28 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Callable, Mapping
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 from flax import nnx
 
 from zerojax import remat as remat_lib
 from zerojax.errors import UserError
+
 LAYERS = "layers"  # the attribute holding the stacked blocks: stack params live under <path>/layers
 
 # id(Stacked) -> (layer hook or None, layer loop or None), set by `hooks_installed` for one call.
-_ACTIVE: contextvars.ContextVar[Mapping[int, tuple]] = contextvars.ContextVar("zerojax_stack_hooks", default={})
+_ACTIVE: contextvars.ContextVar[Mapping[int, tuple]] = contextvars.ContextVar(
+    "zerojax_stack_hooks", default=types.MappingProxyType({})
+)
 
 
 class Stacked(nnx.Module):
     """`n` copies of `block(*args, rngs=..., **kwargs)`, scanned in order when called (see the module doc)."""
 
-    def __init__(self, block: Callable[..., nnx.Module], n: int, *args, rngs: nnx.Rngs, remat: str = "full",
-                 **kwargs):
+    def __init__(self, block: Callable[..., nnx.Module], n: int, *args, rngs: nnx.Rngs, remat: str = "full", **kwargs):
         if not isinstance(n, int) or n < 1:
             raise UserError(f"Stacked needs a positive number of blocks, got n={n!r}.")
         remat_lib.check(remat, "Stacked remat")
@@ -96,19 +100,22 @@ class Stacked(nnx.Module):
 
 def _check_same(x, y) -> None:
     """A scanned block must return what it takes: same structure, shapes and dtypes."""
+
     def spec(tree):
         return jax.tree.structure(tree), [(jax.numpy.shape(a), jax.numpy.result_type(a)) for a in jax.tree.leaves(tree)]
 
     if spec(x) != spec(y):
-        raise UserError(f"each block of a Stacked must map x to a value of the same structure, shape and dtype "
-                        f"(it is scanned): got {spec(x)[1]} in and {spec(y)[1]} out.")
+        raise UserError(
+            f"each block of a Stacked must map x to a value of the same structure, shape and dtype "
+            f"(it is scanned): got {spec(x)[1]} in and {spec(y)[1]} out."
+        )
 
 
 def stack_paths(module: nnx.Module) -> tuple[tuple, ...]:
     """The param paths (tuples of keys, as in `nnx.to_pure_dict`) of the outermost `Stacked`s'
     layer stacks in `module`, in graph order."""
     found = [path for path, node in nnx.iter_graph(module) if isinstance(node, Stacked)]
-    outer = [p for p in found if not any(q != p and p[:len(q)] == q for q in found)]
+    outer = [p for p in found if not any(q != p and p[: len(q)] == q for q in found)]
     return tuple(sorted((tuple(p) + (LAYERS,) for p in outer), key=lambda p: tuple(map(str, p))))
 
 
@@ -131,7 +138,7 @@ def hooks_installed(module: nnx.Module, hooks: Mapping[tuple, Any] | None, loops
 
 def under(path: tuple, stacks) -> bool:
     """Whether a param path lies in one of the stack paths `stacks`."""
-    return any(tuple(path[:len(s)]) == tuple(s) for s in stacks)
+    return any(tuple(path[: len(s)]) == tuple(s) for s in stacks)
 
 
 def at(tree, path: tuple):

@@ -69,7 +69,7 @@ class LeafLayout:
     def padded(self) -> bool:
         return self.padded_shape != self.shape
 
-    def one_layer(self) -> "LeafLayout":
+    def one_layer(self) -> LeafLayout:
         """One layer of a stacked leaf (its layer axis 0 is never sharded): what a scan body sees."""
         axis = None if self.axis is None else self.axis - 1
         return dataclasses.replace(self, shape=self.shape[1:], padded_shape=self.padded_shape[1:], axis=axis)
@@ -115,8 +115,7 @@ def _leaf_layout(path, shape, itemsize, fsdp_size, layer_axis, replicate_below_b
     nbytes = math.prod(shape) * itemsize
     if nbytes < replicate_below_bytes:
         return LeafLayout(
-            path, shape, shape, None,
-            f"replicated: {nbytes} bytes, no dimension divisible by {fsdp_size}",
+            path, shape, shape, None, f"replicated: {nbytes} bytes, no dimension divisible by {fsdp_size}"
         )
     i = by_size[0]
     padded = list(shape)

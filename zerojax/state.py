@@ -42,10 +42,9 @@ class TrainState:
         return {k: getattr(self, k) for k in self.SAVED if getattr(self, k) is not None}
 
     @classmethod
-    def from_saved(cls, saved: dict) -> "TrainState":
+    def from_saved(cls, saved: dict) -> TrainState:
         """The state from restored groups; the compute copy is still missing (see `StateLayout.derive_compute`)."""
         unknown = set(saved) - set(cls.SAVED)
         if unknown:
             raise ValueError(f"not a saved train-state group: {sorted(unknown)}")
         return cls(**saved)
-

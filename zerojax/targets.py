@@ -17,7 +17,8 @@ import importlib
 import inspect
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from zerojax.errors import UserError
 
@@ -32,11 +33,14 @@ def import_target(text: str, key: str) -> Any:
     try:
         obj = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
-        raise UserError(f"{key}={text!r}: module {e.name!r} cannot be imported (not found; run from the folder "
-                        "that holds it, or install it or add it to PYTHONPATH).") from None
+        raise UserError(
+            f"{key}={text!r}: module {e.name!r} cannot be imported (not found; run from the folder "
+            "that holds it, or install it or add it to PYTHONPATH)."
+        ) from None
     except Exception as e:  # noqa: BLE001 - the user's module failed while importing
-        raise UserError(f"{key}={text!r}: importing {module_name!r} failed: {type(e).__name__}: {e}".rstrip()
-                        .replace("\n", " ")) from None
+        raise UserError(
+            f"{key}={text!r}: importing {module_name!r} failed: {type(e).__name__}: {e}".rstrip().replace("\n", " ")
+        ) from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise UserError(f"{key}={text!r}: {module_name!r} has no attribute {attr!r}.")
@@ -63,8 +67,9 @@ def build_model(text: str, kwargs: dict) -> Any:
     target = import_target(text, "model.target")
     key = f"model.target={text!r}"
     try:
-        if (isinstance(target, type) and issubclass(target, nnx.Module)) or \
-                (not isinstance(target, type) and _takes_rngs(target)):
+        if (isinstance(target, type) and issubclass(target, nnx.Module)) or (
+            not isinstance(target, type) and _takes_rngs(target)
+        ):
             make = functools.partial(target, **kwargs)
             made = nnx.eval_shape(lambda: make(rngs=nnx.Rngs(0)))  # abstract: nothing is allocated
             if not isinstance(made, nnx.Module):
@@ -74,12 +79,15 @@ def build_model(text: str, kwargs: dict) -> Any:
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 - bad kwargs or a failing constructor
-        raise UserError(f"{key} with model.kwargs={kwargs!r} failed: {type(e).__name__}: {e}"
-                        .replace("\n", " ")) from None
+        raise UserError(
+            f"{key} with model.kwargs={kwargs!r} failed: {type(e).__name__}: {e}".replace("\n", " ")
+        ) from None
     if isinstance(made, (nn.Module, nnx.Module)):
         return made
-    raise UserError(f"{key} returned a {type(made).__name__}; it must be an NNX module class, a callable taking "
-                    "rngs, or a callable returning a flax.linen.Module.")
+    raise UserError(
+        f"{key} returned a {type(made).__name__}; it must be an NNX module class, a callable taking "
+        "rngs, or a callable returning a flax.linen.Module."
+    )
 
 
 def build_source(text: str, kwargs: dict, *, seed: int, batch_size: int) -> Any:
@@ -90,11 +98,15 @@ def build_source(text: str, kwargs: dict, *, seed: int, batch_size: int) -> Any:
     try:
         source = target(seed=seed, batch_size=batch_size, **kwargs)
     except Exception as e:  # noqa: BLE001 - bad kwargs or a failing data loader
-        raise UserError(f"{key} called with seed={seed}, batch_size={batch_size} and data.kwargs={kwargs!r} failed: "
-                        f"{type(e).__name__}: {e}".replace("\n", " ")) from None
+        raise UserError(
+            f"{key} called with seed={seed}, batch_size={batch_size} and data.kwargs={kwargs!r} failed: "
+            f"{type(e).__name__}: {e}".replace("\n", " ")
+        ) from None
     if not is_source(source):
-        raise UserError(f"{key} returned a {type(source).__name__}, not a batch source (an object with a "
-                        "batch(step) method returning a dict of arrays).")
+        raise UserError(
+            f"{key} returned a {type(source).__name__}, not a batch source (an object with a "
+            "batch(step) method returning a dict of arrays)."
+        )
     return source
 
 

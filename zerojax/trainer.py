@@ -14,25 +14,27 @@ and reuses it; `init` and `restore_state` make it the one `step`, `evaluate` and
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zerojax import checks
+from zerojax import offload as offload_lib
 from zerojax.adapt import functional
 from zerojax.engines import EngineOptions, GatherReport, get_engine
 from zerojax.engines.accum import check_accum_batch, check_grad_accum
 from zerojax.engines.common import compute_params, cross_entropy, global_loss, stack_paths
 from zerojax.errors import UserError
-from zerojax import offload as offload_lib
 from zerojax.layout import StateLayout, make_layout
-from zerojax.optim import pads_exactly
 from zerojax.mesh import BATCH_AXES, check_batch, data_parallel_size, make_mesh
+from zerojax.optim import pads_exactly
 from zerojax.precision import get_precision
 from zerojax.stages import get_stage
 from zerojax.state import TrainState
@@ -84,8 +86,14 @@ class Trainer:
         offload: str = "none",
     ):
         # what `verify` builds its stage-0 reference from
-        self.arguments = {"model": model, "precision": precision, "loss_fn": loss_fn, "reduce_dtype": reduce_dtype,
-                          "replicate_below_bytes": replicate_below_bytes, "rng_streams": tuple(rng_streams)}
+        self.arguments = {
+            "model": model,
+            "precision": precision,
+            "loss_fn": loss_fn,
+            "reduce_dtype": reduce_dtype,
+            "replicate_below_bytes": replicate_below_bytes,
+            "rng_streams": tuple(rng_streams),
+        }
         self._engine = get_engine(engine)
         self.engine = engine
         self.options = EngineOptions.of(engine_options)
@@ -147,6 +155,7 @@ class Trainer:
 
     def _check_model(self, prep: Prepared, key, batch: dict) -> int | None:
         """The model and the loss on this batch's shapes, abstractly (`zerojax.checks`)."""
+
         def run_model(params, model_state, static, inputs):
             return self.model.apply(params, model_state, static, inputs, rng=key, train=True)[0]
 
@@ -155,27 +164,50 @@ class Trainer:
 
     def _build(self, key, inputs: jax.ShapeDtypeStruct) -> Prepared:
         param_shapes, model_state_shapes, static_shapes = jax.eval_shape(self.model.init, key, inputs)  # one trace
-        layout = make_layout(self.mesh, self.stage, self.precision, param_shapes,
-                             replicate_below_bytes=self.replicate_below_bytes, pad_free_optimizer=not self._pads_exactly,
-                             stack_paths=self._stacks(param_shapes, model_state_shapes, static_shapes, inputs),
-                             offload=self.offload, hierarchical=self.options.hierarchical)
+        layout = make_layout(
+            self.mesh,
+            self.stage,
+            self.precision,
+            param_shapes,
+            replicate_below_bytes=self.replicate_below_bytes,
+            pad_free_optimizer=not self._pads_exactly,
+            stack_paths=self._stacks(param_shapes, model_state_shapes, static_shapes, inputs),
+            offload=self.offload,
+            hierarchical=self.options.hierarchical,
+        )
         opt_state_shapes = layout.opt_state_shapes(self.tx)
         has_model_state = bool(jax.tree.leaves(model_state_shapes))
         model_state_shapes = model_state_shapes if has_model_state else None
         shardings = layout.state_shardings(self.tx, opt_state_shapes).replace(
-            rng=layout.replicated, model_state=jax.tree.map(lambda _: layout.replicated, model_state_shapes))
+            rng=layout.replicated, model_state=jax.tree.map(lambda _: layout.replicated, model_state_shapes)
+        )
         abstract = layout.abstract_state(self.tx, opt_state_shapes).replace(
             rng=jax.ShapeDtypeStruct(_KEY_SHAPE, np.uint32, sharding=layout.replicated),
-            model_state=jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=layout.replicated),
-                                     model_state_shapes))
+            model_state=jax.tree.map(
+                lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=layout.replicated), model_state_shapes
+            ),
+        )
         static = self._static(key, inputs, static_shapes, layout)
         accumulate = {"grad_accum": self.grad_accum} if self.grad_accum > 1 else {}
-        built = self._engine.build(layout, self.model, static, self.loss_fn, self.tx, self.options, inputs,
-                                   model_state=model_state_shapes, **accumulate)
+        built = self._engine.build(
+            layout,
+            self.model,
+            static,
+            self.loss_fn,
+            self.tx,
+            self.options,
+            inputs,
+            model_state=model_state_shapes,
+            **accumulate,
+        )
         # Host-offloaded groups stream into device memory at the step's start and back out at its end.
         step = offload_lib.streamed(built.step, shardings, layout.host_groups)
-        step_fn = jax.jit(step, in_shardings=(shardings, self.batch_sharding),
-                          out_shardings=(shardings, layout.replicated), donate_argnums=0)
+        step_fn = jax.jit(
+            step,
+            in_shardings=(shardings, self.batch_sharding),
+            out_shardings=(shardings, layout.replicated),
+            donate_argnums=0,
+        )
         model = self.model
 
         def eval_loss(state, batch, loss_fn):  # eval mode: no dropout, BatchNorm uses its running statistics
@@ -185,8 +217,12 @@ class Trainer:
             out, _ = model.apply(params, state.model_state or {}, static, batch["inputs"], train=False)
             return global_loss(loss_fn(out, batch))
 
-        eval_fn = jax.jit(offload_lib.streamed(eval_loss, shardings, layout.host_groups), static_argnums=2, in_shardings=(shardings, self.batch_sharding),
-                          out_shardings=layout.replicated)
+        eval_fn = jax.jit(
+            offload_lib.streamed(eval_loss, shardings, layout.host_groups),
+            static_argnums=2,
+            in_shardings=(shardings, self.batch_sharding),
+            out_shardings=layout.replicated,
+        )
         return Prepared(inputs, layout, param_shapes, shardings, abstract, static, step_fn, eval_fn, built.report)
 
     def _stacks(self, param_shapes, model_state_shapes, static_shapes, inputs) -> tuple:
@@ -289,8 +325,13 @@ class Trainer:
             def derive(state):  # the master streamed in from host memory where it is kept there
                 state = offload_lib.place(state, shardings, host, offload_lib.DEVICE)
                 compute = layout.derive_compute(state.params)
-                return compute if "compute" not in host else offload_lib.place(
-                    state.replace(compute=compute), shardings, ("compute",), offload_lib.HOST).compute
+                return (
+                    compute
+                    if "compute" not in host
+                    else offload_lib.place(
+                        state.replace(compute=compute), shardings, ("compute",), offload_lib.HOST
+                    ).compute
+                )
 
             state = state.replace(compute=jax.jit(derive, out_shardings=shardings.compute)(state))
         self._activate(prep)
@@ -317,8 +358,10 @@ class Trainer:
     def _check_inputs(self, prep: Prepared, batch: dict) -> None:
         x = batch["inputs"]
         if tuple(x.shape) != tuple(prep.inputs.shape) or x.dtype != prep.inputs.dtype:
-            raise UserError(f"this batch's inputs are {x.dtype}{list(x.shape)}, but the trainer was prepared for "
-                            f"{prep.inputs.dtype}{list(prep.inputs.shape)}; call init (or restore) for new shapes.")
+            raise UserError(
+                f"this batch's inputs are {x.dtype}{list(x.shape)}, but the trainer was prepared for "
+                f"{prep.inputs.dtype}{list(prep.inputs.shape)}; call init (or restore) for new shapes."
+            )
 
     def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict[str, Any]]:
         """One train step; a batch of other input shapes than prepared for raises (no silent retrace)."""

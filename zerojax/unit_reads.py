@@ -79,8 +79,12 @@ def _positional_body(eqn):
     for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
         body = eqn.params.get(name)
         body = getattr(body, "jaxpr", body)
-        if body is not None and hasattr(body, "invars") and len(body.invars) == len(eqn.invars) \
-                and len(body.outvars) == len(eqn.outvars):
+        if (
+            body is not None
+            and hasattr(body, "invars")
+            and len(body.invars) == len(eqn.invars)
+            and len(body.outvars) == len(eqn.outvars)
+        ):
             return body
     return None
 
@@ -102,6 +106,6 @@ def _scan(eqn, ins: list[frozenset]) -> list[frozenset]:
     while True:
         outs = [frozenset().union(*(now[j] for j in deps)) for deps in inner]
         grown = [now[consts + k] | outs[k] for k in range(carry)]
-        if grown == now[consts:consts + carry]:
+        if grown == now[consts : consts + carry]:
             return outs
-        now[consts:consts + carry] = grown
+        now[consts : consts + carry] = grown

@@ -16,8 +16,8 @@ A model handed a shard, or a gradient reduced wrongly, is off by 1e-1 to 1 or mo
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import jax
 import numpy as np
@@ -48,11 +48,13 @@ class Verification:
         def row(name, value, tol, what=""):
             return f"  {name:<14} {value:.2e} (tolerance {tol:.0e}){what}{'' if value <= tol else '  <- over'}"
 
-        return [f"{'PASS' if self.passed else 'FAIL'}: {self.steps} steps against stage 0, largest relative differences:",
-                row("loss", self.loss_diff, self.tolerance[0]),
-                row("gradient norm", self.grad_norm_diff, self.tolerance[0]),
-                row("update", self.update_diff, self.tolerance[1], f", parameter {self.worst_leaf}"),
-                f"  gathers        {self.route}"]
+        return [
+            f"{'PASS' if self.passed else 'FAIL'}: {self.steps} steps against stage 0, largest relative differences:",
+            row("loss", self.loss_diff, self.tolerance[0]),
+            row("gradient norm", self.grad_norm_diff, self.tolerance[0]),
+            row("update", self.update_diff, self.tolerance[1], f", parameter {self.worst_leaf}"),
+            f"  gathers        {self.route}",
+        ]
 
 
 def reference_trainer(trainer):
@@ -60,18 +62,36 @@ def reference_trainer(trainer):
     from zerojax.trainer import Trainer
 
     a = trainer.arguments
-    return Trainer(a["model"], trainer.tx, mesh=trainer.mesh, stage=0, engine="gspmd", precision=a["precision"],
-                   loss_fn=a["loss_fn"], reduce_dtype=a["reduce_dtype"], replicate_below_bytes=a["replicate_below_bytes"],
-                   rng_streams=a["rng_streams"], grad_accum=trainer.grad_accum)
+    return Trainer(
+        a["model"],
+        trainer.tx,
+        mesh=trainer.mesh,
+        stage=0,
+        engine="gspmd",
+        precision=a["precision"],
+        loss_fn=a["loss_fn"],
+        reduce_dtype=a["reduce_dtype"],
+        replicate_below_bytes=a["replicate_below_bytes"],
+        rng_streams=a["rng_streams"],
+        grad_accum=trainer.grad_accum,
+    )
 
 
-def verify(trainer, batches: dict | Iterable[dict], steps: int = 3, key=None,
-           tolerance: tuple[float, float] | None = None, reference=None) -> Verification:
+def verify(
+    trainer,
+    batches: dict | Iterable[dict],
+    steps: int = 3,
+    key=None,
+    tolerance: tuple[float, float] | None = None,
+    reference=None,
+) -> Verification:
     """Train `trainer` and its stage-0 reference for `steps` steps on `batches` (one dict, repeated,
     or one per step) from the same `key`, and compare them (see the module doc)."""
     batches = [batches] * steps if isinstance(batches, dict) else list(batches)[:steps]
     if len(batches) < steps or steps < 1:
-        raise ValueError(f"verify needs at least one step and a batch per step, got {steps} steps, {len(batches)} batches")
+        raise ValueError(
+            f"verify needs at least one step and a batch per step, got {steps} steps, {len(batches)} batches"
+        )
     key = jax.random.key(0) if key is None else key
     reference = reference or reference_trainer(trainer)
     runs = [_train(t, batches, key) for t in (trainer, reference)]
@@ -80,8 +100,18 @@ def verify(trainer, batches: dict | Iterable[dict], steps: int = 3, key=None,
     worst = max(diffs, key=diffs.get) if diffs else "-"
     if tolerance is None:
         tolerance = TOLERANCE["bf16" if trainer.precision.compute_dtype != np.float32 else "fp32"]
-    return Verification(steps, losses, ref_losses, _largest(losses, ref_losses), _largest(norms, ref_norms), worst,
-                        diffs.get(worst, 0.0), tolerance, diffs, trainer.gather_report().description)
+    return Verification(
+        steps,
+        losses,
+        ref_losses,
+        _largest(losses, ref_losses),
+        _largest(norms, ref_norms),
+        worst,
+        diffs.get(worst, 0.0),
+        tolerance,
+        diffs,
+        trainer.gather_report().description,
+    )
 
 
 def _train(trainer, batches: list[dict], key):
@@ -110,6 +140,8 @@ def _relative(got: np.ndarray, want: np.ndarray) -> float:
 
 
 def _largest(got: list[float], want: list[float]) -> float:
-    return max((abs(g - w) / max(abs(w), 1e-12) for g, w in zip(got, want)), default=0.0) if all(
-        np.isfinite(got)) else float("inf")
-
+    return (
+        max((abs(g - w) / max(abs(w), 1e-12) for g, w in zip(got, want)), default=0.0)
+        if all(np.isfinite(got))
+        else float("inf")
+    )

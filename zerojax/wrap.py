@@ -19,8 +19,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -173,11 +174,13 @@ class Prefetch:
 
 def _current_trace():
     from flax.core.tracers import current_trace
+
     return current_trace()
 
 
-def rematerialized(run, gather, params, *args, policy: Policy = "full", wait_for_grads: bool = False,
-                   prefetch: Prefetch | None = None):
+def rematerialized(
+    run, gather, params, *args, policy: Policy = "full", wait_for_grads: bool = False, prefetch: Prefetch | None = None
+):
     """`run(gather(params, token), *args)` with the gather tied to `args` (the unit's inputs) in the
     forward pass and, in the backward pass, gathered again tied to the incoming cotangent. With
     `prefetch`, tied one unit ahead instead (see `Prefetch`).
@@ -316,13 +319,18 @@ def nnx_modules(module: nnx.Module) -> list[tuple[Path, type, int]]:
     """`(path, class, parameter leaves in its subtree)` of every non-root submodule."""
     nodes = [(tuple(str(k) for k in p), n) for p, n in nnx.iter_graph(module)]
     params = [p for p, n in nodes if isinstance(n, nnx.Param)]
-    return [(p, type(n), sum(q[: len(p)] == p for q in params)) for p, n in nodes
-            if isinstance(n, nnx.Module) and p]
+    return [(p, type(n), sum(q[: len(p)] == p for q in params)) for p, n in nodes if isinstance(n, nnx.Module) and p]
 
 
-def nnx_around(units: list[Path], materialize: Materialize, reshard_after_forward: bool = True,
-               wait_for_grads: bool = False, prefetch: bool = False, policy: Policy = None,
-               loose: frozenset = frozenset()):
+def nnx_around(
+    units: list[Path],
+    materialize: Materialize,
+    reshard_after_forward: bool = True,
+    wait_for_grads: bool = False,
+    prefetch: bool = False,
+    policy: Policy = None,
+    loose: frozenset = frozenset(),
+):
     """`around(module)` for `FunctionalModel.apply`: makes the submodules at `units` FSDP units;
     `prefetch`: each unit's gathers one unit ahead (see `Prefetch`); `policy`: what a unit saves for
     its backward (`zerojax.remat.unit_policy`); `loose`: leaves the root gathers though a unit holds
@@ -379,8 +387,9 @@ def nnx_slice_recorder(stored: dict[Path, int], sliced: set):
     return around
 
 
-def _unit_class(cls: type, materialize: Materialize, reshard: bool, wait_for_grads: bool, policy: Policy,
-                loose: frozenset) -> type:
+def _unit_class(
+    cls: type, materialize: Materialize, reshard: bool, wait_for_grads: bool, policy: Policy, loose: frozenset
+) -> type:
     """`cls` with each compute method a unit call: `__call__` and every public method its own classes
     define (not `nnx.Module`'s), when called with an array (`Embed.attend(x)`); one called with none
     (`set_view(deterministic=True)`) runs as it is."""
@@ -401,7 +410,7 @@ def _unit_class(cls: type, materialize: Materialize, reshard: bool, wait_for_gra
 
 
 def _compute_methods(cls: type) -> list[str]:
-    names = {"__call__"} if callable(getattr(cls, "__call__", None)) else set()
+    names = {"__call__"} if any("__call__" in vars(k) for k in cls.__mro__[:-1]) else set()
     for klass in cls.__mro__:
         if klass is nnx.Module or not issubclass(klass, nnx.Module):
             break
@@ -409,16 +418,32 @@ def _compute_methods(cls: type) -> list[str]:
     return sorted(names)
 
 
-def _unit_call(self, method, cls: type, args, kwargs, materialize: Materialize, reshard: bool, wait_for_grads: bool,
-               policy: Policy, loose: frozenset):
+def _unit_call(
+    self,
+    method,
+    cls: type,
+    args,
+    kwargs,
+    materialize: Materialize,
+    reshard: bool,
+    wait_for_grads: bool,
+    policy: Policy,
+    loose: frozenset,
+):
     """`method(self, *args, **kwargs)` on the unit's gathered params (see `rematerialized`)."""
     prefix = self._fsdp_path
     graphdef, params, rest = nnx.split(self, nnx.Param, ...)
     flat = nnx.traversals.flatten_mapping(nnx.to_pure_dict(params))
-    inner = [tuple(str(k) for k in p) for p, n in nnx.iter_graph(self)
-             if p and isinstance(n, nnx.Module) and hasattr(n, "_fsdp_path")]
-    owned_set = {p for p in flat if owner(tuple(str(k) for k in p), inner) is None
-                 and prefix + tuple(str(k) for k in p) not in loose}
+    inner = [
+        tuple(str(k) for k in p)
+        for p, n in nnx.iter_graph(self)
+        if p and isinstance(n, nnx.Module) and hasattr(n, "_fsdp_path")
+    ]
+    owned_set = {
+        p
+        for p in flat
+        if owner(tuple(str(k) for k in p), inner) is None and prefix + tuple(str(k) for k in p) not in loose
+    }
     leaves, treedef = jax.tree.flatten((args, kwargs))
     dynamic = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
 
@@ -435,8 +460,11 @@ def _unit_call(self, method, cls: type, args, kwargs, materialize: Materialize, 
         return values
 
     def run(values, dynamic_args, rest_leaves):
-        unit = nnx.merge(graphdef, nnx.State(nnx.traversals.unflatten_mapping(dict(zip(names, values)))),
-                         jax.tree.unflatten(rest_def, rest_leaves))
+        unit = nnx.merge(
+            graphdef,
+            nnx.State(nnx.traversals.unflatten_mapping(dict(zip(names, values)))),
+            jax.tree.unflatten(rest_def, rest_leaves),
+        )
         unit.__class__ = cls  # its own methods, called from inside, run on the gathered params as they are
         call_leaves = list(leaves)
         for i, x in zip(dynamic, dynamic_args):
@@ -449,8 +477,9 @@ def _unit_call(self, method, cls: type, args, kwargs, materialize: Materialize, 
 
     operands = ([flat[p] for p in names], [leaves[i] for i in dynamic], rest_leaves)
     if reshard:  # the gathered weights are not kept for the backward pass: gathered again there
-        arrays, updated = rematerialized(run, gather, *operands, policy=policy, wait_for_grads=wait_for_grads,
-                                         prefetch=self._fsdp_prefetch)
+        arrays, updated = rematerialized(
+            run, gather, *operands, policy=policy, wait_for_grads=wait_for_grads, prefetch=self._fsdp_prefetch
+        )
     else:
         arrays, updated = kept_weights(run, gather, *operands, policy=policy)
     nnx.update(self, updated)

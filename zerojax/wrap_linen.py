@@ -69,16 +69,27 @@ def _sees_slices(m: nn.Module, path: Path, stored: dict) -> bool:
         if full not in stored or not hasattr(value, "shape") or tuple(value.shape) == stored[full]:
             continue
         if tuple(value.shape) != stored[full][1:]:
-            raise UserError(f"{'/'.join(full)!r} is stored as {list(stored[full])} but used as {list(value.shape)}: "
-                            "zerojax shards layer stacks whose layer axis is the params' first (nn.scan or nn.vmap "
-                            "with variable_axes={'params': 0}), one level deep.")
+            raise UserError(
+                f"{'/'.join(full)!r} is stored as {list(stored[full])} but used as {list(value.shape)}: "
+                "zerojax shards layer stacks whose layer axis is the params' first (nn.scan or nn.vmap "
+                "with variable_axes={'params': 0}), one level deep."
+            )
         return True
     return False
 
 
-def linen_around(units: list[Path], materialize: Materialize, params_paths: list[Path],
-                 reshard_after_forward: bool = True, wait_for_grads: bool = False, prefetch: bool = False,
-                 policy: Policy = None, loose: frozenset = frozenset(), stacks: tuple = (), ranks: dict | None = None):
+def linen_around(
+    units: list[Path],
+    materialize: Materialize,
+    params_paths: list[Path],
+    reshard_after_forward: bool = True,
+    wait_for_grads: bool = False,
+    prefetch: bool = False,
+    policy: Policy = None,
+    loose: frozenset = frozenset(),
+    stacks: tuple = (),
+    ranks: dict | None = None,
+):
     """`around(module)` for a Linen model: the root's params are written, gathered, into its scope when
     it is first entered; each call of a unit's method gathers the unit's params inside the call
     (`prefetch`: one unit ahead, see `zerojax.wrap.Prefetch`; `policy`: what it saves for the backward,
@@ -110,9 +121,16 @@ def linen_around(units: list[Path], materialize: Materialize, params_paths: list
                 # runs inside each unit call, on the gathered params, where its methods use it.
                 return None
             gather = _unit_gather(m, args, kwargs, path, units, materialize, loose)
-            lifted = decorator_lift_transform(_unit_transform, context.orig_method.func, gather=gather, inside=inside,
-                                              reshard=reshard_after_forward, wait_for_grads=wait_for_grads,
-                                              prefetch=record, policy=policy)
+            lifted = decorator_lift_transform(
+                _unit_transform,
+                context.orig_method.func,
+                gather=gather,
+                inside=inside,
+                reshard=reshard_after_forward,
+                wait_for_grads=wait_for_grads,
+                prefetch=record,
+                policy=policy,
+            )
             return lifted(m, *args, **kwargs)
 
         return nn.intercept_methods(interceptor)
@@ -130,8 +148,7 @@ def _inside_stack(m: nn.Module, path: Path, ranks: dict) -> bool:
     return False
 
 
-def _unit_gather(m: nn.Module, args, kwargs, unit: Path, units: list[Path], materialize: Materialize,
-                 loose: frozenset):
+def _unit_gather(m: nn.Module, args, kwargs, unit: Path, units: list[Path], materialize: Materialize, loose: frozenset):
     """`gather(params per lifted scope, token)`: the leaves `unit` owns materialised, tied to `token`.
     The lifted scopes are `get_module_scopes`' list without those nested in another of them (the order
     and the deduplication `flax.core.lift.pack` uses)."""
@@ -149,8 +166,10 @@ def _unit_gather(m: nn.Module, args, kwargs, unit: Path, units: list[Path], mate
         gathered = materialize([_key(leaf) for _, _, leaf in owned], [tie(flat[rel], token) for flat, rel, _ in owned])
         for (flat, rel, _), x in zip(owned, gathered):
             flat[rel] = x
-        return tuple({**group, "params": nnx.traversals.unflatten_mapping(flat)} if flat else group
-                     for group, flat in zip(groups, flats))
+        return tuple(
+            {**group, "params": nnx.traversals.unflatten_mapping(flat)} if flat else group
+            for group, flat in zip(groups, flats)
+        )
 
     return gather
 
@@ -162,8 +181,15 @@ def _ancestors(scope):
         scope = scope.parent
 
 
-def _unit_transform(fn, gather, inside: list, reshard: bool, wait_for_grads: bool, prefetch: Prefetch | None = None,
-                    policy: Policy = "full"):
+def _unit_transform(
+    fn,
+    gather,
+    inside: list,
+    reshard: bool,
+    wait_for_grads: bool,
+    prefetch: Prefetch | None = None,
+    policy: Policy = "full",
+):
     """A lifted transform (see `flax.core.lift.pack`): `fn(scope, *args)` run on the unit's gathered
     params inside `wrap.rematerialized`; returns what it updated in the other mutable collections."""
 
@@ -184,18 +210,20 @@ def _unit_transform(fn, gather, inside: list, reshard: bool, wait_for_grads: boo
 
         operands = (params, [leaves[i] for i in dynamic], rest, rng_groups)
         if reshard:  # the gathered weights are not kept for the backward pass: gathered again there
-            return rematerialized(run, gather, *operands, policy=policy, wait_for_grads=wait_for_grads,
-                                  prefetch=prefetch)
+            return rematerialized(
+                run, gather, *operands, policy=policy, wait_for_grads=wait_for_grads, prefetch=prefetch
+            )
         return kept_weights(run, gather, *operands, policy=policy)
 
-    return lift.pack(inner, ("params", True), (False, DenyList("params")), (True,), name="fsdp_unit",
-                     enable_kwargs=True)
+    return lift.pack(
+        inner, ("params", True), (False, DenyList("params")), (True,), name="fsdp_unit", enable_kwargs=True
+    )
 
 
 def _put_gathered(m: nn.Module, path: Path, leaves: list[Path], materialize: Materialize) -> None:
     tree = nnx.traversals.flatten_mapping(_as_dict(m.variables.get("params", {})))
     for leaf in leaves:  # each on its own: the root's leaves are used at different times
-        rel = leaf[len(path):]
+        rel = leaf[len(path) :]
         tree[rel] = materialize([_key(leaf)], [tree[rel]])[0]
     nested = nnx.traversals.unflatten_mapping(tree)
     for name in {leaf[len(path)] for leaf in leaves}:

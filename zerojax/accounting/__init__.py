@@ -6,28 +6,43 @@ post-partitioning HLO; `measure` sets a built trainer beside the analytic model 
 trains and measures one stage x engine.
 """
 
+from zerojax.accounting.activations import ACTIVATION_MODEL, GPTShape, activation_bytes_gpt
 from zerojax.accounting.analytic import (
-    ACTIVATION_MODEL,
-    GPTShape,
-    activation_bytes_gpt,
     comm_bound_tokens_per_device,
     flops_per_step,
-    get_optimizer,
-    get_precision,
     kept_state_bytes,
     model_state_bytes,
     peak_bytes,
     step_time_estimate,
     traffic_bytes,
 )
-from zerojax.accounting.planning import Plan, plan, plan_dict
 from zerojax.accounting.hardware import HARDWARE, Hardware, get_hardware
 from zerojax.accounting.hlo import collective_bytes, compile_partitioned, partitioned_hlo_text, shape_bytes
+from zerojax.accounting.planning import Plan, plan, plan_dict
+from zerojax.optim import get_optimizer
+from zerojax.precision import get_precision
 
 __all__ = [
-    "ACTIVATION_MODEL", "GPTShape", "HARDWARE", "Hardware", "Plan", "activation_bytes_gpt",
-    "collective_bytes", "comm_bound_tokens_per_device", "compile_partitioned", "flops_per_step", "get_hardware",
-    "get_optimizer", "get_precision", "kept_state_bytes", "model_state_bytes", "partitioned_hlo_text", "peak_bytes",
+    "ACTIVATION_MODEL",
+    "GPTShape",
+    "HARDWARE",
+    "Hardware",
+    "Plan",
+    "activation_bytes_gpt",
+    "collective_bytes",
+    "comm_bound_tokens_per_device",
+    "compile_partitioned",
+    "flops_per_step",
+    "get_hardware",
+    "get_optimizer",
+    "get_precision",
+    "kept_state_bytes",
+    "model_state_bytes",
+    "partitioned_hlo_text",
+    "peak_bytes",
     "plan",
-    "plan_dict", "shape_bytes", "step_time_estimate", "traffic_bytes",
+    "plan_dict",
+    "shape_bytes",
+    "step_time_estimate",
+    "traffic_bytes",
 ]

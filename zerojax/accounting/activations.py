@@ -17,7 +17,7 @@ class GPTShape:
     vocab_size: int = 256
 
     @classmethod
-    def of(cls, cfg) -> "GPTShape":
+    def of(cls, cfg) -> GPTShape:
         """From anything with these attributes, e.g. the shipped model's `GPTConfig`."""
         return cls(cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_ff, cfg.vocab_size)
 
@@ -71,8 +71,9 @@ ACTIVATION_MODEL = ActivationModel(
 )
 
 
-def _layer_bytes(t: LayerTerms, d_model: int, n_heads: int, d_ff: int, seq_len: int, micro_batch: int,
-                 compute_bytes: float) -> float:
+def _layer_bytes(
+    t: LayerTerms, d_model: int, n_heads: int, d_ff: int, seq_len: int, micro_batch: int, compute_bytes: float
+) -> float:
     tokens = micro_batch * seq_len
     scores = micro_batch * n_heads * seq_len * seq_len
     return tokens * (t.d * d_model + t.f * d_ff) * compute_bytes + scores * t.score_bytes
@@ -126,8 +127,9 @@ def host_activation_bytes_gpt(
     return int(round(n_layers * _layer_bytes(terms, d_model, n_heads, d_ff, seq_len, micro_batch, compute_bytes)))
 
 
-def gathered_weights_kept(params: float, stage: int, remat: str, param_bytes: float,
-                          reshard_after_forward: bool = True) -> float:
+def gathered_weights_kept(
+    params: float, stage: int, remat: str, param_bytes: float, reshard_after_forward: bool = True
+) -> float:
     """Bytes per device of gathered weights the shipped GPT keeps from its forward for its backward:
     at stage 3 without remat each layer's backward reuses the weights its forward gathered, so the
     whole model is held gathered (measured on the 20M GPT: the compiled peak was param_bytes per

@@ -10,12 +10,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from zerojax.accounting.activations import ACTIVATION_MODEL, GPTShape, activation_bytes_gpt
+from zerojax.accounting.activations import GPTShape
 from zerojax.accounting.hardware import Hardware
 from zerojax.errors import UserError
-from zerojax.optim import OPTIMIZERS, Optimizer, get_optimizer
-from zerojax.precision import PRECISIONS, Precision, get_precision
-from zerojax.stages import STAGES, Stage, get_stage
+from zerojax.optim import Optimizer
+from zerojax.precision import Precision
+from zerojax.stages import Stage, get_stage
 
 GROUPS = ("compute_params", "master", "optimizer", "grads")
 
@@ -31,9 +31,7 @@ _FACTORED_FRACTION = 0.01
 _FACTOR_MIN_DIM = 128  # optax.adafactor's min_dim_size_to_factor: smaller dims keep full stats
 
 
-def optimizer_state_bytes(
-    optimizer: Optimizer, params: float, shapes: list[tuple[int, ...]] | None = None
-) -> float:
+def optimizer_state_bytes(optimizer: Optimizer, params: float, shapes: list[tuple[int, ...]] | None = None) -> float:
     """Unsharded fp32 optimizer state; `shapes` (one per leaf) makes Adafactor exact."""
     if not optimizer.factored:
         return 4.0 * optimizer.slots * params
@@ -142,8 +140,13 @@ def traffic_units(stage: Stage, grad_accum: int = 1, reshard_after_forward: bool
 
 
 def traffic_bytes(
-    params: float, devices: int, stage: int, compute_bytes: float, reduce_bytes: float | None = None,
-    grad_accum: int = 1, reshard_after_forward: bool = True,
+    params: float,
+    devices: int,
+    stage: int,
+    compute_bytes: float,
+    reduce_bytes: float | None = None,
+    grad_accum: int = 1,
+    reshard_after_forward: bool = True,
 ) -> dict[str, float]:
     """Bytes one device sends per optimizer step (ring collectives; `grad_accum` micro-batches per
     step, see `traffic_units`).
@@ -163,8 +166,16 @@ def traffic_bytes(
 # --- temporaries and peak ---------------------------------------------------------------
 
 
-def step_temp_bytes(params: float, devices: int, stage: int, policy: Precision, activations: float,
-                    streamed: float = 0.0, grad_accum: int = 1, reshard_after_forward: bool = True) -> float:
+def step_temp_bytes(
+    params: float,
+    devices: int,
+    stage: int,
+    policy: Precision,
+    activations: float,
+    streamed: float = 0.0,
+    grad_accum: int = 1,
+    reshard_after_forward: bool = True,
+) -> float:
     """Temporaries of one train step per device (beside the kept state): the activations, the
     gradients (whole at stages 0-1, only this device's shard at 2-3) and one fp32 update-sized buffer
     on the optimizer's layout (whole at stage 0, sharded from stage 1).
@@ -204,9 +215,7 @@ def peak_bytes(arguments: float, outputs: float, aliased: float, temporaries: fl
 # --- time ----------------------------------------------------------------------------------
 
 
-def flops_per_step(
-    params: float, tokens: float, n_layers: int = 0, d_model: int = 0, seq_len: int = 0
-) -> float:
+def flops_per_step(params: float, tokens: float, n_layers: int = 0, d_model: int = 0, seq_len: int = 0) -> float:
     """Training FLOPs: 6 per parameter per token (forward 2, backward 4) plus causal attention's
     score and value matmuls, 12 * n_layers * d_model * seq_len per token (omitted without a shape).
     Full remat re-runs the forward, which this deliberately does not count: MFU conventions don't.
@@ -246,14 +255,20 @@ def step_time_estimate(
     the per-direction interconnect rate."""
     attn = (shape.n_layers, shape.d_model, seq_len) if shape else (0, 0, 0)
     flops = flops_per_step(params, tokens_per_device, *attn)
-    traffic = traffic_bytes(params, devices, stage, compute_bytes, grad_accum=grad_accum,
-                            reshard_after_forward=reshard_after_forward)["total"]
+    traffic = traffic_bytes(
+        params, devices, stage, compute_bytes, grad_accum=grad_accum, reshard_after_forward=reshard_after_forward
+    )["total"]
     return StepTime(flops / (hardware.peak_flops * mfu), traffic / hardware.link_bytes_per_s)
 
 
 def comm_bound_tokens_per_device(
-    hw: Hardware, stage: int, compute_bytes: float = 2, devices: int | None = None, mfu: float = 1.0,
-    grad_accum: int = 1, reshard_after_forward: bool = True,
+    hw: Hardware,
+    stage: int,
+    compute_bytes: float = 2,
+    devices: int | None = None,
+    mfu: float = 1.0,
+    grad_accum: int = 1,
+    reshard_after_forward: bool = True,
 ) -> float:
     """Tokens per device per step below which a step is communication-bound.
 

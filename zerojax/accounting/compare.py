@@ -15,7 +15,6 @@ def run_row(c, steps: int, devices=None) -> tuple[dict, int, int]:
     from zerojax.accounting import measure
     from zerojax.accounting.analytic import GPTShape
     from zerojax.experiment import build_experiment
-
     from zerojax.sources import global_batch
 
     exp = build_experiment(c, devices=devices)

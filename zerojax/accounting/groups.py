@@ -30,7 +30,8 @@ def replica_groups(attrs: str, devices: int) -> list[list[int]]:
     if m:
         shape = [int(d) for d in m.group(1).split(",")]
         ids = np.arange(math.prod(int(d) for d in m.group(2).split(","))).reshape(
-            [int(d) for d in m.group(2).split(",")])
+            [int(d) for d in m.group(2).split(",")]
+        )
         if m.group(3):
             ids = ids.transpose([int(d) for d in m.group(3).split(",")])
         return ids.reshape(shape[0], -1).tolist()
@@ -39,8 +40,10 @@ def replica_groups(attrs: str, devices: int) -> list[list[int]]:
         sizes = {k: int(v) for k, v in re.findall(r"'?([\w.\-]+)'?\s*=\s*(\d+)", m.group(1))}
         # split every axis into (before, sub, after) so a sub-axis is one dimension of the grid
         dims, names = [], []
-        picked = {a: (int(pre) if pre else 1, int(sub) if sub else None)
-                  for a, pre, sub in re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", m.group(2))}
+        picked = {
+            a: (int(pre) if pre else 1, int(sub) if sub else None)
+            for a, pre, sub in re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", m.group(2))
+        }
         for axis, n in sizes.items():
             pre, sub = picked.get(axis, (1, None))
             sub = n // pre if sub is None else sub

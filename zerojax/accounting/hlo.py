@@ -26,9 +26,28 @@ from zerojax.accounting.groups import axes_spanned, balanced_end, replica_groups
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
 _BITS = {
-    "pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16,
-    "s32": 32, "u32": 32, "s64": 64, "u64": 64, "f16": 16, "bf16": 16, "f32": 32, "f64": 64,
-    "c64": 64, "c128": 128, "f4e2m1fn": 4, "f8e8m0fnu": 8, "token": 0,
+    "pred": 8,
+    "s2": 2,
+    "u2": 2,
+    "s4": 4,
+    "u4": 4,
+    "s8": 8,
+    "u8": 8,
+    "s16": 16,
+    "u16": 16,
+    "s32": 32,
+    "u32": 32,
+    "s64": 64,
+    "u64": 64,
+    "f16": 16,
+    "bf16": 16,
+    "f32": 32,
+    "f64": 64,
+    "c64": 64,
+    "c128": 128,
+    "f4e2m1fn": 4,
+    "f8e8m0fnu": 8,
+    "token": 0,
 }
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
 _COMPUTATION = re.compile(r"^\s*(ENTRY\s+)?%?([^\s(]+)\s*\(.*\)\s*->\s*.*\{\s*$")
@@ -267,8 +286,11 @@ def collectives(hlo_text: str) -> list[Collective]:
         for instr in comp.instructions.values():
             hit = _moved_bytes(instr, devices)
             if hit and mults[comp.name]:
-                found.append(Collective(hit[0], instr.name, comp.name, mults[comp.name], hit[1], hit[2],
-                                        comp.name not in uncertain))
+                found.append(
+                    Collective(
+                        hit[0], instr.name, comp.name, mults[comp.name], hit[1], hit[2], comp.name not in uncertain
+                    )
+                )
     return found
 
 
@@ -309,8 +331,14 @@ def collective_bytes(hlo_text: str, *, mesh=None, allow_unknown_trips: bool = Fa
     for per in by_kind_axis.values():
         for axes, sent in per.items():
             by_axis[axes] = by_axis.get(axes, 0.0) + sent
-    return {"bytes": moved, "counts": counts, "total": sum(moved.values()), "unknown_trip_counts": len(unknown),
-            "by_axis": by_axis, "by_kind_axis": by_kind_axis}
+    return {
+        "bytes": moved,
+        "counts": counts,
+        "total": sum(moved.values()),
+        "unknown_trip_counts": len(unknown),
+        "by_axis": by_axis,
+        "by_kind_axis": by_kind_axis,
+    }
 
 
 def partitioned_hlo_text(lowered, dump_dir: str) -> str:
@@ -329,8 +357,9 @@ def compile_partitioned(lowered, dump_dir: str):
     os.makedirs(dump_dir, exist_ok=True)
     before = set(os.listdir(dump_dir))
     with _cache_writes_off():
-        compiled = lowered.compile(compiler_options=_uncached_options(
-            {"xla_dump_to": dump_dir, "xla_dump_hlo_pass_re": "spmd-partitioning"}))
+        compiled = lowered.compile(
+            compiler_options=_uncached_options({"xla_dump_to": dump_dir, "xla_dump_hlo_pass_re": "spmd-partitioning"})
+        )
     m = re.search(r"module @([\w.\-]+)", lowered.as_text())
     module = m.group(1) if m else ""
 

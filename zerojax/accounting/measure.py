@@ -1,14 +1,14 @@
 """Measure a built `Trainer` beside the analytic model, per device:
 
-  persistent bytes   the live state's shards on one device, against `kept_state_bytes` (what zerojax
-                     keeps: no gradients, no stage-3 compute copy), not the textbook 16-byte figure;
-                     device space and host space (`zero.offload`) apart, the ideal being the sum;
-  peak / temp bytes  `memory_analysis()` of the compiled step (peak = arguments + outputs - aliased
-                     + temporaries), against the kept state plus `step_temp_bytes`;
-  collective bytes   per step, counted on the HLO right after SPMD partitioning, against
-                     `traffic_bytes`. The CPU's final HLO is also counted (`final_hlo_collective_bytes`):
-                     XLA:CPU's float-normalization pass upcasts bf16 collectives to f32 after
-                     partitioning, so there bf16 traffic shows twice the bytes a GPU or TPU moves.
+persistent bytes   the live state's shards on one device, against `kept_state_bytes` (what zerojax
+                   keeps: no gradients, no stage-3 compute copy), not the textbook 16-byte figure;
+                   device space and host space (`zero.offload`) apart, the ideal being the sum;
+peak / temp bytes  `memory_analysis()` of the compiled step (peak = arguments + outputs - aliased
+                   + temporaries), against the kept state plus `step_temp_bytes`;
+collective bytes   per step, counted on the HLO right after SPMD partitioning, against
+                   `traffic_bytes`. The CPU's final HLO is also counted (`final_hlo_collective_bytes`):
+                   XLA:CPU's float-normalization pass upcasts bf16 collectives to f32 after
+                   partitioning, so there bf16 traffic shows twice the bytes a GPU or TPU moves.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 
 import jax
 
-from zerojax.engines.common import global_loss
-
 from zerojax.accounting import analytic, zeropp
-from zerojax.accounting.activations import gathered_weights_kept
+from zerojax.accounting.activations import GPTShape, activation_bytes_gpt, gathered_weights_kept
 from zerojax.accounting.hlo import collective_bytes, compile_partitioned
 from zerojax.accounting.params import count_params
+from zerojax.engines.common import global_loss
 from zerojax.mesh import data_parallel_size
 from zerojax.offload import compiled_argument_bytes, split_bytes
+from zerojax.optim import get_optimizer
 from zerojax.stages import LeafLayout
 
 
@@ -142,13 +142,19 @@ def param_count(trainer) -> int:
     return count_params(trainer.layout.leaves)
 
 
-def ideal(trainer, optimizer: str = "adamw", shape: analytic.GPTShape | None = None, seq_len: int = 0,
-          micro_batch: int = 0, remat: str = "full") -> Ideal:
+def ideal(
+    trainer,
+    optimizer: str = "adamw",
+    shape: GPTShape | None = None,
+    seq_len: int = 0,
+    micro_batch: int = 0,
+    remat: str = "full",
+) -> Ideal:
     """The analytic figures for what `trainer` keeps and moves (over its fsdp axis; replicas on `data`
     are not modelled, except with ZeRO++'s options, `accounting.zeropp`, where every axis is);
     activations need the model's shape."""
     psi, p, stage, prec = param_count(trainer), trainer.layout.fsdp_size, trainer.stage.index, trainer.precision
-    kept = analytic.kept_state_bytes(psi, p, stage, prec, analytic.get_optimizer(optimizer))
+    kept = analytic.kept_state_bytes(psi, p, stage, prec, get_optimizer(optimizer))
     k, reshard = trainer.grad_accum, trainer.options.reshard_after_forward
     traffic = analytic.traffic_bytes(psi, p, stage, prec.param_bytes, prec.reduce_bytes, k, reshard)
     by_kind_axis = _zeropp_traffic(trainer, psi, shape, k)
@@ -156,15 +162,27 @@ def ideal(trainer, optimizer: str = "adamw", shape: analytic.GPTShape | None = N
         traffic = zeropp.totals(by_kind_axis)
     act = temp = None
     if shape is not None and seq_len and micro_batch:
-        act = float(analytic.activation_bytes_gpt(shape.d_model, shape.n_layers, shape.n_heads, shape.d_ff,
-                                                  shape.vocab_size, seq_len, micro_batch, prec.param_bytes, remat))
+        act = float(
+            activation_bytes_gpt(
+                shape.d_model,
+                shape.n_layers,
+                shape.n_heads,
+                shape.d_ff,
+                shape.vocab_size,
+                seq_len,
+                micro_batch,
+                prec.param_bytes,
+                remat,
+            )
+        )
         held = gathered_weights_kept(psi, stage, remat, prec.param_bytes, reshard)
         temp = analytic.step_temp_bytes(psi, p, stage, prec, act + held, grad_accum=k, reshard_after_forward=reshard)
-    return Ideal(psi, p, kept["total"], kept, traffic["param_allgather"], traffic["grad_reduce"], temp, act,
-                 by_kind_axis)
+    return Ideal(
+        psi, p, kept["total"], kept, traffic["param_allgather"], traffic["grad_reduce"], temp, act, by_kind_axis
+    )
 
 
-def _zeropp_traffic(trainer, psi: int, shape: analytic.GPTShape | None, grad_accum: int) -> dict | None:
+def _zeropp_traffic(trainer, psi: int, shape: GPTShape | None, grad_accum: int) -> dict | None:
     """ZeRO++'s model of the step's traffic by kind and axis, for a trainer using any of its options
     (stage 3, `shard_map`); None otherwise. The GPT's embedding and head are gathered once."""
     o = trainer.options
@@ -172,9 +190,17 @@ def _zeropp_traffic(trainer, psi: int, shape: analytic.GPTShape | None, grad_acc
     if not options.active or trainer.stage.index != 3:
         return None
     axes = dict(trainer.mesh.shape)
-    return zeropp.stage_3_traffic_by_axis(psi, axes.get("data", 1), axes.get("fsdp", 1), trainer.precision.param_bytes,
-                                          trainer.precision.reduce_bytes, options, grad_accum,
-                                          zeropp.gathered_once(shape), o.reshard_after_forward)
+    return zeropp.stage_3_traffic_by_axis(
+        psi,
+        axes.get("data", 1),
+        axes.get("fsdp", 1),
+        trainer.precision.param_bytes,
+        trainer.precision.reduce_bytes,
+        options,
+        grad_accum,
+        zeropp.gathered_once(shape),
+        o.reshard_after_forward,
+    )
 
 
 def lower_step(trainer, state, batch):
@@ -189,8 +215,17 @@ def persistent_bytes(trainer, state, space: str = "device") -> int:
     return split_bytes(state, trainer.mesh.devices.flat[0])[space]
 
 
-def measure_step(trainer, state, batch, *, optimizer: str = "adamw", shape: analytic.GPTShape | None = None,
-                 seq_len: int = 0, remat: str = "full", dump_dir: str | None = None):
+def measure_step(
+    trainer,
+    state,
+    batch,
+    *,
+    optimizer: str = "adamw",
+    shape: GPTShape | None = None,
+    seq_len: int = 0,
+    remat: str = "full",
+    dump_dir: str | None = None,
+):
     """(Measurement, the compiled step). The compiled step runs as `compiled(state, sharded_batch)`:
     one compile serves the memory analysis, the collective count and training."""
     lowered = lower_step(trainer, state, batch)
@@ -236,8 +271,9 @@ def activation_temp_bytes(trainer, batch, key=None) -> int:
     prepared = trainer.prepare(jax.random.key(0) if key is None else key, batch)
     layout, static = prepared.layout, prepared.static
     dtype = trainer.precision.compute_dtype
-    shapes = jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape, dtype, sharding=layout.replicated), layout.leaves,
-                          is_leaf=_is_layout)
+    shapes = jax.tree.map(
+        lambda l: jax.ShapeDtypeStruct(l.shape, dtype, sharding=layout.replicated), layout.leaves, is_leaf=_is_layout
+    )
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding) for k, v in batch.items()}
 
     def loss(params, model_state, batch):

@@ -27,8 +27,13 @@ import math
 from dataclasses import dataclass
 
 from zerojax.accounting import analytic
-from zerojax.accounting.activations import (ACTIVATION_MODEL, GPTShape, activation_bytes_gpt, gathered_weights_kept,
-                                            host_activation_bytes_gpt)
+from zerojax.accounting.activations import (
+    ACTIVATION_MODEL,
+    GPTShape,
+    activation_bytes_gpt,
+    gathered_weights_kept,
+    host_activation_bytes_gpt,
+)
 from zerojax.accounting.hardware import Hardware
 from zerojax.errors import UserError
 from zerojax.optim import Optimizer
@@ -51,8 +56,9 @@ def host_groups(offload: str, precision: Precision) -> tuple[str, ...]:
     return ("master", "optimizer") + (("compute_params",) if compute else ())
 
 
-def placed_state_bytes(params: float, devices: int, stage: int, precision: Precision, optimizer: Optimizer,
-                       offload: str = "none") -> dict[str, float]:
+def placed_state_bytes(
+    params: float, devices: int, stage: int, precision: Precision, optimizer: Optimizer, offload: str = "none"
+) -> dict[str, float]:
     """Kept bytes per device in device memory (`device`) and host memory (`host`), and of them the
     compute copy on the host (`host_compute`: the forward needs it back on the device)."""
     kept = analytic.kept_state_bytes(params, devices, stage, precision, optimizer)
@@ -62,8 +68,7 @@ def placed_state_bytes(params: float, devices: int, stage: int, precision: Preci
     return {"device": kept["total"] - host, "host": host, "host_compute": compute_on_host}
 
 
-def recompute_flops(params: float, tokens: float, remat: str, shape: GPTShape | None = None,
-                    seq_len: int = 0) -> float:
+def recompute_flops(params: float, tokens: float, remat: str, shape: GPTShape | None = None, seq_len: int = 0) -> float:
     """FLOPs the backward spends recomputing the forward, per step (`tokens` per device). The
     layers' parameters are the model's less the untied embedding and head (2 * vocab * d_model)."""
     if remat not in REMATS:
@@ -115,14 +120,35 @@ class Pick:
         return out + ([f"zero.offload={self.offload}"] if self.offload != "none" else [])
 
     def as_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "host_bytes": self.host_bytes, "fits": self.fits, "step_s": self.step_s,
-                "bound": self.bound, "overrides": self.overrides()}
+        return {
+            **dataclasses.asdict(self),
+            "host_bytes": self.host_bytes,
+            "fits": self.fits,
+            "step_s": self.step_s,
+            "bound": self.bound,
+            "overrides": self.overrides(),
+        }
 
 
-def evaluate(params: float, devices: int, hardware: Hardware, *, stage: int, grad_accum: int, micro_batch: int,
-             offload: str, remat: str, seq_len: int, precision: Precision, optimizer: Optimizer,
-             shape: GPTShape | None = None, mfu: float = 1.0, reshard_after_forward: bool = True,
-             memory: float | None = None, host_memory: float = math.inf) -> Pick:
+def evaluate(
+    params: float,
+    devices: int,
+    hardware: Hardware,
+    *,
+    stage: int,
+    grad_accum: int,
+    micro_batch: int,
+    offload: str,
+    remat: str,
+    seq_len: int,
+    precision: Precision,
+    optimizer: Optimizer,
+    shape: GPTShape | None = None,
+    mfu: float = 1.0,
+    reshard_after_forward: bool = True,
+    memory: float | None = None,
+    host_memory: float = math.inf,
+) -> Pick:
     """One combination's memory and time per device (`memory`: the device budget, default the
     hardware's; `host_memory`: the host budget per device, default unbounded)."""
     b = precision.param_bytes
@@ -134,22 +160,42 @@ def evaluate(params: float, devices: int, hardware: Hardware, *, stage: int, gra
     placed = placed_state_bytes(params, devices, stage, precision, optimizer, offload)
     # A compute copy kept on the host is on the device again for the whole forward and backward.
     held = gathered_weights_kept(params, stage, remat, b, reshard_after_forward) if shape is not None else 0.0
-    temp = analytic.step_temp_bytes(params, devices, stage, precision, act + held + placed["host_compute"], placed["host"],
-                                    grad_accum, reshard_after_forward)
+    temp = analytic.step_temp_bytes(
+        params,
+        devices,
+        stage,
+        precision,
+        act + held + placed["host_compute"],
+        placed["host"],
+        grad_accum,
+        reshard_after_forward,
+    )
     tokens = grad_accum * micro_batch * seq_len
-    base = analytic.step_time_estimate(params, devices, stage, hardware, tokens, b, shape, seq_len, mfu, grad_accum,
-                                       reshard_after_forward)
-    traffic = analytic.traffic_bytes(params, devices, stage, b, grad_accum=grad_accum,
-                                     reshard_after_forward=reshard_after_forward)["total"]
+    base = analytic.step_time_estimate(
+        params, devices, stage, hardware, tokens, b, shape, seq_len, mfu, grad_accum, reshard_after_forward
+    )
+    traffic = analytic.traffic_bytes(
+        params, devices, stage, b, grad_accum=grad_accum, reshard_after_forward=reshard_after_forward
+    )["total"]
     host_link = placed["host"] + grad_accum * host_act  # each way: in and out
     return Pick(
-        stage=stage, grad_accum=grad_accum, micro_batch=micro_batch, offload=offload, remat=remat,
-        device_state_bytes=placed["device"], host_state_bytes=placed["host"], activation_bytes=act,
-        host_activation_bytes=host_act, device_peak_bytes=placed["device"] + temp, collective_bytes=traffic,
+        stage=stage,
+        grad_accum=grad_accum,
+        micro_batch=micro_batch,
+        offload=offload,
+        remat=remat,
+        device_state_bytes=placed["device"],
+        host_state_bytes=placed["host"],
+        activation_bytes=act,
+        host_activation_bytes=host_act,
+        device_peak_bytes=placed["device"] + temp,
+        collective_bytes=traffic,
         host_link_bytes=host_link,
         compute_s=base.compute_s + recompute_flops(params, tokens, remat, shape, seq_len) / (hardware.peak_flops * mfu),
-        comm_s=base.comm_s, host_s=host_link / hardware.host_bytes_per_s,
-        memory_bytes=hardware.hbm_bytes if memory is None else memory, host_memory_bytes=host_memory,
+        comm_s=base.comm_s,
+        host_s=host_link / hardware.host_bytes_per_s,
+        memory_bytes=hardware.hbm_bytes if memory is None else memory,
+        host_memory_bytes=host_memory,
     )
 
 
@@ -158,10 +204,23 @@ def accum_choices(rows_per_device: int) -> list[int]:
     return [k for k in range(1, rows_per_device + 1) if rows_per_device % k == 0]
 
 
-def rank(params: float, devices: int, hardware: Hardware, *, rows_per_device: int, seq_len: int,
-         precision: Precision, optimizer: Optimizer, shape: GPTShape | None = None, mfu: float = 1.0,
-         reshard_after_forward: bool = True, memory: float | None = None, host_memory: float = math.inf,
-         remats=None, offloads=None) -> list[Pick]:
+def rank(
+    params: float,
+    devices: int,
+    hardware: Hardware,
+    *,
+    rows_per_device: int,
+    seq_len: int,
+    precision: Precision,
+    optimizer: Optimizer,
+    shape: GPTShape | None = None,
+    mfu: float = 1.0,
+    reshard_after_forward: bool = True,
+    memory: float | None = None,
+    host_memory: float = math.inf,
+    remats=None,
+    offloads=None,
+) -> list[Pick]:
     """Every combination for a per-device batch of `rows_per_device` sequences per step, fitting ones
     first, fastest first (ties: least traffic, then fewest micro-batches, whose larger matmuls the
     roofline does not reward, then least device memory). Without a model shape the
@@ -174,18 +233,39 @@ def rank(params: float, devices: int, hardware: Hardware, *, rows_per_device: in
     remats = tuple(remats or (REMATS if shape is not None else ("full",)))
     out = []
     for st in STAGES:
-        tried = [o for o in offloads or OFFLOADS if o != "optimizer+params" or (
-            not st.compute_params and host_groups(o, precision) != host_groups("optimizer", precision))]
+        tried = [
+            o
+            for o in offloads or OFFLOADS
+            if o != "optimizer+params"
+            or (not st.compute_params and host_groups(o, precision) != host_groups("optimizer", precision))
+        ]
         for k in accum_choices(rows_per_device):
             for offload in tried:
                 for remat in remats:
-                    out.append(evaluate(params, devices, hardware, stage=st.index, grad_accum=k,
-                                        micro_batch=rows_per_device // k, offload=offload, remat=remat,
-                                        seq_len=seq_len, precision=precision, optimizer=optimizer, shape=shape,
-                                        mfu=mfu, reshard_after_forward=reshard_after_forward, memory=memory,
-                                        host_memory=host_memory))
-    return sorted(out, key=lambda p: (not p.fits, p.step_s, p.collective_bytes + p.host_link_bytes, p.grad_accum,
-                                      p.device_peak_bytes))
+                    out.append(
+                        evaluate(
+                            params,
+                            devices,
+                            hardware,
+                            stage=st.index,
+                            grad_accum=k,
+                            micro_batch=rows_per_device // k,
+                            offload=offload,
+                            remat=remat,
+                            seq_len=seq_len,
+                            precision=precision,
+                            optimizer=optimizer,
+                            shape=shape,
+                            mfu=mfu,
+                            reshard_after_forward=reshard_after_forward,
+                            memory=memory,
+                            host_memory=host_memory,
+                        )
+                    )
+    return sorted(
+        out,
+        key=lambda p: (not p.fits, p.step_s, p.collective_bytes + p.host_link_bytes, p.grad_accum, p.device_peak_bytes),
+    )
 
 
 def parse_bytes(text: str, flag: str = "--memory") -> float:

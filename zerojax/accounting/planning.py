@@ -7,8 +7,16 @@ import math
 from dataclasses import dataclass
 
 from zerojax.accounting.activations import GPTShape, activation_bytes_gpt, gathered_weights_kept
-from zerojax.accounting.analytic import (GROUPS, StepTime, check_inputs, comm_bound_tokens_per_device, kept_state_bytes,
-                                         model_state_bytes, step_time_estimate, traffic_bytes)
+from zerojax.accounting.analytic import (
+    GROUPS,
+    StepTime,
+    check_inputs,
+    comm_bound_tokens_per_device,
+    kept_state_bytes,
+    model_state_bytes,
+    step_time_estimate,
+    traffic_bytes,
+)
 from zerojax.accounting.hardware import Hardware
 from zerojax.errors import UserError
 from zerojax.optim import OPTIMIZERS, Optimizer
@@ -78,32 +86,71 @@ def plan(
     b = precision.param_bytes
     act = None
     if shape is not None:
-        act = float(activation_bytes_gpt(
-            shape.d_model, shape.n_layers, shape.n_heads, shape.d_ff, shape.vocab_size,
-            seq_len, micro_batch, b, remat,
-        ))
+        act = float(
+            activation_bytes_gpt(
+                shape.d_model,
+                shape.n_layers,
+                shape.n_heads,
+                shape.d_ff,
+                shape.vocab_size,
+                seq_len,
+                micro_batch,
+                b,
+                remat,
+            )
+        )
     rows = []
     for st in STAGES:
         memory = model_state_bytes(params, devices, st.index, precision, optimizer)
-        rows.append(StagePlan(
-            stage=st.index,
-            memory=memory,
-            activation_bytes=act,
-            traffic=traffic_bytes(params, devices, st.index, b, grad_accum=grad_accum,
-                                  reshard_after_forward=reshard_after_forward),
-            time=step_time_estimate(
-                params, devices, st.index, hardware, grad_accum * micro_batch * seq_len, b, shape, seq_len, mfu,
-                grad_accum, reshard_after_forward,
-            ),
-            fits=memory["total"] + (act or 0.0) + (gathered_weights_kept(params, st.index, remat, b, reshard_after_forward)
-                                                    if shape is not None else 0.0) <= hardware.hbm_bytes,
-            comm_bound_below_tokens=comm_bound_tokens_per_device(hardware, st.index, b, devices, mfu, grad_accum,
-                                                                 reshard_after_forward),
-        ))
+        rows.append(
+            StagePlan(
+                stage=st.index,
+                memory=memory,
+                activation_bytes=act,
+                traffic=traffic_bytes(
+                    params, devices, st.index, b, grad_accum=grad_accum, reshard_after_forward=reshard_after_forward
+                ),
+                time=step_time_estimate(
+                    params,
+                    devices,
+                    st.index,
+                    hardware,
+                    grad_accum * micro_batch * seq_len,
+                    b,
+                    shape,
+                    seq_len,
+                    mfu,
+                    grad_accum,
+                    reshard_after_forward,
+                ),
+                fits=memory["total"]
+                + (act or 0.0)
+                + (
+                    gathered_weights_kept(params, st.index, remat, b, reshard_after_forward)
+                    if shape is not None
+                    else 0.0
+                )
+                <= hardware.hbm_bytes,
+                comm_bound_below_tokens=comm_bound_tokens_per_device(
+                    hardware, st.index, b, devices, mfu, grad_accum, reshard_after_forward
+                ),
+            )
+        )
     rows = tuple(rows)
     return Plan(
-        params, devices, hardware, precision, optimizer, seq_len, micro_batch, mfu, shape, rows,
-        _recommend(rows, params, hardware, precision, optimizer, seq_len), grad_accum, reshard_after_forward,
+        params,
+        devices,
+        hardware,
+        precision,
+        optimizer,
+        seq_len,
+        micro_batch,
+        mfu,
+        shape,
+        rows,
+        _recommend(rows, params, hardware, precision, optimizer, seq_len),
+        grad_accum,
+        reshard_after_forward,
     )
 
 
@@ -132,8 +179,7 @@ def _recommend(
     t_star = best.comm_bound_below_tokens
     return Recommendation(
         best.stage,
-        f"stage {best.stage} is the lowest-traffic stage that fits in "
-        f"{hardware.hbm_bytes / 1e9:.1f} GB per device",
+        f"stage {best.stage} is the lowest-traffic stage that fits in {hardware.hbm_bytes / 1e9:.1f} GB per device",
         t_star,
         max(1, math.ceil(t_star / seq_len)),
     )
@@ -163,8 +209,9 @@ def plan_dict(p: Plan) -> dict:
             {
                 "stage": r.stage,
                 "persistent_bytes_per_device": r.memory["total"],  # textbook model state, grads included
-                "kept_bytes_per_device": kept_state_bytes(p.params, p.devices, r.stage, p.precision,
-                                                          p.optimizer)["total"],  # what zerojax keeps
+                "kept_bytes_per_device": kept_state_bytes(p.params, p.devices, r.stage, p.precision, p.optimizer)[
+                    "total"
+                ],  # what zerojax keeps
                 "persistent_bytes_by_group": {g: r.memory[g] for g in GROUPS},
                 "activation_bytes_per_device": r.activation_bytes,
                 "param_allgather_bytes_per_device_per_step": r.traffic["param_allgather"],

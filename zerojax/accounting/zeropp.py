@@ -41,9 +41,17 @@ def quantized_bytes(kind: str, block: int) -> float:
     return CODE_BYTES[kind] + 4 / block
 
 
-def stage_3_traffic_by_axis(params: float, data: int, fsdp: int, compute_bytes: float, reduce_bytes: float,
-                            options: ZeroPP = ZeroPP(), grad_accum: int = 1, once: float = 0.0,
-                            reshard_after_forward: bool = True) -> dict[str, dict[str, float]]:
+def stage_3_traffic_by_axis(
+    params: float,
+    data: int,
+    fsdp: int,
+    compute_bytes: float,
+    reduce_bytes: float,
+    options: ZeroPP = ZeroPP(),
+    grad_accum: int = 1,
+    once: float = 0.0,
+    reshard_after_forward: bool = True,
+) -> dict[str, dict[str, float]]:
     """{collective kind: {mesh axis: bytes one device sends per step}}; `once` of the `params` are
     gathered once per micro-batch, the rest twice. Each of `grad_accum` micro-batches gathers and
     reduces (over `fsdp`, and over `data` too; hpZ, which takes one micro-batch, gathers its
@@ -89,26 +97,54 @@ def stage_3_memory(params: float, data: int, fsdp: int, precision, optimizer, hi
     from zerojax.accounting.analytic import kept_state_bytes
 
     over = data * fsdp if hierarchical else fsdp
-    return {"kept": kept_state_bytes(params, over, 3, precision, optimizer)["total"],
-            "secondary_copy": params / fsdp * precision.param_bytes if hierarchical else 0.0}
+    return {
+        "kept": kept_state_bytes(params, over, 3, precision, optimizer)["total"],
+        "secondary_copy": params / fsdp * precision.param_bytes if hierarchical else 0.0,
+    }
 
 
-def plan_section(params: float, data: int, fsdp: int, precision, options: ZeroPP, grad_accum: int = 1,
-                 shape=None, reshard_after_forward: bool = True, optimizer=None) -> dict:
+def plan_section(
+    params: float,
+    data: int,
+    fsdp: int,
+    precision,
+    options: ZeroPP,
+    grad_accum: int = 1,
+    shape=None,
+    reshard_after_forward: bool = True,
+    optimizer=None,
+) -> dict:
     """What `zerojax plan` reports for stage 3 on a `data` x `fsdp` mesh: bytes per device per step by
     kind and axis, plain and with the config's ZeRO++ options (None when it sets none), and with an
     optimizer, the memory each keeps (`stage_3_memory`)."""
+
     def by_axis(o: ZeroPP):
-        return stage_3_traffic_by_axis(params, data, fsdp, precision.param_bytes, precision.reduce_bytes, o,
-                                       grad_accum, gathered_once(shape), reshard_after_forward)
+        return stage_3_traffic_by_axis(
+            params,
+            data,
+            fsdp,
+            precision.param_bytes,
+            precision.reduce_bytes,
+            o,
+            grad_accum,
+            gathered_once(shape),
+            reshard_after_forward,
+        )
 
     plain = by_axis(ZeroPP())
     chosen = by_axis(options) if options.active else None
-    out = {"data": data, "fsdp": fsdp, "options": vars(options) if options.active else None,
-           "plain": plain, "plain_total": totals(plain)["total"], "with_options": chosen,
-           "with_options_total": None if chosen is None else totals(chosen)["total"]}
+    out = {
+        "data": data,
+        "fsdp": fsdp,
+        "options": vars(options) if options.active else None,
+        "plain": plain,
+        "plain_total": totals(plain)["total"],
+        "with_options": chosen,
+        "with_options_total": None if chosen is None else totals(chosen)["total"],
+    }
     if optimizer is not None:
         out["plain_memory"] = stage_3_memory(params, data, fsdp, precision, optimizer, False)
-        out["with_options_memory"] = (None if chosen is None else
-                                      stage_3_memory(params, data, fsdp, precision, optimizer, options.hierarchical))
+        out["with_options_memory"] = (
+            None if chosen is None else stage_3_memory(params, data, fsdp, precision, optimizer, options.hierarchical)
+        )
     return out

@@ -18,8 +18,14 @@ def add_parser(sub) -> None:
     p.add_argument("--engines", default="gspmd", help="comma-separated engines: gspmd, shard_map (default gspmd)")
     p.add_argument("--devices", type=int, default=None, help="simulate N CPU devices (keeps other XLA_FLAGS)")
     p.add_argument("--steps", type=int, default=3, help="train steps per combination (default 3)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key for every combination (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key for every combination (repeatable)",
+    )
     p.add_argument("--json", dest="json_path", metavar="PATH", help="also write the rows as JSON to PATH")
     p.set_defaults(run=run)
 
@@ -47,10 +53,10 @@ def engine_available(engine: str) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     from zerojax.accounting.compare import add_loss_differences, run_row
-    from zerojax.report import compiling
     from zerojax.config import load_config
     from zerojax.engines import ENGINES
     from zerojax.mesh import simulate_cpu_devices
+    from zerojax.report import compiling
     from zerojax.stages import STAGE_INDICES
 
     # Every bad argument fails here, before JAX starts.
@@ -74,8 +80,14 @@ def run(args: argparse.Namespace) -> int:
                 row, params, devices = run_row(load_config(args.config, _overrides(args, stage, engine)), args.steps)
             rows.append(row)
     add_loss_differences(rows)
-    result = {"config": args.config, "overrides": list(args.overrides), "steps": args.steps, "params": params,
-              "devices": devices, "rows": rows}
+    result = {
+        "config": args.config,
+        "overrides": list(args.overrides),
+        "steps": args.steps,
+        "params": params,
+        "devices": devices,
+        "rows": rows,
+    }
     print_table(result)
     if args.json_path:
         with open(args.json_path, "w") as f:
@@ -106,31 +118,55 @@ def print_table(result: dict) -> None:
     precision = rows[0]["precision"] if rows else "-"
     table = Table(
         title=f"zerojax compare: {result['params']:,} params, {result['devices']} devices, {precision}, "
-              f"{result['steps']} steps each",
+        f"{result['steps']} steps each",
         caption=(
             "Per device. kept: what zerojax keeps between steps (analytic; no gradients, no stage-3 compute "
             "copy), beside the live arrays' shards in device memory (persistent) and host memory (host: "
             "zero.offload); ratio: both against kept. peak: memory_analysis() arguments + outputs - aliased + "
-            "temporaries; est.: kept + activations + gradients + one fp32 update buffer (a rough sum). collective: bytes sent per step, counted on the HLO after SPMD partitioning; ideal: "
+            "temporaries; est.: kept + activations + gradients + one fp32 update buffer (a rough sum). collective: "
+            "bytes sent per step, counted on the HLO after SPMD partitioning; ideal: "
             "ring collectives, 2 x params x bytes x (p-1)/p at stages 0-2, 3 x at stage 3; by axis: the mesh "
             "axes each collective's replica groups span. (XLA:CPU's final "
             "HLO upcasts bf16 reductions to f32, doubling them: not counted.)"
         ),
     )
-    for col in ("stage", "engine", "persistent", "host", "kept (ideal)", "ratio", "peak", "peak est.", "ratio",
-                "collective/step", "ideal", "ratio", "by axis", "step", "final loss", "vs stage 0"):
+    for col in (
+        "stage",
+        "engine",
+        "persistent",
+        "host",
+        "kept (ideal)",
+        "ratio",
+        "peak",
+        "peak est.",
+        "ratio",
+        "collective/step",
+        "ideal",
+        "ratio",
+        "by axis",
+        "step",
+        "final loss",
+        "vs stage 0",
+    ):
         table.add_column(col, justify="left" if col == "engine" else "right")
     for r in rows:
         diff = r["final_loss_diff_vs_stage0"]
         table.add_row(
-            str(r["stage"]), r["engine"], b(r["persistent_bytes_per_device"]),
+            str(r["stage"]),
+            r["engine"],
+            b(r["persistent_bytes_per_device"]),
             b(r.get("host_persistent_bytes_per_device", 0)),
-            b(r["ideal_persistent_bytes_per_device"]), _ratio(r["persistent_ratio"]),
-            b(r["peak_bytes_per_device"]), b(r["ideal_peak_bytes_per_device"]), _ratio(r["peak_ratio"]),
+            b(r["ideal_persistent_bytes_per_device"]),
+            _ratio(r["persistent_ratio"]),
+            b(r["peak_bytes_per_device"]),
+            b(r["ideal_peak_bytes_per_device"]),
+            _ratio(r["peak_ratio"]),
             b(r["collective_bytes_per_device_per_step"]),
-            b(r["ideal_collective_bytes_per_device_per_step"]), _ratio(r["collective_ratio"]),
+            b(r["ideal_collective_bytes_per_device_per_step"]),
+            _ratio(r["collective_ratio"]),
             _by_axis(r.get("collective_bytes_by_axis") or {}, b),
-            f"{r['step_time_s'] * 1e3:,.1f} ms", f"{r['final_loss']:.4f}",
+            f"{r['step_time_s'] * 1e3:,.1f} ms",
+            f"{r['final_loss']:.4f}",
             "-" if diff is None else f"{diff:+.2e}",
         )
     console = Console(width=None if Console().is_terminal else 240)  # a file or pipe: never wrap headers

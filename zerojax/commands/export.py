@@ -23,6 +23,8 @@ def run(args: argparse.Namespace) -> int:
 
     quiet_orbax()
     info = export_params(args.checkpoint, args.out)
-    print(f"exported {info['params']} parameters of step {info['step']} from {info['from']} to {info['path']}",
-          file=sys.stderr)
+    print(
+        f"exported {info['params']} parameters of step {info['step']} from {info['from']} to {info['path']}",
+        file=sys.stderr,
+    )
     return 0

@@ -8,7 +8,6 @@ import argparse
 import json
 import math
 
-
 GROUPS = ("compute", "master", "optimizer", "grads")
 
 
@@ -17,8 +16,14 @@ def add_parser(sub) -> None:
     p.add_argument("config", help="YAML experiment config, e.g. configs/tiny.yaml")
     p.add_argument("--stage", type=int, default=None, help="ZeRO stage to lay out (default: the config's)")
     p.add_argument("--devices", type=int, default=None, help="simulate N CPU devices (keeps other XLA_FLAGS)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key (repeatable)",
+    )
     p.add_argument("--json", action="store_true", help="print the layout as JSON")
     p.set_defaults(run=run)
 
@@ -63,8 +68,9 @@ def layout_report(c) -> dict:
     exp = build_experiment(c)
     trainer = exp.trainer
     if exp.model is not None and not c.data.target:  # the shipped GPT on the byte corpus
-        batch = {k: jax.ShapeDtypeStruct((c.train.batch_size, exp.model.seq_len), jnp.int32)
-                 for k in ("inputs", "targets")}
+        batch = {
+            k: jax.ShapeDtypeStruct((c.train.batch_size, exp.model.seq_len), jnp.int32) for k in ("inputs", "targets")
+        }
     else:
         from zerojax.sources import example_batch
 
@@ -72,8 +78,10 @@ def layout_report(c) -> dict:
     state = trainer.abstract_state(jax.random.key(c.train.seed), batch)
     prepared = trainer.prepare(jax.random.key(c.train.seed), batch)
     layout = prepared.layout
-    params = {path_str(p): l for p, l in jax.tree_util.tree_flatten_with_path(
-        layout.leaves, is_leaf=lambda x: isinstance(x, LeafLayout))[0]}
+    params = {
+        path_str(p): l
+        for p, l in jax.tree_util.tree_flatten_with_path(layout.leaves, is_leaf=lambda x: isinstance(x, LeafLayout))[0]
+    }
     by_param, other = _optimizer_leaves(state.opt_state, params)
     master = {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(state.params)[0]}
     leaves = [_leaf_row(layout, name, l, master[name], by_param.get(name, [])) for name, l in params.items()]
@@ -81,12 +89,22 @@ def layout_report(c) -> dict:
     totals["other_state"] = sum(o["bytes_per_device"] for o in other) + _shard_bytes(state.step)
     totals["total"] = sum(totals.values())
     return {
-        "config": c.to_dict()["model"], "stage": layout.stage.index, "precision": layout.precision.name,
-        "engine": trainer.engine, "mesh": {k: int(v) for k, v in layout.mesh.shape.items()},
-        "fsdp": layout.fsdp_size, "params": count_params(layout.leaves),
-        "groups_sharded": {"compute": layout.compute_sharded, "master": layout.master_sharded,
-                           "optimizer": layout.optimizer_sharded, "grads": layout.grads_sharded},
-        "leaves": leaves, "other_state": other, "persistent_bytes_per_device": totals,
+        "config": c.to_dict()["model"],
+        "stage": layout.stage.index,
+        "precision": layout.precision.name,
+        "engine": trainer.engine,
+        "mesh": {k: int(v) for k, v in layout.mesh.shape.items()},
+        "fsdp": layout.fsdp_size,
+        "params": count_params(layout.leaves),
+        "groups_sharded": {
+            "compute": layout.compute_sharded,
+            "master": layout.master_sharded,
+            "optimizer": layout.optimizer_sharded,
+            "grads": layout.grads_sharded,
+        },
+        "leaves": leaves,
+        "other_state": other,
+        "persistent_bytes_per_device": totals,
         "host_groups": list(layout.host_groups),  # zero.offload: these groups' bytes are in host memory
         "gathers": prepared.report.description,  # how the step materialises the params, and any exceptions
     }
@@ -106,8 +124,15 @@ def _optimizer_leaves(opt_state, params: dict) -> tuple[dict[str, list], list[di
         if owner is not None and sds.shape:
             by_param.setdefault(owner, []).append(sds)
         else:
-            other.append({"path": name, "shape": list(sds.shape), "dtype": str(sds.dtype),
-                          "spec": _spec(sds.sharding), "bytes_per_device": _shard_bytes(sds)})
+            other.append(
+                {
+                    "path": name,
+                    "shape": list(sds.shape),
+                    "dtype": str(sds.dtype),
+                    "spec": _spec(sds.sharding),
+                    "bytes_per_device": _shard_bytes(sds),
+                }
+            )
     return by_param, other
 
 
@@ -127,10 +152,19 @@ def _leaf_row(layout, name: str, l, m, opt: list) -> dict:
     nbytes = {"compute": compute_bytes, "master": _shard_bytes(m), "optimizer": sum(_shard_bytes(s) for s in opt)}
     nbytes["total"] = sum(nbytes.values())
     return {
-        "path": name, "shape": list(l.shape), "stored_shape": list(m.shape), "status": status, "reason": l.reason,
-        "spec": {"compute": compute_spec, "master": _spec(m.sharding),
-                 "optimizer": _spec(opt[0].sharding) if opt else "-", "grads": _spec(grads)},
-        "compute_note": compute_note, "bytes_per_device": nbytes,
+        "path": name,
+        "shape": list(l.shape),
+        "stored_shape": list(m.shape),
+        "status": status,
+        "reason": l.reason,
+        "spec": {
+            "compute": compute_spec,
+            "master": _spec(m.sharding),
+            "optimizer": _spec(opt[0].sharding) if opt else "-",
+            "grads": _spec(grads),
+        },
+        "compute_note": compute_note,
+        "bytes_per_device": nbytes,
     }
 
 
@@ -143,9 +177,9 @@ def print_report(r: dict) -> None:
     sharded = ", ".join(g for g, on in r["groups_sharded"].items() if on) or "nothing"
     table = Table(
         title=f"zerojax inspect: stage {r['stage']}, {r['precision']}, {r['params']:,} params, fsdp={r['fsdp']} "
-              f"(mesh {r['mesh']}); sharded groups: {sharded}",
+        f"(mesh {r['mesh']}); sharded groups: {sharded}",
         caption="PartitionSpec per group; bytes = what one device keeps between steps (compute copy + fp32 master "
-                "+ optimizer state). Gradients live only inside the step.",
+        "+ optimizer state). Gradients live only inside the step.",
     )
     for col in ("parameter", "shape", "stored", "compute", "master", "optimizer", "grads", "bytes/device", "why"):
         table.add_column(col, justify="right" if col == "bytes/device" else "left")
@@ -153,16 +187,26 @@ def print_report(r: dict) -> None:
         s = leaf["spec"]
         stored = "" if leaf["stored_shape"] == leaf["shape"] else str(tuple(leaf["stored_shape"]))
         why = leaf["reason"] if leaf["status"] != "sharded" else ""
-        table.add_row(leaf["path"], str(tuple(leaf["shape"])), stored, s["compute"], s["master"], s["optimizer"],
-                      s["grads"], b(leaf["bytes_per_device"]["total"]),
-                      f"[yellow]{why}[/yellow]" if why else "")
+        table.add_row(
+            leaf["path"],
+            str(tuple(leaf["shape"])),
+            stored,
+            s["compute"],
+            s["master"],
+            s["optimizer"],
+            s["grads"],
+            b(leaf["bytes_per_device"]["total"]),
+            f"[yellow]{why}[/yellow]" if why else "",
+        )
     console = Console(width=None if Console().is_terminal else 160)
     console.print(table)
     t = r["persistent_bytes_per_device"]
     replicated = [l["path"] for l in r["leaves"] if l["status"] == "replicated"]
     padded = [l["path"] for l in r["leaves"] if l["status"] == "padded"]
-    console.print(f"per device: compute {b(t['compute'])}, master {b(t['master'])}, optimizer {b(t['optimizer'])}, "
-                  f"other {b(t['other_state'])}; total {b(t['total'])}")
+    console.print(
+        f"per device: compute {b(t['compute'])}, master {b(t['master'])}, optimizer {b(t['optimizer'])}, "
+        f"other {b(t['other_state'])}; total {b(t['total'])}"
+    )
     console.print(f"replicated leaves: {len(replicated)}" + (f" ({', '.join(replicated)})" if replicated else ""))
     console.print(f"padded leaves: {len(padded)}" + (f" ({', '.join(padded)})" if padded else ""))
     console.print(f"gathers: {r['gathers']}")

@@ -28,18 +28,39 @@ PREEMPTED = 75  # the status `zerojax train` exits with after a termination requ
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("launch", help="run a command as N JAX processes on this machine (CPU simulation)",
-                       description=__doc__.split("\n\n")[0])
+    p = sub.add_parser(
+        "launch",
+        help="run a command as N JAX processes on this machine (CPU simulation)",
+        description=__doc__.split("\n\n")[0],
+    )
     p.add_argument("--processes", type=int, required=True, metavar="N", help="number of processes")
-    p.add_argument("--devices-per-process", type=int, default=None, metavar="K",
-                   help="simulated CPU devices per process (sets XLA_FLAGS and JAX_PLATFORMS=cpu)")
+    p.add_argument(
+        "--devices-per-process",
+        type=int,
+        default=None,
+        metavar="K",
+        help="simulated CPU devices per process (sets XLA_FLAGS and JAX_PLATFORMS=cpu)",
+    )
     p.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
-    p.add_argument("--heartbeat-timeout", type=int, default=None, metavar="S",
-                   help=f"passed to every process (default {distributed.DEFAULT_HEARTBEAT_TIMEOUT_S} s)")
-    p.add_argument("--shutdown-timeout", type=int, default=None, metavar="S",
-                   help=f"passed to every process (default {distributed.DEFAULT_SHUTDOWN_TIMEOUT_S} s)")
-    p.add_argument("command", nargs=argparse.REMAINDER,
-                   help="after `--`: a zerojax subcommand (e.g. train CONFIG ...) or a .py script with its args")
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=int,
+        default=None,
+        metavar="S",
+        help=f"passed to every process (default {distributed.DEFAULT_HEARTBEAT_TIMEOUT_S} s)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=int,
+        default=None,
+        metavar="S",
+        help=f"passed to every process (default {distributed.DEFAULT_SHUTDOWN_TIMEOUT_S} s)",
+    )
+    p.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        help="after `--`: a zerojax subcommand (e.g. train CONFIG ...) or a .py script with its args",
+    )
     p.set_defaults(run=run)
 
 
@@ -55,29 +76,45 @@ def child_argv(command: list[str]) -> list[str]:
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        raise UserError("launch needs a command after `--`, e.g. `zerojax launch --processes 2 -- train configs/tiny.yaml`.")
+        raise UserError(
+            "launch needs a command after `--`, e.g. `zerojax launch --processes 2 -- train configs/tiny.yaml`."
+        )
     if command[0].endswith(".py"):
         return [sys.executable, "-u", *command]
     if command[0] == "launch":
-        raise UserError("launch cannot launch itself; give the command each process should run, e.g. `-- train CONFIG`.")
+        raise UserError(
+            "launch cannot launch itself; give the command each process should run, e.g. `-- train CONFIG`."
+        )
     return [sys.executable, "-u", "-m", "zerojax.cli", *command]
 
 
-def child_env(base: dict, *, process_id: int, processes: int, port: int, devices: int | None,
-              heartbeat: int | None, shutdown: int | None) -> dict:
+def child_env(
+    base: dict,
+    *,
+    process_id: int,
+    processes: int,
+    port: int,
+    devices: int | None,
+    heartbeat: int | None,
+    shutdown: int | None,
+) -> dict:
     env = dict(base)
-    env.update({
-        distributed.ENV_COORDINATOR: f"127.0.0.1:{port}",
-        distributed.ENV_NUM_PROCESSES: str(processes),
-        distributed.ENV_PROCESS_ID: str(process_id),
-        "PYTHONUNBUFFERED": "1",  # lines reach the launcher as they are printed
-    })
+    env.update(
+        {
+            distributed.ENV_COORDINATOR: f"127.0.0.1:{port}",
+            distributed.ENV_NUM_PROCESSES: str(processes),
+            distributed.ENV_PROCESS_ID: str(process_id),
+            "PYTHONUNBUFFERED": "1",  # lines reach the launcher as they are printed
+        }
+    )
     if heartbeat is not None:
         env[distributed.ENV_HEARTBEAT_TIMEOUT] = str(heartbeat)
     if shutdown is not None:
         env[distributed.ENV_SHUTDOWN_TIMEOUT] = str(shutdown)
     if devices is not None:
-        flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count=")]
+        flags = [
+            f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count=")
+        ]
         env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
         env["JAX_PLATFORMS"] = "cpu"
     return env
@@ -144,7 +181,11 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{flag} must be a positive number of seconds, got {value}.")
     argv = child_argv(args.command)
     port = args.port or free_port()
-    _say(f"{n} processes" + (f" x {k} CPU devices" if k else "") + f", coordinator 127.0.0.1:{port}: {' '.join(argv[1:])}")
+    _say(
+        f"{n} processes"
+        + (f" x {k} CPU devices" if k else "")
+        + f", coordinator 127.0.0.1:{port}: {' '.join(argv[1:])}"
+    )
 
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
@@ -152,10 +193,27 @@ def run(args: argparse.Namespace) -> int:
     preexec = _parent_death_signal()
     try:
         for i in range(n):  # all started before any thread runs: preexec_fn and threads don't mix
-            env = child_env(os.environ, process_id=i, processes=n, port=port, devices=k,
-                            heartbeat=args.heartbeat_timeout, shutdown=args.shutdown_timeout)
-            procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          text=True, bufsize=1, errors="replace", preexec_fn=preexec))
+            env = child_env(
+                os.environ,
+                process_id=i,
+                processes=n,
+                port=port,
+                devices=k,
+                heartbeat=args.heartbeat_timeout,
+                shutdown=args.shutdown_timeout,
+            )
+            procs.append(
+                subprocess.Popen(
+                    argv,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    bufsize=1,
+                    errors="replace",
+                    preexec_fn=preexec,
+                )
+            )
         for i, p in enumerate(procs):
             _say(f"process {i} started (pid {p.pid})")
             for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
@@ -204,8 +262,10 @@ def _watch(procs: list[subprocess.Popen], forwarded: threading.Event | None = No
                 running = True
             elif code != 0 and not forwarded.is_set():
                 others = [q for q in procs if q.poll() is None]
-                _say(f"error: process {i} (pid {p.pid}) {describe_exit(code)}"
-                     + (f"; stopping the other {len(others)}" if others else ""))
+                _say(
+                    f"error: process {i} (pid {p.pid}) {describe_exit(code)}"
+                    + (f"; stopping the other {len(others)}" if others else "")
+                )
                 _stop(others, _STOP_GRACE_S)
                 return code if code > 0 else 128 - code
         if not running:

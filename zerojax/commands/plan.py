@@ -36,34 +36,59 @@ def add_parser(subparsers) -> None:
     from zerojax.optim import OPTIMIZERS
     from zerojax.precision import DTYPES
 
-    p = subparsers.add_parser(
-        "plan", help="memory, traffic and time per device for ZeRO stages 0-3, and which to use"
-    )
+    p = subparsers.add_parser("plan", help="memory, traffic and time per device for ZeRO stages 0-3, and which to use")
     p.add_argument("config", nargs="?", help="experiment YAML: plan its model (or pass --params instead)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a key of CONFIG, e.g. --set model.preset=7b (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a key of CONFIG, e.g. --set model.preset=7b (repeatable)",
+    )
     p.add_argument("--params", help="parameter count, e.g. 7e9 or 125M")
-    p.add_argument("--devices", type=int,
-                   help="devices in all; the state is sharded over those not on mesh.data (default: "
-                        "CONFIG's mesh.data x mesh.fsdp)")
+    p.add_argument(
+        "--devices",
+        type=int,
+        help="devices in all; the state is sharded over those not on mesh.data (default: "
+        "CONFIG's mesh.data x mesh.fsdp)",
+    )
     p.add_argument("--hardware", default="h100", help=", ".join(HARDWARE))
     p.add_argument("--seq", type=int, help="sequence length (default: CONFIG's model.seq_len, else 2048)")
-    p.add_argument("--micro-batch", type=int,
-                   help="sequences per device per micro-batch (default: CONFIG's train.batch_size / devices / "
-                        "train.grad_accum, else 1)")
-    p.add_argument("--grad-accum", type=int,
-                   help="micro-batches per step (default: CONFIG's train.grad_accum, else 1); stage 3 "
-                        "gathers and reduces once per micro-batch")
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        help="sequences per device per micro-batch (default: CONFIG's train.batch_size / devices / "
+        "train.grad_accum, else 1)",
+    )
+    p.add_argument(
+        "--grad-accum",
+        type=int,
+        help="micro-batches per step (default: CONFIG's train.grad_accum, else 1); stage 3 "
+        "gathers and reduces once per micro-batch",
+    )
     p.add_argument("--optimizer", help=f"{', '.join(OPTIMIZERS)} (default: CONFIG's, else adamw)")
-    p.add_argument("--precision", help=f"{' or '.join(DTYPES)}, bf16 with an fp32 master (default: CONFIG's, else bf16)")
+    p.add_argument(
+        "--precision", help=f"{' or '.join(DTYPES)}, bf16 with an fp32 master (default: CONFIG's, else bf16)"
+    )
     p.add_argument("--mfu", type=float, default=1.0, help="assumed fraction of peak FLOP/s (default 1.0)")
-    p.add_argument("--memory", help="device memory budget per device, e.g. 80GB, 24GiB or 8e9 bytes (default: "
-                                    "--hardware's); combinations are ranked against it")
-    p.add_argument("--headroom", type=float, default=0.1,
-                   help="fraction of the device memory left free for the estimate's error and the allocator "
-                        "(default 0.1): combinations must fit in (1 - headroom) x memory")
-    p.add_argument("--host-memory", help="host memory per device for offloaded state and activations, e.g. 250GB "
-                                         "(default: unbounded, only reported)")
+    p.add_argument(
+        "--memory",
+        help="device memory budget per device, e.g. 80GB, 24GiB or 8e9 bytes (default: "
+        "--hardware's); combinations are ranked against it",
+    )
+    p.add_argument(
+        "--headroom",
+        type=float,
+        default=0.1,
+        help="fraction of the device memory left free for the estimate's error and the allocator "
+        "(default 0.1): combinations must fit in (1 - headroom) x memory",
+    )
+    p.add_argument(
+        "--host-memory",
+        help="host memory per device for offloaded state and activations, e.g. 250GB "
+        "(default: unbounded, only reported)",
+    )
     p.add_argument("--top", type=int, default=8, help="combinations to print, best first (default 8)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=_run)
@@ -72,8 +97,8 @@ def add_parser(subparsers) -> None:
 def _run(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from zerojax.accounting import planning
     from zerojax.accounting import picks as picks_lib
+    from zerojax.accounting import planning
     from zerojax.accounting.hardware import get_hardware
     from zerojax.optim import get_optimizer
     from zerojax.precision import get_precision
@@ -87,14 +112,23 @@ def _run(args: argparse.Namespace) -> int:
         inputs = _from_config(args)
     else:
         if args.params is None:
-            raise UserError("--params is required, e.g. `zerojax plan --params 7e9 --devices 8`, "
-                            "or give a CONFIG.")
+            raise UserError("--params is required, e.g. `zerojax plan --params 7e9 --devices 8`, or give a CONFIG.")
         if args.devices is None:
             raise UserError("--devices is required: how many devices share the model state.")
-        inputs = {"params": parse_count(args.params), "devices": args.devices, "seq_len": args.seq or 2048,
-                  "micro_batch": args.micro_batch or 1, "precision": args.precision or "bf16",
-                  "optimizer": args.optimizer or "adamw", "shape": None, "remat": "full", "replicas": 1,
-                  "grad_accum": args.grad_accum or 1, "reshard_after_forward": True, "zeropp": None}
+        inputs = {
+            "params": parse_count(args.params),
+            "devices": args.devices,
+            "seq_len": args.seq or 2048,
+            "micro_batch": args.micro_batch or 1,
+            "precision": args.precision or "bf16",
+            "optimizer": args.optimizer or "adamw",
+            "shape": None,
+            "remat": "full",
+            "replicas": 1,
+            "grad_accum": args.grad_accum or 1,
+            "reshard_after_forward": True,
+            "zeropp": None,
+        }
         inputs["rows_per_device"] = inputs["micro_batch"] * inputs["grad_accum"]
     result = planning.plan(
         inputs["params"],
@@ -111,9 +145,17 @@ def _run(args: argparse.Namespace) -> int:
         reshard_after_forward=inputs["reshard_after_forward"],
     )
     ranked = picks_lib.rank(
-        result.params, result.devices, hardware, rows_per_device=inputs["rows_per_device"], seq_len=result.seq_len,
-        precision=result.precision, optimizer=result.optimizer, shape=result.shape, mfu=args.mfu,
-        reshard_after_forward=result.reshard_after_forward, memory=hardware.hbm_bytes * (1 - args.headroom),
+        result.params,
+        result.devices,
+        hardware,
+        rows_per_device=inputs["rows_per_device"],
+        seq_len=result.seq_len,
+        precision=result.precision,
+        optimizer=result.optimizer,
+        shape=result.shape,
+        mfu=args.mfu,
+        reshard_after_forward=result.reshard_after_forward,
+        memory=hardware.hbm_bytes * (1 - args.headroom),
         host_memory=host_memory,
     )
     by_axis = _by_axis(result, inputs)
@@ -137,8 +179,17 @@ def _by_axis(result, inputs: dict) -> dict | None:
     options = zeropp.ZeroPP(**inputs["zeropp"]) if inputs["zeropp"] else zeropp.ZeroPP()
     if inputs["replicas"] == 1 and not options.active:
         return None
-    return zeropp.plan_section(result.params, inputs["replicas"], result.devices, result.precision, options,
-                               result.grad_accum, result.shape, result.reshard_after_forward, result.optimizer)
+    return zeropp.plan_section(
+        result.params,
+        inputs["replicas"],
+        result.devices,
+        result.precision,
+        options,
+        result.grad_accum,
+        result.shape,
+        result.reshard_after_forward,
+        result.optimizer,
+    )
 
 
 def _print_by_axis(section: dict) -> None:
@@ -147,10 +198,12 @@ def _print_by_axis(section: dict) -> None:
 
     chosen = section["with_options"]
     options = ", ".join(f"{k}={v}" for k, v in (section["options"] or {}).items())
-    table = Table(title=f"Stage 3 traffic by mesh axis (data={section['data']} x fsdp={section['fsdp']}), GB per "
-                        f"device per step" + (f"; with {options}" if options else ""),
-                  caption="The fsdp axis stays within a group (a node); what crosses data is the inter-node share. "
-                          "int8/fp8 moves 1 byte per value plus an fp32 scale per block (docs/zeropp.md).")
+    table = Table(
+        title=f"Stage 3 traffic by mesh axis (data={section['data']} x fsdp={section['fsdp']}), GB per "
+        f"device per step" + (f"; with {options}" if options else ""),
+        caption="The fsdp axis stays within a group (a node); what crosses data is the inter-node share. "
+        "int8/fp8 moves 1 byte per value plus an fp32 scale per block (docs/zeropp.md).",
+    )
     for col in ("collective", "axis", "plain stage 3", *(("with ZeRO++",) if chosen else ())):
         table.add_column(col, justify="left" if col in ("collective", "axis") else "right")
     keys = sorted({(k, a) for tree in (section["plain"], chosen or {}) for k, axes in tree.items() for a in axes})
@@ -164,9 +217,11 @@ def _print_by_axis(section: dict) -> None:
     console.print(table)
     memory = section.get("with_options_memory")
     if memory and memory["secondary_copy"]:
-        console.print(f"hpZ memory per device: state kept {_gb(memory['kept'])} GB (plain stage 3 on this mesh: "
-                      f"{_gb(section['plain_memory']['kept'])} GB), plus the secondary copy, "
-                      f"{_gb(memory['secondary_copy'])} GB, inside the step.")
+        console.print(
+            f"hpZ memory per device: state kept {_gb(memory['kept'])} GB (plain stage 3 on this mesh: "
+            f"{_gb(section['plain_memory']['kept'])} GB), plus the secondary copy, "
+            f"{_gb(memory['secondary_copy'])} GB, inside the step."
+        )
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -194,12 +249,20 @@ def _json_out(args, result, ranked, inputs: dict, hardware, host_memory: float) 
     out["rows_per_device"] = inputs["rows_per_device"]
     out["picks"] = [p.as_dict() for p in ranked]
     best = ranked[0] if ranked and ranked[0].fits else None
-    out["best"] = None if best is None else {"overrides": best.overrides(),
-                                             "set_args": " ".join(f"--set {o}" for o in best.overrides())}
+    out["best"] = (
+        None
+        if best is None
+        else {"overrides": best.overrides(), "set_args": " ".join(f"--set {o}" for o in best.overrides())}
+    )
     if args.config is not None:
-        out["config"] = {"path": args.config, "overrides": list(args.overrides), "remat": inputs["remat"],
-                         "replicas": inputs["replicas"],
-                         "model": vars(inputs["shape"]) if inputs["shape"] else None, "params_counted_with": "jax.eval_shape"}
+        out["config"] = {
+            "path": args.config,
+            "overrides": list(args.overrides),
+            "remat": inputs["remat"],
+            "replicas": inputs["replicas"],
+            "model": vars(inputs["shape"]) if inputs["shape"] else None,
+            "params_counted_with": "jax.eval_shape",
+        }
     return out
 
 
@@ -208,8 +271,10 @@ def _from_config(args: argparse.Namespace) -> dict:
     import os
 
     if not os.path.isfile(args.config):
-        raise UserError(f"config file {args.config!r} does not exist; give an existing YAML config, "
-                        "or plan with --params N --devices P.")
+        raise UserError(
+            f"config file {args.config!r} does not exist; give an existing YAML config, "
+            "or plan with --params N --devices P."
+        )
     from zerojax.accounting.analytic import GPTShape
     from zerojax.accounting.params import gpt_params
     from zerojax.config import load_config
@@ -220,8 +285,12 @@ def _from_config(args: argparse.Namespace) -> dict:
         counted = _target_inputs(c, args)
     else:
         gpt = model_config(c)
-        counted = {"params": float(gpt_params(gpt)), "seq_len": args.seq or gpt.seq_len, "shape": GPTShape.of(gpt),
-                   "remat": gpt.remat}
+        counted = {
+            "params": float(gpt_params(gpt)),
+            "seq_len": args.seq or gpt.seq_len,
+            "shape": GPTShape.of(gpt),
+            "remat": gpt.remat,
+        }
     replicas = c.mesh.data
     if args.devices is not None:
         if args.devices % replicas:
@@ -247,8 +316,12 @@ def _from_config(args: argparse.Namespace) -> dict:
         "shape": counted["shape"],
         "remat": counted["remat"],
         "replicas": replicas,
-        "zeropp": {"quantize_weights": c.zero.quantize_weights, "quantize_grads": c.zero.quantize_grads,
-                   "block": c.zero.quantize_block, "hierarchical": c.zero.hierarchical},
+        "zeropp": {
+            "quantize_weights": c.zero.quantize_weights,
+            "quantize_grads": c.zero.quantize_grads,
+            "block": c.zero.quantize_block,
+            "hierarchical": c.zero.hierarchical,
+        },
     }
 
 
@@ -269,8 +342,12 @@ def _target_inputs(c, args) -> dict:
     inputs = jax.ShapeDtypeStruct((1, *x.shape[1:]), x.dtype)
     params = count_params(param_shapes(functional(model), jax.random.key(0), inputs))
     tokens = x.ndim >= 2 and np.issubdtype(x.dtype, np.integer)
-    return {"params": float(params), "seq_len": args.seq or (int(x.shape[1]) if tokens else 1), "shape": None,
-            "remat": "none"}
+    return {
+        "params": float(params),
+        "seq_len": args.seq or (int(x.shape[1]) if tokens else 1),
+        "shape": None,
+        "remat": "none",
+    }
 
 
 def _gb(x: float) -> str:
@@ -308,16 +385,22 @@ def _print_table(p, config: str | None = None, remat: str = "full", replicas: in
     console = Console(width=None if Console().is_terminal else 140)
     source = f" ({config}: {p.shape.n_layers} layers, d_model {p.shape.d_model})" if config and p.shape else ""
     act = p.stages[0].activation_bytes
-    kept = {r.stage: analytic.kept_state_bytes(p.params, p.devices, r.stage, p.precision, p.optimizer)["total"]
-            for r in p.stages}
-    unit, scale = _unit(max(max(r.memory["total"], r.traffic["param_allgather"], r.traffic["grad_reduce"])
-                            for r in p.stages))
+    kept = {
+        r.stage: analytic.kept_state_bytes(p.params, p.devices, r.stage, p.precision, p.optimizer)["total"]
+        for r in p.stages
+    }
+    unit, scale = _unit(
+        max(max(r.memory["total"], r.traffic["param_allgather"], r.traffic["grad_reduce"]) for r in p.stages)
+    )
 
     def size(x: float) -> str:
         return f"{x / scale:,.2f}"
 
-    activations = ("Activations not included." if act is None else
-                   f"'fits' includes {size(act)} {unit} of activations (remat={remat}), not in the state columns.")
+    activations = (
+        "Activations not included."
+        if act is None
+        else f"'fits' includes {size(act)} {unit} of activations (remat={remat}), not in the state columns."
+    )
     table = Table(
         title=(
             f"ZeRO plan: {_count(p.params)} params{source} on {p.devices * replicas} x {hw.name}"
@@ -326,26 +409,54 @@ def _print_table(p, config: str | None = None, remat: str = "full", replicas: in
             f"{hw.link_bytes_per_s / 1e9:.0f} GB/s per direction), {p.precision.name} + {p.optimizer.name}"
         ),
         caption=(
-            f"{unit} = {scale:.0e}".replace("e+0", "e") + f" bytes per device. model state: the textbook ZeRO accounting (compute params, fp32 "
+            f"{unit} = {scale:.0e}".replace("e+0", "e")
+            + f" bytes per device. model state: the textbook ZeRO accounting (compute params, fp32 "
             f"master, optimizer, gradients); kept: what zerojax keeps between steps (no gradients; stage 3 "
-            f"casts each fp32 shard when it gathers it, so no bf16 copy). Traffic per step; {p.grad_accum} x {p.micro_batch} x {p.seq_len} tokens per device per step "
+            f"casts each fp32 shard when it gathers it, so no bf16 copy). Traffic per step; "
+            f"{p.grad_accum} x {p.micro_batch} x {p.seq_len} tokens per device per step "
             f"(micro-batches x rows x seq; stage 3 gathers per micro-batch"
             f"{', once with reshard_after_forward=false' if not p.reshard_after_forward else ''}) at "
             f"{p.mfu:g} x peak. {activations}"
-            + (" Traffic is within one group of the sharding devices; the replicas' gradient all-reduce is not "
-               "included." if replicas > 1 else "")
+            + (
+                " Traffic is within one group of the sharding devices; the replicas' gradient all-reduce is not "
+                "included."
+                if replicas > 1
+                else ""
+            )
         ),
     )
-    for col in ("stage", "params", "master", "optim", "grads", f"model state {unit}", f"kept {unit}",
-                f"gather {unit}", f"reduce {unit}", "compute", "comm", "fits", "bound"):
+    for col in (
+        "stage",
+        "params",
+        "master",
+        "optim",
+        "grads",
+        f"model state {unit}",
+        f"kept {unit}",
+        f"gather {unit}",
+        f"reduce {unit}",
+        "compute",
+        "comm",
+        "fits",
+        "bound",
+    ):
         table.add_column(col, justify="left" if col in ("fits", "bound") else "right")
     for r in p.stages:
         m = r.memory
         table.add_row(
-            str(r.stage), size(m["compute_params"]), size(m["master"]), size(m["optimizer"]),
-            size(m["grads"]), size(m["total"]), size(kept[r.stage]), size(r.traffic["param_allgather"]),
-            size(r.traffic["grad_reduce"]), _time(r.time.compute_s), _time(r.time.comm_s),
-            "yes" if r.fits else "[red]no[/red]", r.time.bound,
+            str(r.stage),
+            size(m["compute_params"]),
+            size(m["master"]),
+            size(m["optimizer"]),
+            size(m["grads"]),
+            size(m["total"]),
+            size(kept[r.stage]),
+            size(r.traffic["param_allgather"]),
+            size(r.traffic["grad_reduce"]),
+            _time(r.time.compute_s),
+            _time(r.time.comm_s),
+            "yes" if r.fits else "[red]no[/red]",
+            r.time.bound,
         )
     console.print(table)
     rec = p.recommendation
@@ -369,25 +480,50 @@ def _print_picks(ranked, top: int, hw, rows: int, seq_len: int, headroom: float)
     fitting = sum(p.fits for p in ranked)
     unit, scale = _unit(max((max(p.device_peak_bytes, p.host_bytes) for p in ranked[:top]), default=0.0))
     table = Table(
-        title=(f"Combinations: {fitting} of {len(ranked)} fit in {hw.hbm_bytes * (1 - headroom) / 1e9:,.2f} GB per "
-               f"device ({hw.hbm_bytes / 1e9:,.2f} GB less {headroom:.0%} headroom) "
-               f"({rows} x {seq_len} tokens per device per step); best {min(top, len(ranked))}"),
-        caption=(f"device {unit}: kept device state + the step's temporaries (activations of one micro-batch, "
-                 f"gradients, the update; offloaded state comes back for the update); host {unit}: offloaded state + "
-                 "offloaded activations. Step: max(compute incl. recompute, collectives, host link "
-                 f"{hw.host_bytes_per_s / 1e9:.0f} GB/s per direction), a lower bound."),
+        title=(
+            f"Combinations: {fitting} of {len(ranked)} fit in {hw.hbm_bytes * (1 - headroom) / 1e9:,.2f} GB per "
+            f"device ({hw.hbm_bytes / 1e9:,.2f} GB less {headroom:.0%} headroom) "
+            f"({rows} x {seq_len} tokens per device per step); best {min(top, len(ranked))}"
+        ),
+        caption=(
+            f"device {unit}: kept device state + the step's temporaries (activations of one micro-batch, "
+            f"gradients, the update; offloaded state comes back for the update); host {unit}: offloaded state + "
+            "offloaded activations. Step: max(compute incl. recompute, collectives, host link "
+            f"{hw.host_bytes_per_s / 1e9:.0f} GB/s per direction), a lower bound."
+        ),
     )
-    for col in ("#", "stage", "accum x rows", "offload", "remat", f"device {unit}", f"host {unit}", "step", "bound",
-                "fits"):
+    for col in (
+        "#",
+        "stage",
+        "accum x rows",
+        "offload",
+        "remat",
+        f"device {unit}",
+        f"host {unit}",
+        "step",
+        "bound",
+        "fits",
+    ):
         table.add_column(col, justify="left" if col in ("offload", "remat", "bound", "fits") else "right")
     for i, p in enumerate(ranked[:top], 1):
-        table.add_row(str(i), str(p.stage), f"{p.grad_accum} x {p.micro_batch}", p.offload, p.remat,
-                      f"{p.device_peak_bytes / scale:,.2f}", f"{p.host_bytes / scale:,.2f}", _time(p.step_s), p.bound,
-                      "yes" if p.fits else "[red]no[/red]")
+        table.add_row(
+            str(i),
+            str(p.stage),
+            f"{p.grad_accum} x {p.micro_batch}",
+            p.offload,
+            p.remat,
+            f"{p.device_peak_bytes / scale:,.2f}",
+            f"{p.host_bytes / scale:,.2f}",
+            _time(p.step_s),
+            p.bound,
+            "yes" if p.fits else "[red]no[/red]",
+        )
     console.print(table)
     best = ranked[0] if ranked and ranked[0].fits else None
     if best is None:
-        console.print(f"[bold red]No combination fits[/bold red] in {hw.hbm_bytes * (1 - headroom) / 1e9:,.2f} GB "
-                      "per device: shard over more devices (mesh.fsdp) or shorten the sequences.")
+        console.print(
+            f"[bold red]No combination fits[/bold red] in {hw.hbm_bytes * (1 - headroom) / 1e9:,.2f} GB "
+            "per device: shard over more devices (mesh.fsdp) or shorten the sequences."
+        )
         return
     console.print("[bold]Best combination:[/bold] " + " ".join(f"--set {o}" for o in best.overrides()))

@@ -11,13 +11,22 @@ from zerojax import distributed
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train the shipped GPT, or the model.target / data.target a YAML config names")
     p.add_argument("config", help="YAML experiment config, e.g. configs/tiny.yaml")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set zero.stage=2 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set zero.stage=2 (repeatable)",
+    )
     p.add_argument("--devices", type=int, default=None, help="simulate N CPU devices (keeps other XLA_FLAGS)")
     p.add_argument("--out", default="runs/latest", help="output folder for metrics.jsonl and summary.json")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the latest complete checkpoint in OUT (or checkpoint.dir); "
-                        "start from scratch with a warning when there is none yet")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest complete checkpoint in OUT (or checkpoint.dir); "
+        "start from scratch with a warning when there is none yet",
+    )
     distributed.add_arguments(p)
     p.set_defaults(run=run)
 
@@ -25,7 +34,6 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from zerojax.config import load_config
     from zerojax.mesh import simulate_cpu_devices
-
     from zerojax.paths import check_writable_dir
 
     config = load_config(args.config, args.overrides)  # before JAX starts: bad input fails fast
@@ -45,8 +53,8 @@ def run(args: argparse.Namespace) -> int:
     from zerojax.errors import WriteFailed
     from zerojax.experiment import build_experiment
     from zerojax.log import quiet_orbax, release_thread_errors
-    from zerojax.run import FitOptions, fit, prepare
     from zerojax.report import compiling, summary_table, training_progress
+    from zerojax.run import FitOptions, fit, prepare
 
     quiet_orbax(logging.CRITICAL)  # a failed write is reported once, as an `error:` line
     with distributed.fail_fast(spec):  # a dead peer ends this process too, never a hang
@@ -57,8 +65,15 @@ def run(args: argparse.Namespace) -> int:
             start = prepare(exp.trainer, exp.train_data, args.out, options, resume=args.resume)
         try:
             with training_progress(config.train.steps) as on_step:
-                summary = fit(exp.trainer, exp.train_data, args.out, eval_source=exp.eval_data, options=options,
-                              on_step=on_step, start=start)
+                summary = fit(
+                    exp.trainer,
+                    exp.train_data,
+                    args.out,
+                    eval_source=exp.eval_data,
+                    options=options,
+                    on_step=on_step,
+                    start=start,
+                )
         except WriteFailed as e:
             _leave_now(e)
         release_thread_errors()

@@ -9,8 +9,14 @@ import argparse
 def add_parser(sub) -> None:
     p = sub.add_parser("verify", help="check the config's model trains as at stage 0 (run once on a new model)")
     p.add_argument("config", help="YAML experiment config, e.g. configs/tiny.yaml")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set zero.stage=2 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set zero.stage=2 (repeatable)",
+    )
     p.add_argument("--devices", type=int, default=None, help="simulate N CPU devices (keeps other XLA_FLAGS)")
     p.add_argument("--steps", type=int, default=3, help="steps to compare (default 3)")
     p.set_defaults(run=run)
@@ -36,8 +42,11 @@ def run(args: argparse.Namespace) -> int:
     exp = build_experiment(config)
     trainer, c = exp.trainer, config
     batches = [sources.host_batch(exp.train_data, step) for step in range(args.steps)]
-    print(f"zerojax verify: stage {c.zero.stage}, {c.zero.engine}, {c.precision}, {trainer.mesh.size} devices, "
-          f"against stage 0 for {args.steps} steps", flush=True)
+    print(
+        f"zerojax verify: stage {c.zero.stage}, {c.zero.engine}, {c.precision}, {trainer.mesh.size} devices, "
+        f"against stage 0 for {args.steps} steps",
+        flush=True,
+    )
     with compiling("the step and its stage-0 reference"):
         result = trainer.verify(batches, steps=args.steps, key=jax.random.key(c.train.seed))
     print("\n".join(result.lines()))

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 from zerojax.errors import UserError
 
@@ -56,7 +57,7 @@ class EngineOptions:
         object.__setattr__(self, "layer_stacks", tuple(self.layer_stacks))
 
     @classmethod
-    def of(cls, options: "EngineOptions | dict | None") -> "EngineOptions":
+    def of(cls, options: EngineOptions | dict | None) -> EngineOptions:
         if isinstance(options, cls):
             return options
         options = dict(options or {})
@@ -94,8 +95,10 @@ class Engine:
         for f in dataclasses.fields(EngineOptions):
             value = getattr(options, f.name)
             if f.name not in self.supports and value != getattr(default, f.name):
-                raise UserError(f"the {self.name} engine does not support the option {f.name}={value!r}; "
-                                f"engines that do: {', '.join(_supporting(f.name)) or 'none'}.")
+                raise UserError(
+                    f"the {self.name} engine does not support the option {f.name}={value!r}; "
+                    f"engines that do: {', '.join(_supporting(f.name)) or 'none'}."
+                )
 
 
 _REGISTRY: dict[str, Engine] = {}

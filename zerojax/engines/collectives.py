@@ -99,13 +99,17 @@ class Reduce:
         if self.grads is not None and self.grads.applies(quantize.chunk_size(leaf, jax.lax.axis_size(FSDP_AXIS))):
             ct = quantize.reduce_scatter(ct, leaf, self.grads).astype(self.reduce_dtype)  # summed in fp32
         else:
-            ct = _transposed(lambda c, axis: jax.lax.psum_scatter(c.astype(self.reduce_dtype), FSDP_AXIS,
-                                                                  scatter_dimension=axis, tiled=True), ct, leaf.axis)
+            ct = _transposed(
+                lambda c, axis: jax.lax.psum_scatter(
+                    c.astype(self.reduce_dtype), FSDP_AXIS, scatter_dimension=axis, tiled=True
+                ),
+                ct,
+                leaf.axis,
+            )
         return jax.lax.psum(ct, self.replicas) if self.replicas and not self.hierarchical else ct
 
     def to_all(self, ct):
-        return _transposed(lambda c, _: jax.lax.psum(c.astype(self.reduce_dtype), (FSDP_AXIS, *self.replicas)),
-                           ct, 0)
+        return _transposed(lambda c, _: jax.lax.psum(c.astype(self.reduce_dtype), (FSDP_AXIS, *self.replicas)), ct, 0)
 
     def cast_gather(self, shard, leaf: LeafLayout):
         x = shard.astype(self.compute_dtype)  # cast first, so the gather moves compute-dtype bytes
@@ -150,8 +154,9 @@ class Reduce:
 
         gather = lambda bits: self.shard_gather(from_bits(bits, self.compute_dtype), leaf)  # noqa: E731
         f = jax.custom_vjp(lambda copy, primary: gather(copy))
-        f.defvjp(lambda copy, primary: (gather(copy), None),
-                 lambda _, ct: (None, self._to_primary(ct, leaf).astype(dtype)))
+        f.defvjp(
+            lambda copy, primary: (gather(copy), None), lambda _, ct: (None, self._to_primary(ct, leaf).astype(dtype))
+        )
         return f
 
     def _to_primary(self, ct, leaf: LeafLayout):
@@ -177,7 +182,7 @@ class Reduce:
         out = [None if i in joined else one(l, x) for i, (l, x) in enumerate(zip(leaves, values))]
         start = 0
         for i, b in zip(joined, bits):
-            whole = join_shards(rows[:, start:start + b.size], leaves[i])
+            whole = join_shards(rows[:, start : start + b.size], leaves[i])
             out[i] = self._received(leaves[i], values[i], whole)
             start += b.size
         return out
@@ -197,8 +202,10 @@ class Reduce:
         stored value `x` as `gather` (or hpZ's `hierarchical_gather`) does."""
         if isinstance(x, Secondary):
             f = jax.custom_vjp(lambda copy, primary, whole: whole)
-            f.defvjp(lambda copy, primary, whole: (whole, None),
-                     lambda _, ct: (None, self._to_primary(ct, leaf).astype(x.primary.dtype), None))
+            f.defvjp(
+                lambda copy, primary, whole: (whole, None),
+                lambda _, ct: (None, self._to_primary(ct, leaf).astype(x.primary.dtype), None),
+            )
             return f(*x, whole)
         f = jax.custom_vjp(lambda shard, whole: whole)
         f.defvjp(lambda shard, whole: (whole, None), lambda _, ct: (self.to_shard(ct, leaf).astype(x.dtype), None))
@@ -212,8 +219,11 @@ class Reduce:
 
     def materializer(self, stage: int):
         if stage == 3:
-            return lambda leaf, x: (self.hierarchical_gather(leaf, x.primary.dtype)(*x) if isinstance(x, Secondary)
-                                    else self.gather(leaf, x.dtype)(x))
+            return lambda leaf, x: (
+                self.hierarchical_gather(leaf, x.primary.dtype)(*x)
+                if isinstance(x, Secondary)
+                else self.gather(leaf, x.dtype)(x)
+            )
         if stage == 2:
             return lambda leaf, x: self.resident(leaf)(x.full, x.shard)
         return lambda leaf, x: x

@@ -8,8 +8,8 @@ import optax
 
 from zerojax import wrap as wrap_lib
 from zerojax.layout import StateLayout
-from zerojax.stacked import under
 from zerojax.precision import cast_tree
+from zerojax.stacked import under
 from zerojax.state import TrainState
 
 
@@ -69,9 +69,16 @@ def all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(checks)) if checks else jnp.bool_(True)
 
 
-def apply_update(layout: StateLayout, tx: optax.GradientTransformation, state: TrainState, grads,
-                 loss, checked: bool = False, check_first: bool = True,
-                 order_moments: bool = True) -> tuple[TrainState, dict]:
+def apply_update(
+    layout: StateLayout,
+    tx: optax.GradientTransformation,
+    state: TrainState,
+    grads,
+    loss,
+    checked: bool = False,
+    check_first: bool = True,
+    order_moments: bool = True,
+) -> tuple[TrainState, dict]:
     """Optimizer update on the optimizer's layout (shards from stage 1 on), then back to the state's.
 
     `grads` arrive reduced: replicated (stages 0-1) or already sharded (stages 2-3). A step whose
@@ -97,7 +104,10 @@ def apply_update(layout: StateLayout, tx: optax.GradientTransformation, state: T
             new_state["opt_state"] = _after_params(new_state["opt_state"], on_shards["params"])
     kept = {k: getattr(state, k) for k in new_state}
     new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, kept)
-    return state.replace(**new_state, step=state.step + 1), {"grad_norm": grad_norm, "bad_step": (~finite).astype(jnp.int32)}
+    return state.replace(**new_state, step=state.step + 1), {
+        "grad_norm": grad_norm,
+        "bad_step": (~finite).astype(jnp.int32),
+    }
 
 
 def _after_params(opt_state, master):
@@ -112,8 +122,9 @@ def _after_params(opt_state, master):
     treedef = jax.tree.structure(master)
     zeros = jax.tree.map(wrap_lib.zero_from, master)
     like_params = lambda sub: jax.tree.structure(sub) == treedef
-    return jax.tree.map(lambda sub: jax.tree.map(wrap_lib.tie, sub, zeros) if like_params(sub) else sub,
-                        opt_state, is_leaf=like_params)
+    return jax.tree.map(
+        lambda sub: jax.tree.map(wrap_lib.tie, sub, zeros) if like_params(sub) else sub, opt_state, is_leaf=like_params
+    )
 
 
 def _checked_update(layout, tx, state, grads, finite, check_first):
@@ -167,8 +178,10 @@ def _updated(layout: StateLayout, tx: optax.GradientTransformation, state: Train
         new_state["compute"] = constrain(layout.to_layout(compute, sharded=False), layout.shardings(False))
     return new_state, checked
 
-def unit_around(layout: StateLayout, model, static, rule, materialize, inputs, model_state, wait_for_grads=False,
-                prefetch=False):
+
+def unit_around(
+    layout: StateLayout, model, static, rule, materialize, inputs, model_state, wait_for_grads=False, prefetch=False
+):
     """(GatherReport, around) for a model whose submodules the wrap `rule` makes FSDP units:
     `materialize(leaf layouts, stored values)` turns leaves used together into whole compute-dtype
     weights; `wait_for_grads`: a unit's input gradient waits for its reduced parameter gradients;
@@ -183,8 +196,9 @@ def unit_around(layout: StateLayout, model, static, rule, materialize, inputs, m
 
     leaves = jax.tree.leaves(layout.leaves, is_leaf=lambda x: isinstance(x, LeafLayout))
     dtype = layout.precision.compute_dtype
-    logical = jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape, dtype), layout.leaves,
-                           is_leaf=lambda x: isinstance(x, LeafLayout))
+    logical = jax.tree.map(
+        lambda l: jax.ShapeDtypeStruct(l.shape, dtype), layout.leaves, is_leaf=lambda x: isinstance(x, LeafLayout)
+    )
     modules = model.modules(logical, model_state, inputs)
     module_paths = {p for p, _, n in modules if n}
     units = sorted(set(wrap_lib.choose_units(modules, rule)) | {s for s in layout.stacks if s in module_paths})
@@ -194,24 +208,40 @@ def unit_around(layout: StateLayout, model, static, rule, materialize, inputs, m
     by_path = {l.path: l for l in leaves}
 
     def per_layer(keys, values):  # a stacked leaf read inside its stack's transform: one layer
-        chosen = [by_path[k].one_layer() if under(tuple(k.split("/")), stacks)
-                  and jax.tree.leaves(v)[0].ndim == len(by_path[k].shape) - 1 else by_path[k]
-                  for k, v in zip(keys, values)]
+        chosen = [
+            by_path[k].one_layer()
+            if under(tuple(k.split("/")), stacks) and jax.tree.leaves(v)[0].ndim == len(by_path[k].shape) - 1
+            else by_path[k]
+            for k, v in zip(keys, values)
+        ]
         return materialize(chosen, values)
 
-    loose = _read_outside_units(model, static, units, paths, logical, model_state, inputs, stacks, ranks) \
-        if units else ()
+    loose = (
+        _read_outside_units(model, static, units, paths, logical, model_state, inputs, stacks, ranks) if units else ()
+    )
     text = wrap_lib.describe(units, {p: c for p, c, _ in modules}, rule)
     if stacks:
-        text += "; " + ", ".join(f"'{'/'.join(s)}'" for s in stacks) + " gathered one layer at a time inside its transform"
+        text += (
+            "; " + ", ".join(f"'{'/'.join(s)}'" for s in stacks) + " gathered one layer at a time inside its transform"
+        )
     if loose:
         text += f"; read outside their units, so gathered by the root: {', '.join('/'.join(p) for p in loose)}"
     prefetch = prefetch and bool(units) and rule.reshard_after_forward
-    report = GatherReport("whole" if text.startswith("whole") else "units",
-                          text + (", next unit prefetched" if prefetch else ""))
-    return report, model.unit_around(units, per_layer, paths, rule.reshard_after_forward, wait_for_grads,
-                                     prefetch=prefetch, policy=rule.remat, loose=frozenset(loose), stacks=stacks,
-                                     ranks=ranks)
+    report = GatherReport(
+        "whole" if text.startswith("whole") else "units", text + (", next unit prefetched" if prefetch else "")
+    )
+    return report, model.unit_around(
+        units,
+        per_layer,
+        paths,
+        rule.reshard_after_forward,
+        wait_for_grads,
+        prefetch=prefetch,
+        policy=rule.remat,
+        loose=frozenset(loose),
+        stacks=stacks,
+        ranks=ranks,
+    )
 
 
 def _read_outside_units(model, static, units, paths, logical, model_state, inputs, stacks, ranks) -> list[tuple]:
@@ -219,8 +249,9 @@ def _read_outside_units(model, static, units, paths, logical, model_state, input
     unit's gather: traced once with marked gathers (`zerojax.unit_reads`)."""
     from zerojax import unit_reads
 
-    probe = model.unit_around(units, unit_reads.marked, paths, reshard_after_forward=False, policy="none",
-                              stacks=stacks, ranks=ranks)
+    probe = model.unit_around(
+        units, unit_reads.marked, paths, reshard_after_forward=False, policy="none", stacks=stacks, ranks=ranks
+    )
 
     def run(params, model_state, inputs):
         return model.apply(params, model_state, static, inputs, rng=jax.random.key(0), train=True, around=probe)

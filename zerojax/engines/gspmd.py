@@ -7,10 +7,20 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from zerojax.engines import BuiltStep, EngineOptions, GatherReport
 from zerojax import wrap as wrap_lib
-from zerojax.engines.common import (apply_update, compute_params, constrain, describe_stacks, global_loss,
-                                     keep_model_state, outside_stacks, stack_paths, step_key, unit_around)
+from zerojax.engines import BuiltStep, EngineOptions, GatherReport
+from zerojax.engines.common import (
+    apply_update,
+    compute_params,
+    constrain,
+    describe_stacks,
+    global_loss,
+    keep_model_state,
+    outside_stacks,
+    stack_paths,
+    step_key,
+    unit_around,
+)
 from zerojax.engines.gspmd_accum import accumulated_grads
 from zerojax.errors import UserError
 
@@ -35,8 +45,9 @@ def _gather_where_used(layout, model, params, options):
     stacks = stack_paths(model, params, options)
     if not stacks:
         return _replicated(layout, params), None
-    outside = outside_stacks(lambda _, v: jax.lax.with_sharding_constraint(v, layout.replicated), stacks,
-                             layout.leaves, params)
+    outside = outside_stacks(
+        lambda _, v: jax.lax.with_sharding_constraint(v, layout.replicated), stacks, layout.leaves, params
+    )
     if not model.stacks:  # the GPT's hook, as it always was
         return outside, {s: (lambda layer: _replicated(layout, layer)) for s in stacks}
     # `zj.Stacked`: a barrier between the layer's slice and its gather keeps XLA:CPU's layout
@@ -50,8 +61,11 @@ def _report(layout, model) -> GatherReport:
     if not layout.compute_sharded:
         return GatherReport("replicated", f"stage {layout.stage.index}: compute params are replicated")
     if model.accepts_layer_hook:
-        return GatherReport("layers", "per layer, where used: stacked layers inside the scan, the rest at once"
-                            + (f" (stacks {describe_stacks(model.stacks)})" if model.stacks else ""))
+        return GatherReport(
+            "layers",
+            "per layer, where used: stacked layers inside the scan, the rest at once"
+            + (f" (stacks {describe_stacks(model.stacks)})" if model.stacks else ""),
+        )
     return GatherReport("whole", "whole model gathered at once (no layer hook)")
 
 
@@ -62,46 +76,59 @@ def _units(layout, model, static, options, inputs, model_state):
     rule = wrap_lib.as_rule(options.wrap)
     if not layout.compute_sharded or model.accepts_layer_hook or rule is None or model.unit_around is None:
         return None
+
     def materialize(leaves, values):
         # Sharded first, then whole: the partitioner gathers this (tied) value, not the untied param
         # it could otherwise propagate the whole sharding back to (and merge with the other pass's gather).
         # The gradient's transpose is the same pair, so each unit's gradient is reduced inside its backward.
-        return [jax.lax.with_sharding_constraint(
-                    jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, leaf.spec(True))), layout.replicated)
-                for leaf, x in zip(leaves, values)]
+        return [
+            jax.lax.with_sharding_constraint(
+                jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, leaf.spec(True))), layout.replicated
+            )
+            for leaf, x in zip(leaves, values)
+        ]
 
-    report, around = unit_around(layout, model, static, rule, materialize, inputs, model_state, wait_for_grads=True,
-                                 prefetch=options.prefetch)
+    report, around = unit_around(
+        layout, model, static, rule, materialize, inputs, model_state, wait_for_grads=True, prefetch=options.prefetch
+    )
     return (report, around) if report.route == "units" else None
 
 
-def build(layout, model, static, loss_fn, tx, options: EngineOptions, inputs=None, model_state=None,
-          grad_accum: int = 1) -> BuiltStep:
+def build(
+    layout, model, static, loss_fn, tx, options: EngineOptions, inputs=None, model_state=None, grad_accum: int = 1
+) -> BuiltStep:
     units = _units(layout, model, static, options, inputs, model_state or {})
     around = units[1] if units else None
     if options.prefetch and layout.compute_sharded and model.accepts_layer_hook:
-        raise UserError("the gspmd engine prefetches FSDP units only (user models without zj.Stacked or a layer "
-                        "hook); for a model's layer stack, prefetch=True needs engine shard_map.")
+        raise UserError(
+            "the gspmd engine prefetches FSDP units only (user models without zj.Stacked or a layer "
+            "hook); for a model's layer stack, prefetch=True needs engine shard_map."
+        )
 
     def run(params, model_state, batch, key, train):
         hook = None
         if around is None:
             params, hook = _gather_where_used(layout, model, params, options)
-        return model.apply(params, model_state or {}, static, batch["inputs"], rng=key, train=train,
-                           layer_hook=hook, around=around)
+        return model.apply(
+            params, model_state or {}, static, batch["inputs"], rng=key, train=train, layer_hook=hook, around=around
+        )
 
     def evaluate(state, batch, loss_fn):  # eval mode, gathered as the step's forward gathers
         return global_loss(loss_fn(run(compute_params(layout, state), state.model_state, batch, None, False)[0], batch))
 
     accumulate = grad_accum > 1 or (layout.compute_sharded and not options.reshard_after_forward)
-    accumulated = accumulated_grads(layout, model, static, loss_fn, run, grad_accum,
-                                    not options.reshard_after_forward) if accumulate else None
+    accumulated = (
+        accumulated_grads(layout, model, static, loss_fn, run, grad_accum, not options.reshard_after_forward)
+        if accumulate
+        else None
+    )
 
     def step(state, batch):
         if accumulated is not None:
             loss, grads, model_state = accumulated(state, batch, step_key(state))
-            new_state, metrics = apply_update(layout, tx, state, grads, loss, options.checked_update,
-                                              order_moments=around is None)
+            new_state, metrics = apply_update(
+                layout, tx, state, grads, loss, options.checked_update, order_moments=around is None
+            )
             return keep_model_state(new_state, model_state, metrics["bad_step"]), {"loss": loss, **metrics}
         # One draw over the global batch: the masks depend on the global shape and the key, not on
         # the stage or (with jax_threefry_partitionable, the default) on the device count.
@@ -121,12 +148,23 @@ def build(layout, model, static, loss_fn, tx, options: EngineOptions, inputs=Non
         # backward (`zerojax.wrap._held`). An fp32 "shard" outside units is a slice of the full
         # all-reduced gradient on XLA:CPU, which a second reader would keep alive.
         shards_are_buffers = layout.precision.compute_dtype != jnp.float32 or around is not None
-        new_state, metrics = apply_update(layout, tx, state, grads, loss, options.checked_update,
-                                          check_first=shards_are_buffers, order_moments=around is None)
+        new_state, metrics = apply_update(
+            layout,
+            tx,
+            state,
+            grads,
+            loss,
+            options.checked_update,
+            check_first=shards_are_buffers,
+            order_moments=around is None,
+        )
         return keep_model_state(new_state, model_state, metrics["bad_step"]), {"loss": loss, **metrics}
 
     report = units[0] if units else _report(layout, model)
     if layout.compute_sharded and not options.reshard_after_forward:
-        report = GatherReport("whole", "stage 3, reshard_after_forward=False: the whole model gathered once per "
-                              "step and kept for every micro-batch")
+        report = GatherReport(
+            "whole",
+            "stage 3, reshard_after_forward=False: the whole model gathered once per "
+            "step and kept for every micro-batch",
+        )
     return BuiltStep(step, report, evaluate)

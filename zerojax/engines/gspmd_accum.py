@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zerojax.engines import accum
 from zerojax.engines.common import compute_params, constrain
@@ -76,8 +77,9 @@ def _group_grad_fn(model, static, loss_fn):
 
     def group_grad(p, model_state, mb, key, group):
         def loss_of(p):
-            out, new_state = model.apply(p, model_state or {}, static, mb["inputs"], rng=jax.random.fold_in(key, group),
-                                         train=True, sync=_GROUPS)
+            out, new_state = model.apply(
+                p, model_state or {}, static, mb["inputs"], rng=jax.random.fold_in(key, group), train=True, sync=_GROUPS
+            )
             loss, scale, weight = accum.parts(loss_fn(out, mb))
             return loss, (scale, weight, new_state)
 

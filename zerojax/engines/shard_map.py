@@ -19,7 +19,8 @@ How parameters are gathered at stages 2-3 (`GatherReport.route`):
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,20 +28,38 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from zerojax import wrap as wrap_lib
-from zerojax.engines import BuiltStep, EngineOptions, GatherReport
-from zerojax.engines import accum
+from zerojax.engines import BuiltStep, EngineOptions, GatherReport, accum
 from zerojax.engines.collectives import Reduce, Resident
+from zerojax.engines.common import (
+    apply_update,
+    compute_params,
+    describe_stacks,
+    keep_model_state,
+    loss_parts,
+    outside_stacks,
+    stack_paths,
+    step_key,
+    unit_around,
+)
 from zerojax.engines.quantize import Quantizer
-from zerojax.engines.common import (apply_update, compute_params, describe_stacks, keep_model_state, loss_parts,
-                                     outside_stacks, stack_paths, step_key, unit_around)
 from zerojax.errors import UserError
 from zerojax.layout import StateLayout
 from zerojax.mesh import BATCH_AXES, data_parallel_size
 from zerojax.stacked import at
 from zerojax.stages import FSDP_AXIS, LeafLayout
 
-SUPPORTS = ("layer_stacks", "prefetch", "wrap", "reshard_after_forward", "grad_accum", "quantize_weights",
-            "quantize_grads", "quantize_block", "hierarchical", "checked_update")
+SUPPORTS = (
+    "layer_stacks",
+    "prefetch",
+    "wrap",
+    "reshard_after_forward",
+    "grad_accum",
+    "quantize_weights",
+    "quantize_grads",
+    "quantize_block",
+    "hierarchical",
+    "checked_update",
+)
 
 _is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
 
@@ -124,8 +143,9 @@ def _gather_all(materialize, layouts, raw):
     return jax.tree.map(materialize, layouts, raw, is_leaf=_is_layout)
 
 
-def _route(layout: StateLayout, model, static, options: EngineOptions, reduce: Reduce,
-           inputs, model_state) -> tuple[GatherReport, RunModel]:
+def _route(
+    layout: StateLayout, model, static, options: EngineOptions, reduce: Reduce, inputs, model_state
+) -> tuple[GatherReport, RunModel]:
     """The report and the model runner of the route this stage, model and options take."""
     stage, leaves = layout.stage.index, layout.leaves
     materialize = reduce.materializer(stage)
@@ -133,33 +153,58 @@ def _route(layout: StateLayout, model, static, options: EngineOptions, reduce: R
     rule = wrap_lib.as_rule(options.wrap)  # checked even where unused
     if stage < 2:
         report = GatherReport("replicated", f"stage {stage}: compute params are replicated")
-        return report, lambda raw, ms, x, key, train=True: model.apply(raw, ms, static, x, rng=key, train=train,
-                                                                     sync=BATCH_AXES)
+        return report, lambda raw, ms, x, key, train=True: model.apply(
+            raw, ms, static, x, rng=key, train=train, sync=BATCH_AXES
+        )
     if stacks and (model.stacks or len(stacks) == 1):
         return _layer_route(layout, model, static, stacks, reduce, options.prefetch and stage == 3)
     if rule is None:
         report = GatherReport("whole", wrap_lib.describe([], {}, None))
-        return report, lambda raw, ms, x, key, train=True: model.apply(_gather_all(materialize, leaves, raw), ms,
-                                                                       static, x, rng=key, train=train,
-                                                                       sync=BATCH_AXES)
-    return _unit_route(layout, model, static, rule, reduce.group_materializer(stage), inputs, model_state,
-                       options.prefetch and stage == 3)
+        return report, lambda raw, ms, x, key, train=True: model.apply(
+            _gather_all(materialize, leaves, raw), ms, static, x, rng=key, train=train, sync=BATCH_AXES
+        )
+    return _unit_route(
+        layout,
+        model,
+        static,
+        rule,
+        reduce.group_materializer(stage),
+        inputs,
+        model_state,
+        options.prefetch and stage == 3,
+    )
 
 
 def _layer_route(layout, model, static, stacks, reduce: Reduce, prefetch: bool):
     """One layer of each stack materialised per scan iteration (a layer hook per stack); the rest at once."""
     leaves, stage = layout.leaves, layout.stage.index
     prefetch = prefetch and model.accepts_layer_loop
-    report = GatherReport("layers", f"per layer: {describe_stacks(stacks)} gathered one layer per scan iteration"
-                          + (", next layer prefetched" if prefetch else ""))
-    hooks = {s: _LayerHook(jax.tree.map(LeafLayout.one_layer, at(leaves, s), is_leaf=_is_layout),
-                           reduce.group_materializer(stage)) for s in stacks}
+    report = GatherReport(
+        "layers",
+        f"per layer: {describe_stacks(stacks)} gathered one layer per scan iteration"
+        + (", next layer prefetched" if prefetch else ""),
+    )
+    hooks = {
+        s: _LayerHook(
+            jax.tree.map(LeafLayout.one_layer, at(leaves, s), is_leaf=_is_layout), reduce.group_materializer(stage)
+        )
+        for s in stacks
+    }
     loops = {s: _PrefetchLoop(hook) for s, hook in hooks.items()} if prefetch else None
 
     def run(raw, model_state, inputs, key, train=True):
         params = outside_stacks(reduce.materializer(stage), stacks, leaves, raw)
-        return model.apply(params, model_state, static, inputs, rng=key, train=train, layer_hook=hooks,
-                           layer_loop=loops if train else None, sync=BATCH_AXES)
+        return model.apply(
+            params,
+            model_state,
+            static,
+            inputs,
+            rng=key,
+            train=train,
+            layer_hook=hooks,
+            layer_loop=loops if train else None,
+            sync=BATCH_AXES,
+        )
 
     return report, run
 
@@ -169,8 +214,9 @@ def _unit_route(layout, model, static, rule, materialize, inputs, model_state, p
     leaves together (`materialize`: a `Reduce.group_materializer`); with `prefetch`, one unit ahead
     (`zerojax.wrap.Prefetch`)."""
     report, around = unit_around(layout, model, static, rule, materialize, inputs, model_state, prefetch=prefetch)
-    return report, lambda raw, ms, x, key, train=True: model.apply(raw, ms, static, x, rng=key, train=train,
-                                                                 around=around, sync=BATCH_AXES)
+    return report, lambda raw, ms, x, key, train=True: model.apply(
+        raw, ms, static, x, rng=key, train=train, around=around, sync=BATCH_AXES
+    )
 
 
 # ---- the step ------------------------------------------------------------------------------------
@@ -180,7 +226,7 @@ def _specs(layout: StateLayout, sharded: bool):
     return jax.tree.map(lambda l: l.spec(sharded), layout.leaves, is_leaf=_is_layout)
 
 
-def _grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: "Reduce"):
+def _grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: Reduce):
     """shard_map'd `(params, batch) -> (loss, grads)`, gradients reduced as the stage asks."""
     stage, leaves, mesh = layout.stage.index, layout.leaves, layout.mesh
     dp, fsdp = data_parallel_size(mesh), mesh.shape[FSDP_AXIS]
@@ -192,8 +238,9 @@ def _grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: "Reduce
         key = jax.random.fold_in(jax.random.wrap_key_data(key), jax.lax.axis_index(BATCH_AXES))
         fixed = params if stage == 2 else None
         if stage == 2:  # differentiate w.r.t. shard-shaped zeros: see `Resident`
-            params = jax.tree.map(lambda l: jnp.zeros(_local_shape(l, fsdp), reduce.reduce_dtype), leaves,
-                                  is_leaf=_is_layout)
+            params = jax.tree.map(
+                lambda l: jnp.zeros(_local_shape(l, fsdp), reduce.reduce_dtype), leaves, is_leaf=_is_layout
+            )
 
         def loss_of(diff):
             raw = jax.tree.map(Resident, fixed, diff) if fixed is not None else diff
@@ -215,12 +262,16 @@ def _grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: "Reduce
             grads = jax.tree.map(lambda l, g: reduce.to_shard(g, l), leaves, grads, is_leaf=_is_layout)
         return jax.lax.psum(loss, BATCH_AXES), grads, new_model_state
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(_specs(layout, stage == 3), P(), P(), P(BATCH_AXES)),
-                         out_specs=(P(), _specs(layout, stage > 0), P()), check_vma=False)
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(_specs(layout, stage == 3), P(), P(), P(BATCH_AXES)),
+        out_specs=(P(), _specs(layout, stage > 0), P()),
+        check_vma=False,
+    )
 
 
-def _accum_grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: "Reduce", k: int,
-                    gather_first: bool):
+def _accum_grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: Reduce, k: int, gather_first: bool):
     """`_grads_fn` over k micro-batches of each device's rows, in one `lax.scan`.
 
     Stage 3 (`run_model` materialising from shards): every micro-batch gathers each leaf and
@@ -255,7 +306,8 @@ def _accum_grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: "
 
         zero = jnp.zeros((), jnp.float32)
         (acc, loss, weight, new_model_state), _ = jax.lax.scan(
-            body, (accum.zeros_f32(params), zero, zero, model_state), (jnp.arange(k), micro))
+            body, (accum.zeros_f32(params), zero, zero, model_state), (jnp.arange(k), micro)
+        )
         grads = jax.tree.map(lambda a: a / weight, acc)
         if stage == 0:
             grads = jax.tree.map(reduce.to_all, grads)
@@ -265,11 +317,16 @@ def _accum_grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: "
             grads = jax.tree.map(lambda g: g.astype(reduce.master_dtype), grads)
         return jax.lax.psum(loss, BATCH_AXES) / weight, grads, new_model_state
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(_specs(layout, stage == 3), P(), P(), P(BATCH_AXES)),
-                         out_specs=(P(), _specs(layout, stage > 0), P()), check_vma=False)
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(_specs(layout, stage == 3), P(), P(), P(BATCH_AXES)),
+        out_specs=(P(), _specs(layout, stage > 0), P()),
+        check_vma=False,
+    )
 
 
-def _eval_fn(layout: StateLayout, run_model: RunModel, reduce: "Reduce"):
+def _eval_fn(layout: StateLayout, run_model: RunModel, reduce: Reduce):
     """Stage 3: `(state, batch, loss_fn) -> loss` in eval mode, each device gathering the params as
     the step's forward does (one gather of each leaf) and running its share of the batch."""
     dp = data_parallel_size(layout.mesh)
@@ -284,8 +341,9 @@ def _eval_fn(layout: StateLayout, run_model: RunModel, reduce: "Reduce"):
                 return jax.lax.psum(total / dp, BATCH_AXES)
             return jax.lax.psum(total, BATCH_AXES) / jax.lax.psum(weight, BATCH_AXES)
 
-        return jax.shard_map(local, mesh=layout.mesh, in_specs=(_specs(layout, True), P(), P(BATCH_AXES)),
-                             out_specs=P(), check_vma=False)(state.params, state.model_state or {}, batch)
+        return jax.shard_map(
+            local, mesh=layout.mesh, in_specs=(_specs(layout, True), P(), P(BATCH_AXES)), out_specs=P(), check_vma=False
+        )(state.params, state.model_state or {}, batch)
 
     return evaluate
 
@@ -293,9 +351,11 @@ def _eval_fn(layout: StateLayout, run_model: RunModel, reduce: "Reduce"):
 def _hierarchical(options: EngineOptions, stage: int, grad_accum: int) -> bool:
     """hpZ's option, checked: stage 3, one micro-batch per step, weights re-gathered in backward."""
     if options.hierarchical and (stage != 3 or grad_accum > 1 or not options.reshard_after_forward):
-        raise UserError("zero.hierarchical (hpZ) needs zero.stage=3, train.grad_accum=1 and "
-                        f"zero.reshard_after_forward=true; got stage {stage}, grad_accum {grad_accum}, "
-                        f"reshard_after_forward {options.reshard_after_forward}.")
+        raise UserError(
+            "zero.hierarchical (hpZ) needs zero.stage=3, train.grad_accum=1 and "
+            f"zero.reshard_after_forward=true; got stage {stage}, grad_accum {grad_accum}, "
+            f"reshard_after_forward {options.reshard_after_forward}."
+        )
     return options.hierarchical
 
 
@@ -304,21 +364,34 @@ def _quantizers(options: EngineOptions, stage: int):
     weights = grads = None
     if options.quantize_weights is not None:
         if stage != 3:
-            raise UserError(f"zero.quantize_weights quantizes stage 3's weight gathers; stage {stage} has none "
-                            "(use zero.stage=3, or leave zero.quantize_weights unset).")
+            raise UserError(
+                f"zero.quantize_weights quantizes stage 3's weight gathers; stage {stage} has none "
+                "(use zero.stage=3, or leave zero.quantize_weights unset)."
+            )
         weights = Quantizer(options.quantize_weights, options.quantize_block)
     if options.quantize_grads is not None:
         if options.quantize_grads != "int8":
             raise UserError(f"zero.quantize_grads must be int8, got {options.quantize_grads!r}.")
         if stage == 0:
-            raise UserError("zero.quantize_grads quantizes the gradient reduce-scatter of stages 1-3; stage 0 "
-                            "all-reduces the whole gradient instead (use zero.stage >= 1).")
+            raise UserError(
+                "zero.quantize_grads quantizes the gradient reduce-scatter of stages 1-3; stage 0 "
+                "all-reduces the whole gradient instead (use zero.stage >= 1)."
+            )
         grads = Quantizer(options.quantize_grads, options.quantize_block)
     return weights, grads
 
 
-def build(layout: StateLayout, model, static, loss_fn, tx, options: EngineOptions, inputs,
-          model_state=None, grad_accum: int = 1) -> BuiltStep:
+def build(
+    layout: StateLayout,
+    model,
+    static,
+    loss_fn,
+    tx,
+    options: EngineOptions,
+    inputs,
+    model_state=None,
+    grad_accum: int = 1,
+) -> BuiltStep:
     """`step(state, batch) -> (state, metrics)` and how it gathers params (`inputs`: the abstract
     model inputs, for finding a model's submodules before it is traced).
 
@@ -331,19 +404,41 @@ def build(layout: StateLayout, model, static, loss_fn, tx, options: EngineOption
     """
     stage, mesh, prec = layout.stage.index, layout.mesh, layout.precision
     replicas = tuple(a for a in BATCH_AXES if a != FSDP_AXIS and mesh.shape[a] > 1)
-    reduce = Reduce(replicas, prec.compute_dtype, prec.reduce_dtype, prec.master_dtype,
-                    *_quantizers(options, stage), hierarchical=_hierarchical(options, stage, grad_accum))
+    reduce = Reduce(
+        replicas,
+        prec.compute_dtype,
+        prec.reduce_dtype,
+        prec.master_dtype,
+        *_quantizers(options, stage),
+        hierarchical=_hierarchical(options, stage, grad_accum),
+    )
     report, run_model = _route(layout, model, static, options, reduce, inputs, model_state or {})
     train_report = report
     keep = stage == 3 and not options.reshard_after_forward
     if grad_accum > 1 or keep:
         if stage == 2 or keep:  # differentiate the whole compute params; reduce once after the scan
-            train_report = (GatherReport("whole", "stage 3, reshard_after_forward=False: the whole model gathered "
-                                         "once per step and kept for every micro-batch") if keep else
-                            GatherReport("replicated", "stage 2 with gradient accumulation: compute params are "
-                                         "replicated, the local gradient reduce-scattered once per step"))
-            run_train = lambda raw, ms, x, key, train=True: model.apply(raw, ms, static, x, rng=key,  # noqa: E731
-                                                                        train=train, sync=BATCH_AXES)
+            train_report = (
+                GatherReport(
+                    "whole",
+                    "stage 3, reshard_after_forward=False: the whole model gathered "
+                    "once per step and kept for every micro-batch",
+                )
+                if keep
+                else GatherReport(
+                    "replicated",
+                    "stage 2 with gradient accumulation: compute params are "
+                    "replicated, the local gradient reduce-scattered once per step",
+                )
+            )
+            run_train = lambda raw, ms, x, key, train=True: model.apply(
+                raw,
+                ms,
+                static,
+                x,
+                rng=key,  # noqa: E731
+                train=train,
+                sync=BATCH_AXES,
+            )
         else:
             run_train = run_model
         grads_fn = _accum_grads_fn(layout, run_train, loss_fn, reduce, grad_accum, keep)
@@ -355,14 +450,19 @@ def build(layout: StateLayout, model, static, loss_fn, tx, options: EngineOption
     # at its peak (20m GPT, 8 devices).
     gather_compute = jax.shard_map(
         lambda params: jax.tree.map(lambda l, x: reduce.cast_gather(x, l), layout.leaves, params, is_leaf=_is_layout),
-        mesh=mesh, in_specs=(_specs(layout, True),), out_specs=_specs(layout, False), check_vma=False)
+        mesh=mesh,
+        in_specs=(_specs(layout, True),),
+        out_specs=_specs(layout, False),
+        check_vma=False,
+    )
 
     def step(state, batch):
         params = state.params if stage == 3 else compute_params(layout, state)
         key = jax.random.key_data(step_key(state))
         loss, grads, model_state = grads_fn(params, state.model_state or {}, key, batch)
-        new_state, metrics = apply_update(layout, tx, state, grads, loss, options.checked_update,
-                                          order_moments=report.route != "units")
+        new_state, metrics = apply_update(
+            layout, tx, state, grads, loss, options.checked_update, order_moments=report.route != "units"
+        )
         new_state = keep_model_state(new_state, model_state, metrics["bad_step"])
         if layout.keeps_compute_copy and layout.master_sharded:
             new_state = new_state.replace(compute=gather_compute(new_state.params))  # params already kept if bad

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ from flax import nnx
 from zerojax import remat as remat_lib
 from zerojax.errors import UserError
 from zerojax.remat import REMAT_POLICIES  # noqa: F401  (re-exported by zerojax.models)
+
 _NORM_EPS = 1e-6
 
 
@@ -27,8 +29,9 @@ class LayerLoop(Protocol):
     """Runs the layer loop in the model's place: `layer(x, layer_params) -> x` over the stacked
     params (the shard_map engine's prefetch carries layer i+1's gathered weights through it)."""
 
-    def __call__(self, layer: Callable[[jax.Array, nnx.State], jax.Array], x: jax.Array,
-                 stacked: nnx.State, /) -> jax.Array: ...
+    def __call__(
+        self, layer: Callable[[jax.Array, nnx.State], jax.Array], x: jax.Array, stacked: nnx.State, /
+    ) -> jax.Array: ...
 
 
 @dataclass(frozen=True)
@@ -130,9 +133,7 @@ class Block(nnx.Module):
         q_BxLxHxK = _apply_rope((x_BxLxD @ self.wq[...]).reshape(B, L, H, K), cos, sin)
         k_BxLxHxK = _apply_rope((x_BxLxD @ self.wk[...]).reshape(B, L, H, K), cos, sin)
         v_BxLxHxK = (x_BxLxD @ self.wv[...]).reshape(B, L, H, K)
-        s_BxHxLxL = jnp.einsum(
-            "bqhk,bshk->bhqs", q_BxLxHxK, k_BxLxHxK, preferred_element_type=jnp.float32
-        ) * (K**-0.5)
+        s_BxHxLxL = jnp.einsum("bqhk,bshk->bhqs", q_BxLxHxK, k_BxLxHxK, preferred_element_type=jnp.float32) * (K**-0.5)
         causal_LxL = jnp.tril(jnp.ones((L, L), dtype=bool))
         s_BxHxLxL = jnp.where(causal_LxL, s_BxHxLxL, jnp.finfo(jnp.float32).min)
         p_BxHxLxL = jax.nn.softmax(s_BxHxLxL, axis=-1).astype(v_BxLxHxK.dtype)
@@ -165,8 +166,9 @@ class GPT(nnx.Module):
         self.final_norm = nnx.Param(jnp.ones((cfg.d_model,), jnp.float32))
         self.head = _normal(rngs, (cfg.d_model, cfg.vocab_size), 0.02)
 
-    def __call__(self, tokens_BxL: jax.Array, *, layer_hook: LayerHook | None = None,
-                 layer_loop: LayerLoop | None = None) -> jax.Array:
+    def __call__(
+        self, tokens_BxL: jax.Array, *, layer_hook: LayerHook | None = None, layer_loop: LayerLoop | None = None
+    ) -> jax.Array:
         cfg = self.cfg
         L = tokens_BxL.shape[1]
         if L > cfg.seq_len:
@@ -183,8 +185,7 @@ class GPT(nnx.Module):
             return nnx.merge(graphdef, layer_state)(x_BxLxD, cos, sin), None
 
         if layer_loop is not None:  # it materialises each layer's params itself
-            x_BxLxD = layer_loop(lambda x, layer_state: nnx.merge(graphdef, layer_state)(x, cos, sin),
-                                 x_BxLxD, stacked)
+            x_BxLxD = layer_loop(lambda x, layer_state: nnx.merge(graphdef, layer_state)(x, cos, sin), x_BxLxD, stacked)
         else:
             x_BxLxD, _ = jax.lax.scan(remat_lib.remat(body, cfg.remat), x_BxLxD, stacked)
         h_BxLxD = _rms_norm(x_BxLxD, self.final_norm[...])
