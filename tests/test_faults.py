@@ -297,7 +297,7 @@ TRAJECTORY = {
 def test_each_trajectory_key_changed_on_resume_is_named(tmp_path):
     from zerojax.config import load_config
     from zerojax.errors import UserError
-    from zerojax.run import check_resume_config
+    from zerojax.resume import check_resume_config
 
     saved = load_config(CONFIG, SETS).to_dict()
     for key, override in TRAJECTORY.items():

@@ -304,7 +304,7 @@ def test_planner_counts_stage_3_traffic_per_micro_batch():
 
 def test_resume_checks_grad_accum_and_accepts_checkpoints_from_before_it():
     from zerojax.config import Config
-    from zerojax.run import check_resume_config
+    from zerojax.resume import check_resume_config
 
     before = Config().to_dict()
     del before["train"]["grad_accum"], before["zero"]["reshard_after_forward"]  # a checkpoint's config from before

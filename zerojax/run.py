@@ -5,7 +5,8 @@ too many non-finite steps in a row. `zerojax train` is this loop with a config's
     summary = zj.fit(trainer, source, "runs/mine", steps=1000, checkpoint_every=100, resume=True)
 
 `source` is a batch source (`zerojax.sources`): batch(step) is a pure function of (seed, step), so
-the data position of a resumed run is its step and `resume` is exact.
+the data position of a resumed run is its step and `resume` is exact. The rules of a resume (from
+which checkpoint, with which config changes) are in `zerojax.resume`.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ import jax
 import numpy as np
 
 from zerojax import checkpoint, sources
-from zerojax.errors import Diverged, Preempted, UserError
+from zerojax.errors import Diverged, Preempted
 from zerojax.log import warn
 from zerojax.preempt import Preemption
+from zerojax.resume import check_checkpoint_matches, continue_metrics, step_to_resume
 from zerojax.state import TrainState
 
 
@@ -76,27 +78,6 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None  # metrics.jsonl stays strict JSON
 
 
-def _continue_metrics(path: str, step: int) -> list[dict]:
-    """Keep the records of steps 1..`step` (those the checkpoint includes) and rewrite the file with
-    exactly them: steps after the checkpoint are trained again, a torn last line is dropped."""
-    kept = []
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
-                    kept.append(record)
-    kept = list({r["step"]: r for r in kept}.values())  # one record per step, the last written wins
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in kept)
-    os.replace(tmp, path)  # atomic: a crash here leaves the old or the new file, never half
-    return kept
-
-
 def _ckpt_dir(o: FitOptions, out_dir: str) -> str:
     return checkpoint.checkpoint_dir(o.checkpoint_dir, out_dir)
 
@@ -105,91 +86,17 @@ def _start(trainer, source, o: FitOptions, ckpt_dir: str, resume: bool) -> tuple
     """(state, step): the latest complete checkpoint when resuming, else a fresh init."""
     sharding = trainer.batch_sharding
     key = jax.random.key(o.seed)
-    steps = checkpoint.complete_steps(ckpt_dir)
-    if steps and not resume and o.checkpoint_every:
-        raise UserError(
-            f"{ckpt_dir} already holds checkpoints (latest step {steps[-1]}); pass --resume to "
-            "continue from it, or choose another --out or checkpoint.dir."
-        )
-    if resume and not o.checkpoint_every:
-        warn("checkpoint.every=0: this run writes no checkpoints to resume from later.")
-    if not (resume and steps):
-        if resume:
-            warn(f"no complete checkpoint in {ckpt_dir} yet; starting from scratch.")
+    step = step_to_resume(ckpt_dir, resume=resume, writes_checkpoints=bool(o.checkpoint_every))
+    if step is None:
         return trainer.init(key, sources.global_batch(source, 0, sharding)), 0
-    step_dir = os.path.join(ckpt_dir, str(steps[-1]))
+    step_dir = os.path.join(ckpt_dir, str(step))
     meta = checkpoint.read_meta(step_dir)
-    if isinstance(meta.get("config"), dict) and o.config is not None:
-        check_resume_config(meta["config"], o.config, step_dir, meta.get("mesh"), dict(trainer.mesh.shape))
-    elif meta.get("seed") != o.seed:
-        raise UserError(
-            f"train.seed={o.seed} differs from the seed {meta.get('seed')} the checkpoint in "
-            f"{ckpt_dir} was trained with; resume with --set train.seed={meta.get('seed')}."
-        )
+    check_checkpoint_matches(
+        meta, step_dir=step_dir, ckpt_dir=ckpt_dir, seed=o.seed, config=o.config, mesh=dict(trainer.mesh.shape)
+    )
     # The data source is a pure function of (seed, step): the data position is the step.
-    state, meta = checkpoint.restore(trainer, step_dir, key, sources.global_batch(source, steps[-1], sharding))
+    state, meta = checkpoint.restore(trainer, step_dir, key, sources.global_batch(source, step, sharding))
     return state, int(meta["step"])
-
-
-# Keys that may change between a run and its resume: where and how the same computation runs, when
-# it is saved, and how long it goes on. Every other key changes the trajectory (model, optimizer,
-# learning rate and schedule, batch size, data, seed, precision) and stops the resume.
-SAFE_ON_RESUME = (
-    "zero.",
-    "mesh.",
-    "checkpoint.",
-    "xla.",
-    "train.steps",
-    "train.eval_every",
-    "train.eval_batches",
-    "train.max_bad_steps",
-)
-
-
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def _safe(key: str) -> bool:
-    return any(key == s or (s.endswith(".") and key.startswith(s)) for s in SAFE_ON_RESUME)
-
-
-def check_resume_config(
-    saved: dict, current: dict, step_dir: str, saved_mesh: dict | None = None, mesh: dict | None = None
-) -> None:
-    """Stop a resume that changes the trajectory (naming each key and both values); warn about the
-    safe changes it makes, a new device count or mesh among them. A longer or shorter `train.steps`
-    rebuilds the learning-rate schedule over the new total, so with warm-up and cosine decay the rate
-    from the resumed step on follows it."""
-    from zerojax.config import Config
-
-    # A key the checkpoint's config predates (e.g. train.grad_accum) held its default there.
-    old, new = {**_flat(Config().to_dict()), **_flat(saved)}, _flat(current)
-    changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
-    fatal = [k for k in changed if not _safe(k)]
-    if fatal:
-        what = "; ".join(f"{k} is {new.get(k)!r} here but {old.get(k)!r} in the checkpoint" for k in fatal)
-        raise UserError(
-            f"cannot resume from {step_dir!r} with a config that changes the training trajectory: "
-            f"{what}. Resume with the checkpoint's values, or start a new run in another --out."
-        )
-    changes = [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in changed]
-    if saved_mesh and mesh and {k: int(v) for k, v in saved_mesh.items()} != {k: int(v) for k, v in mesh.items()}:
-        changes.insert(0, f"devices {_describe_mesh(saved_mesh)} -> {_describe_mesh(mesh)}")
-    if changes:
-        note = "; the learning-rate schedule now spans the new train.steps" if "train.steps" in changed else ""
-        warn("resuming with changed settings: " + ", ".join(changes) + note + ".")
-
-
-def _describe_mesh(mesh: dict) -> str:
-    sizes = [f"{axis} {int(n)}" for axis, n in mesh.items() if int(n) > 1]
-    return f"{math.prod(int(n) for n in mesh.values())} ({' x '.join(sizes) or 'one device'})"
 
 
 @dataclass
@@ -220,7 +127,7 @@ class _Outputs:
         if _is_main_process():
             os.makedirs(out_dir, exist_ok=True)
             path = os.path.join(out_dir, "metrics.jsonl")
-            self.history = _continue_metrics(path, start) if start else []
+            self.history = continue_metrics(path, start) if start else []
             self.metrics_file = open(path, "a" if start else "w")
         self.writer = None
         self._trainer, self._o, self._out_dir = trainer, o, out_dir
@@ -339,36 +246,56 @@ def fit(
     from zerojax.experiment import Experiment
 
     if isinstance(trainer, Experiment):  # fit(exp, out_dir, on_step=None, *, resume, start)
-        exp = trainer
-        if out_dir is not None and on_step is None:
-            on_step = out_dir
-        options = FitOptions.from_config(exp.config, exp.model_meta)
-        return fit(
-            exp.trainer,
-            exp.train_data,
-            source,
-            eval_source=exp.eval_data,
-            options=options,
-            resume=resume,
-            on_step=on_step,
-            start=start,
-        )
-    if options is None:
-        if steps is None:
-            raise TypeError("fit needs steps=N (or options=FitOptions(...))")
-        options = FitOptions(steps=steps, **kwargs)
-    elif steps is not None or kwargs:
-        raise TypeError("give either options or steps and FitOptions keywords, not both")
+        on_step = on_step if on_step is not None else out_dir
+        return _fit_experiment(trainer, source, on_step, resume=resume, start=start)
+    o = _fit_options(options, steps, kwargs)
     if out_dir is None:
         raise TypeError("fit needs an output folder")
-    o, sharding = options, trainer.batch_sharding
-    ckpt_dir = _ckpt_dir(o, out_dir)
     if start is None:
         from zerojax.report import compiling
 
         with compiling("the step"):
             start = prepare(trainer, source, out_dir, o, resume=resume)
-    begun = start
+    run, history = _train(trainer, source, eval_source, o, out_dir, start, on_step)
+    if not o.eval_every or o.steps % o.eval_every or not run.records:
+        run.eval_loss = evaluate(trainer, eval_source, run.state, o.eval_batches)
+    summary = _summary(trainer, o, run, history + run.records, start.compile_s)
+    if _is_main_process():
+        with open(os.path.join(out_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+    return summary
+
+
+def _fit_experiment(exp, out_dir, on_step, *, resume: bool, start: Start | None) -> dict:
+    """`fit` on a config's `Experiment`: its trainer, data and options."""
+    options = FitOptions.from_config(exp.config, exp.model_meta)
+    return fit(
+        exp.trainer,
+        exp.train_data,
+        out_dir,
+        eval_source=exp.eval_data,
+        options=options,
+        resume=resume,
+        on_step=on_step,
+        start=start,
+    )
+
+
+def _fit_options(options: FitOptions | None, steps: int | None, kwargs: dict) -> FitOptions:
+    """`options`, or the `FitOptions` built from `steps` and its keywords: one of the two."""
+    if options is None:
+        if steps is None:
+            raise TypeError("fit needs steps=N (or options=FitOptions(...))")
+        return FitOptions(steps=steps, **kwargs)
+    if steps is not None or kwargs:
+        raise TypeError("give either options or steps and FitOptions keywords, not both")
+    return options
+
+
+def _train(trainer, source, eval_source, o: FitOptions, out_dir: str, begun: Start, on_step) -> tuple[_Run, list[dict]]:
+    """The step loop from `begun` to `o.steps`: (what it accumulated, the metrics records kept from
+    before `begun`)."""
+    sharding, ckpt_dir = trainer.batch_sharding, _ckpt_dir(o, out_dir)
     first = sources.global_batch(source, begun.step, sharding)
     run = _Run(begun.state, begun.step, [], [], sources.items_per_step(first["inputs"]), last_saved=begun.step)
     out = _Outputs(trainer, o, out_dir, run.start)
@@ -383,13 +310,7 @@ def fit(
                 _after_step(o, run, out, step, ckpt_dir, preemption)
     finally:
         out.close()
-    if not o.eval_every or o.steps % o.eval_every or not run.records:
-        run.eval_loss = evaluate(trainer, eval_source, run.state, o.eval_batches)
-    summary = _summary(trainer, o, run, out.history + run.records, begun.compile_s)
-    if _is_main_process():
-        with open(os.path.join(out_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-    return summary
+    return run, out.history
 
 
 def _summary(trainer, o: FitOptions, run: _Run, all_records: list[dict], compile_s: float) -> dict:
