@@ -169,6 +169,33 @@ def _say(message: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Start the processes, stream their output, and return the run's exit status."""
+    _check_args(args)
+    argv = child_argv(args.command)
+    port = args.port or free_port()
+    _say(_describe_run(args.processes, args.devices_per_process, port, argv))
+    lock = threading.Lock()
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    preexec = _parent_death_signal()
+    try:
+        for i in range(args.processes):  # all started before any thread runs: preexec_fn and threads don't mix
+            procs.append(_spawn(argv, _process_env(args, i, port), preexec))
+        for i, p in enumerate(procs):
+            _say(f"process {i} started (pid {p.pid})")
+            pumps += _stream_output(p, f"[{i}] ", lock)
+        status = _watch(procs, _forward_sigterm(procs))
+    except KeyboardInterrupt:
+        _say("interrupted; stopping all processes")
+        _stop(procs, _STOP_GRACE_S)
+        status = 130
+    for t in pumps:
+        t.join(timeout=5)
+    return status
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Refuse counts, port and timeouts out of range, naming the flag and the value."""
     n, k = args.processes, args.devices_per_process
     if n < 1:
         raise UserError(f"--processes must be a positive integer, got {n}.")
@@ -179,56 +206,49 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--heartbeat-timeout", args.heartbeat_timeout), ("--shutdown-timeout", args.shutdown_timeout)):
         if value is not None and value < 1:
             raise UserError(f"{flag} must be a positive number of seconds, got {value}.")
-    argv = child_argv(args.command)
-    port = args.port or free_port()
-    _say(
-        f"{n} processes"
-        + (f" x {k} CPU devices" if k else "")
-        + f", coordinator 127.0.0.1:{port}: {' '.join(argv[1:])}"
+
+
+def _describe_run(processes: int, devices: int | None, port: int, argv: list[str]) -> str:
+    """The launcher's first line: how many processes of how many devices, where, running what."""
+    per_process = f" x {devices} CPU devices" if devices else ""
+    return f"{processes} processes{per_process}, coordinator 127.0.0.1:{port}: {' '.join(argv[1:])}"
+
+
+def _process_env(args: argparse.Namespace, process_id: int, port: int) -> dict:
+    """The environment of process `process_id`: the launcher's, plus its place in the run and the flags."""
+    return child_env(
+        os.environ,
+        process_id=process_id,
+        processes=args.processes,
+        port=port,
+        devices=args.devices_per_process,
+        heartbeat=args.heartbeat_timeout,
+        shutdown=args.shutdown_timeout,
     )
 
-    lock = threading.Lock()
-    procs: list[subprocess.Popen] = []
-    pumps: list[threading.Thread] = []
-    preexec = _parent_death_signal()
-    try:
-        for i in range(n):  # all started before any thread runs: preexec_fn and threads don't mix
-            env = child_env(
-                os.environ,
-                process_id=i,
-                processes=n,
-                port=port,
-                devices=k,
-                heartbeat=args.heartbeat_timeout,
-                shutdown=args.shutdown_timeout,
-            )
-            procs.append(
-                subprocess.Popen(
-                    argv,
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                    bufsize=1,
-                    errors="replace",
-                    preexec_fn=preexec,
-                )
-            )
-        for i, p in enumerate(procs):
-            _say(f"process {i} started (pid {p.pid})")
-            for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
-                t = threading.Thread(target=_pump, args=(stream, out, f"[{i}] ", lock), daemon=True)
-                t.start()
-                pumps.append(t)
-        forwarded = _forward_sigterm(procs)
-        status = _watch(procs, forwarded)
-    except KeyboardInterrupt:
-        _say("interrupted; stopping all processes")
-        _stop(procs, _STOP_GRACE_S)
-        status = 130
-    for t in pumps:
-        t.join(timeout=5)
-    return status
+
+def _spawn(argv: list[str], env: dict, preexec) -> subprocess.Popen:
+    """One process, its stdout and stderr piped to the launcher line by line."""
+    return subprocess.Popen(
+        argv,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+        errors="replace",
+        preexec_fn=preexec,
+    )
+
+
+def _stream_output(p: subprocess.Popen, prefix: str, lock: threading.Lock) -> list[threading.Thread]:
+    """Threads that copy the process's stdout and stderr to the launcher's, each line prefixed."""
+    threads = []
+    for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
+        t = threading.Thread(target=_pump, args=(stream, out, prefix, lock), daemon=True)
+        t.start()
+        threads.append(t)
+    return threads
 
 
 def _forward_sigterm(procs: list[subprocess.Popen]) -> threading.Event:
