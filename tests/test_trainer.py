@@ -67,7 +67,7 @@ def test_options_an_engine_does_not_support_are_refused():
         ):
             _trainer(engine="plain", engine_options={"prefetch": True})
     finally:
-        del engines._REGISTRY["plain"]
+        engines.unregister("plain")
     gpt, _ = tiny_gpt()
     with pytest.raises(zj.UserError, match="gspmd engine prefetches FSDP units only.*shard_map"):
         _trainer(gpt, engine="gspmd", stage=3, engine_options={"prefetch": True}).init(

@@ -22,7 +22,7 @@ import zerojax as zj
 from tests.models import unrolled_blocks
 from tests.unit_models import DEEP, SHALLOW, LinenDeep
 from zerojax.errors import UserError
-from zerojax.wrap import WrapRule
+from zerojax.units import WrapRule
 
 DEVICES, WIDTH, ROWS = 8, 128, 4096
 ACTIVATION = (ROWS // DEVICES) * WIDTH * 4

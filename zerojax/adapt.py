@@ -8,7 +8,7 @@ non-trainable state, which the train step carries unchanged.
 `around(module)`, when given, is called on the bound module right before it runs and returns the
 context manager the call runs in: the `shard_map` engine uses it to make submodules FSDP units.
 Only this module knows Linen from NNX: `modules` lists a model's submodules and `unit_around` makes
-the chosen ones FSDP units, the same way for both (see `zerojax.wrap`).
+the chosen ones FSDP units, the same way for both (see `zerojax.units`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from flax import linen as nn
 from flax import nnx
 
 from zerojax import stacked as stacked_lib
-from zerojax import wrap, wrap_linen
+from zerojax import wrap_linen, wrap_nnx
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,7 @@ class FunctionalModel:
     accepts_layer_loop: bool = False  # the model hands its layer loop to a `layer_loop` (prefetch)
     # (logical params, static, abstract inputs) -> [(path, class, parameter leaves)] of its submodules
     modules: Callable[[Any, Any, Any], list] | None = None
-    # (unit paths, materialize, param paths, reshard_after_forward, wait_for_grads, prefetch, policy, loose)
-    #   -> around(module); `loose`: unit-owned leaf paths the root gathers instead (read outside their unit)
+    # (`zerojax.units.UnitPlan`) -> around(module): the plan's units gather their own params
     unit_around: Callable[..., Callable] | None = None
     # (module, axis names) -> context in which the model's BatchNorms average over those mesh axes
     sync_batch_stats: Callable[..., Any] | None = None
@@ -128,101 +127,84 @@ def _nnx_functions(make: Callable[[Any], nnx.Module] | None, concrete: nnx.Modul
         make = (lambda build: lambda rngs: build(rngs=rngs))(make)
     abstract = concrete if concrete is not None else nnx.eval_shape(lambda: make(nnx.Rngs(0)))
     graphdef = nnx.split(abstract, nnx.Param, nnx.RngState, ...)[0]
-
-    def init(key, inputs):
-        del inputs  # NNX modules know their shapes from their constructor
-        module = concrete if concrete is not None else make(nnx.Rngs(key))
-        _, params, rng_state, model_state = _nnx_split(module)
-        return params, model_state, rng_state
-
     hooked = _takes(type(abstract).__call__, "layer_hook")
     looped = hooked and _takes(type(abstract).__call__, "layer_loop")
     stacks = () if hooked else stacked_lib.stack_paths(abstract)
     declared = tuple((name,) for name in getattr(type(abstract), "layer_stacks", ())) if hooked else ()
-
-    def apply(
-        params,
-        model_state,
-        static,
-        inputs,
-        *,
-        rng=None,
-        train=True,
-        layer_hook=None,
-        around=None,
-        layer_loop=None,
-        sync=None,
-    ):
-        # Without a key: the stored streams, copied, so units may update them in any trace.
-        rng_state = jax.tree.map(lambda x: x, static) if rng is None else _reseed(static, rng)
-        module = nnx.merge(graphdef, nnx.State(params), rng_state, _merge_state(model_state))
-        module.train() if train else module.eval()
-        kwargs = {}
-        if layer_hook is not None and hooked:
-            kwargs["layer_hook"] = _single(layer_hook)
-        if layer_loop is not None and looped:
-            kwargs["layer_loop"] = _single(layer_loop)
-        if sync:
-            sync_batch_stats(module, sync)
-        contexts = contextlib.ExitStack()
-        if stacks and (layer_hook or layer_loop):
-            contexts.enter_context(stacked_lib.hooks_installed(module, layer_hook, layer_loop))
-        if around:
-            contexts.enter_context(around(module))
-        with contexts:
-            out = module(inputs, **kwargs)
-        return out, _nnx_split(module)[3] if model_state else model_state
-
-    def unit_around(
-        units,
-        materialize,
-        param_paths,
-        reshard_after_forward=True,
-        wait_for_grads=False,
-        prefetch=False,
-        policy=None,
-        loose=frozenset(),
-        stacks=(),
-        ranks=None,
-    ):
-        del param_paths, stacks, ranks  # an NNX module finds its params itself; its stacks take the layers route
-        return wrap.nnx_around(units, materialize, reshard_after_forward, wait_for_grads, prefetch, policy, loose)
-
-    def sync_batch_stats(module, axes):
-        for _, node in nnx.iter_graph(module):
-            if isinstance(node, nnx.BatchNorm) and node.axis_name is None:
-                node.axis_name = axes
-
-    def lifted_stacks(params, model_state, static, inputs):
-        stored = {tuple(str(k) for k in p): len(v.shape) for p, v in nnx.traversals.flatten_mapping(params).items()}
-        sliced: set = set()
-
-        def run(params, model_state, static, inputs):
-            return apply(
-                params,
-                model_state,
-                static,
-                inputs,
-                rng=jax.random.key(0),
-                around=wrap.nnx_slice_recorder(stored, sliced),
-            )[0]
-
-        jax.eval_shape(run, params, model_state, static, inputs)
-        return tuple(sorted(p for p in sliced if not any(q != p and p[: len(q)] == q for q in sliced)))
-
+    apply = functools.partial(_nnx_apply, graphdef, hooked, looped, stacks)
     return FunctionalModel(
-        init,
+        functools.partial(_nnx_init, make, concrete),
         apply,
         hooked or bool(stacks),
         type(abstract),
         looped or bool(stacks),
-        modules=lambda params, static, inputs: wrap.nnx_modules(abstract),
-        unit_around=unit_around,
-        sync_batch_stats=sync_batch_stats,
+        modules=lambda params, static, inputs: wrap_nnx.nnx_modules(abstract),
+        unit_around=wrap_nnx.nnx_around,
+        sync_batch_stats=_nnx_sync_batch_stats,
         stacks=stacks,
         declared_stacks=declared,
-        lifted_stacks=None if hooked or stacks else lifted_stacks,
+        lifted_stacks=None if hooked or stacks else functools.partial(_nnx_lifted_stacks, apply),
     )
+
+
+def _nnx_init(make, concrete, key, inputs):
+    del inputs  # NNX modules know their shapes from their constructor
+    module = concrete if concrete is not None else make(nnx.Rngs(key))
+    _, params, rng_state, model_state = _nnx_split(module)
+    return params, model_state, rng_state
+
+
+def _nnx_apply(
+    graphdef,
+    hooked: bool,
+    looped: bool,
+    stacks,
+    params,
+    model_state,
+    static,
+    inputs,
+    *,
+    rng=None,
+    train=True,
+    layer_hook=None,
+    around=None,
+    layer_loop=None,
+    sync=None,
+):
+    # Without a key: the stored streams, copied, so units may update them in any trace.
+    rng_state = jax.tree.map(lambda x: x, static) if rng is None else _reseed(static, rng)
+    module = nnx.merge(graphdef, nnx.State(params), rng_state, _merge_state(model_state))
+    module.train() if train else module.eval()
+    kwargs = {}
+    if layer_hook is not None and hooked:
+        kwargs["layer_hook"] = _single(layer_hook)
+    if layer_loop is not None and looped:
+        kwargs["layer_loop"] = _single(layer_loop)
+    if sync:
+        _nnx_sync_batch_stats(module, sync)
+    contexts = contextlib.ExitStack()
+    if stacks and (layer_hook or layer_loop):
+        contexts.enter_context(stacked_lib.hooks_installed(module, layer_hook, layer_loop))
+    if around:
+        contexts.enter_context(around(module))
+    with contexts:
+        out = module(inputs, **kwargs)
+    return out, _nnx_split(module)[3] if model_state else model_state
+
+
+def _nnx_sync_batch_stats(module, axes):
+    for _, node in nnx.iter_graph(module):
+        if isinstance(node, nnx.BatchNorm) and node.axis_name is None:
+            node.axis_name = axes
+
+
+def _nnx_lifted_stacks(apply, params, model_state, static, inputs) -> tuple:
+    """The paths of the model's lifted layer stacks, found by one abstract trace (`nnx_slice_recorder`)."""
+    ranks = {tuple(str(k) for k in p): len(v.shape) for p, v in nnx.traversals.flatten_mapping(params).items()}
+    sliced: set = set()
+    recorder = wrap_nnx.nnx_slice_recorder(ranks, sliced)
+    jax.eval_shape(lambda *a: apply(*a, rng=jax.random.key(0), around=recorder)[0], params, model_state, static, inputs)
+    return tuple(sorted(p for p in sliced if not any(q != p and p[: len(q)] == q for q in sliced)))
 
 
 def _single(hooks):
@@ -242,88 +224,67 @@ def _single(hooks):
 
 
 def _linen_functions(module: nn.Module, rng_streams: tuple[str, ...]) -> FunctionalModel:
-    takes_train = _takes(type(module).__call__, "train")
-
-    def mode(train: bool) -> dict:
-        return {"train": train} if takes_train else {}
-
-    def init(key, inputs):
-        variables = module.init({"params": key, **{s: key for s in rng_streams}}, inputs, **mode(False))
-        model_state = {k: v for k, v in variables.items() if k != "params"}
-        return dict(variables["params"]), model_state, None
-
-    def apply(
-        params,
-        model_state,
-        static,
-        inputs,
-        *,
-        rng=None,
-        train=True,
-        layer_hook=None,
-        around=None,
-        layer_loop=None,
-        sync=None,
-    ):
-        del static, layer_hook, layer_loop
-        rngs = {s: jax.random.fold_in(rng, i) for i, s in enumerate(rng_streams)} if rng is not None else None
-        mutable = list(model_state) if train else []
-        contexts = contextlib.ExitStack()
-        if sync:
-            contexts.enter_context(_linen_sync(sync))
-        if around is not None:
-            contexts.enter_context(around(module))
-            mutable = [*mutable, "params"]  # the root writes its gathered params into its scope
-        with contexts:
-            out = module.apply(
-                {"params": params, **model_state}, inputs, rngs=rngs, mutable=mutable or False, **mode(train)
-            )
-        if not mutable:
-            return out, model_state
-        out, updates = out
-        return out, {**model_state, **{k: v for k, v in updates.items() if k in model_state}}
-
-    def unit_around(
-        units,
-        materialize,
-        param_paths,
-        reshard_after_forward=True,
-        wait_for_grads=False,
-        prefetch=False,
-        policy=None,
-        loose=frozenset(),
-        stacks=(),
-        ranks=None,
-    ):
-        return wrap_linen.linen_around(
-            units,
-            materialize,
-            param_paths,
-            reshard_after_forward,
-            wait_for_grads,
-            prefetch,
-            policy,
-            loose,
-            stacks,
-            ranks or {},
-        )
-
-    def modules(params, model_state, inputs):
-        return wrap_linen.linen_structure(module, params, model_state, inputs, **mode(False))[0]
-
-    def lifted_stacks(params, model_state, static, inputs):
-        return wrap_linen.linen_structure(module, params, model_state, inputs, **mode(False))[1]
-
+    mode = functools.partial(_linen_mode, _takes(type(module).__call__, "train"))
+    structure = functools.partial(_linen_structure, module, mode)
     return FunctionalModel(
-        init,
-        apply,
+        functools.partial(_linen_init, module, rng_streams, mode),
+        functools.partial(_linen_apply, module, rng_streams, mode),
         False,
         type(module),
-        modules=modules,
-        unit_around=unit_around,
+        modules=lambda params, model_state, inputs: structure(params, model_state, inputs)[0],
+        unit_around=wrap_linen.linen_around,
         sync_batch_stats=lambda m, axes: _linen_sync(axes),
-        lifted_stacks=lifted_stacks,
+        lifted_stacks=lambda params, model_state, static, inputs: structure(params, model_state, inputs)[1],
     )
+
+
+def _linen_mode(takes_train: bool, train: bool) -> dict:
+    return {"train": train} if takes_train else {}
+
+
+def _linen_structure(module, mode, params, model_state, inputs):
+    return wrap_linen.linen_structure(module, params, model_state, inputs, **mode(False))
+
+
+def _linen_init(module, rng_streams, mode, key, inputs):
+    variables = module.init({"params": key, **{s: key for s in rng_streams}}, inputs, **mode(False))
+    model_state = {k: v for k, v in variables.items() if k != "params"}
+    return dict(variables["params"]), model_state, None
+
+
+def _linen_apply(
+    module,
+    rng_streams,
+    mode,
+    params,
+    model_state,
+    static,
+    inputs,
+    *,
+    rng=None,
+    train=True,
+    layer_hook=None,
+    around=None,
+    layer_loop=None,
+    sync=None,
+):
+    del static, layer_hook, layer_loop
+    rngs = {s: jax.random.fold_in(rng, i) for i, s in enumerate(rng_streams)} if rng is not None else None
+    mutable = list(model_state) if train else []
+    contexts = contextlib.ExitStack()
+    if sync:
+        contexts.enter_context(_linen_sync(sync))
+    if around is not None:
+        contexts.enter_context(around(module))
+        mutable = [*mutable, "params"]  # the root writes its gathered params into its scope
+    with contexts:
+        out = module.apply(
+            {"params": params, **model_state}, inputs, rngs=rngs, mutable=mutable or False, **mode(train)
+        )
+    if not mutable:
+        return out, model_state
+    out, updates = out
+    return out, {**model_state, **{k: v for k, v in updates.items() if k in model_state}}
 
 
 def _linen_sync(axes):

@@ -27,6 +27,12 @@ class Stage:
     optimizer: bool  # optimizer moments (scalar counters always replicate)
     gradients: bool  # reduce-scattered during backward instead of all-reduced
 
+    @property
+    def resident_compute(self) -> bool:
+        """Compute params replicated while gradients are reduce-scattered during backward (stage 2):
+        the forward reads a resident copy whose backward reduces into the shard."""
+        return self.gradients and not self.compute_params
+
 
 STAGES = (
     Stage(0, compute_params=False, master_params=False, optimizer=False, gradients=False),

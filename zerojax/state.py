@@ -6,9 +6,8 @@ how the derived compute copy is made.
   opt_state    the optax state; a moment leaf shards like its parameter, counters replicate
   compute      the low-precision compute copy where it is kept persistently (bf16, stages 0-2),
                else None; derived from `params`, so never saved
-  rng          reserved: a training PRNG key (dropout), saved once it exists; None today
-  model_state  reserved: non-trainable model state that training updates (BatchNorm statistics),
-               saved once it exists; None today
+  rng          the training PRNG key's raw data (dropout masks), derived from the init key (`run_key`)
+  model_state  non-trainable model state that training updates (BatchNorm statistics), or None
 
 A sharded group stores leaves in their padded shape, a replicated group in their logical shape (see
 `zerojax.layout`). A group of None has no leaves: it costs nothing in `jit`, shardings or checkpoints.
@@ -20,7 +19,17 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import jax
+import jax.numpy as jnp
 from flax import struct
+
+
+def run_key(key) -> jax.Array:
+    """The training RNG the state carries (raw uint32 key data, so it checkpoints like any leaf):
+    derived from the init key, apart from the key that initialised the params."""
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)
+    return jax.random.key_data(jax.random.fold_in(key, 0x7A3A))
 
 
 # Fields in name order, as a dict of the groups would flatten: the jitted step's argument order (and

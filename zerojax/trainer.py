@@ -37,18 +37,10 @@ from zerojax.mesh import BATCH_AXES, check_batch, data_parallel_size, make_mesh
 from zerojax.optim import pads_exactly
 from zerojax.precision import get_precision
 from zerojax.stages import get_stage
-from zerojax.state import TrainState
+from zerojax.state import TrainState, run_key
 
 _KEEP_PREPARED = 4  # preparations kept for reuse (one per input shape and key)
 _KEY_SHAPE = (2,)  # the raw data of a threefry key: the state's `rng`
-
-
-def _run_key(key) -> jax.Array:
-    """The training RNG the state carries (raw uint32 key data, so it checkpoints like any leaf):
-    derived from the init key, apart from the key that initialised the params."""
-    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        key = jax.random.wrap_key_data(key)
-    return jax.random.key_data(jax.random.fold_in(key, 0x7A3A))
 
 
 @dataclass(frozen=True)
@@ -208,22 +200,27 @@ class Trainer:
             out_shardings=(shardings, layout.replicated),
             donate_argnums=0,
         )
+        eval_fn = self._eval_fn(layout, shardings, static, built.evaluate)
+        return Prepared(inputs, layout, param_shapes, shardings, abstract, static, step_fn, eval_fn, built.report)
+
+    def _eval_fn(self, layout, shardings, static, evaluate):
+        """The jitted `(state, batch, loss_fn) -> loss` in eval mode (no dropout, BatchNorm's running
+        statistics), gathered as the train step's forward gathers where the engine says how."""
         model = self.model
 
-        def eval_loss(state, batch, loss_fn):  # eval mode: no dropout, BatchNorm uses its running statistics
-            if built.evaluate is not None:  # gathered as the train step's forward gathers
-                return built.evaluate(state, batch, loss_fn)
+        def eval_loss(state, batch, loss_fn):
+            if evaluate is not None:
+                return evaluate(state, batch, loss_fn)
             params = compute_params(layout, state)
             out, _ = model.apply(params, state.model_state or {}, static, batch["inputs"], train=False)
             return global_loss(loss_fn(out, batch))
 
-        eval_fn = jax.jit(
+        return jax.jit(
             offload_lib.streamed(eval_loss, shardings, layout.host_groups),
             static_argnums=2,
             in_shardings=(shardings, self.batch_sharding),
             out_shardings=layout.replicated,
         )
-        return Prepared(inputs, layout, param_shapes, shardings, abstract, static, step_fn, eval_fn, built.report)
 
     def _stacks(self, param_shapes, model_state_shapes, static_shapes, inputs) -> tuple:
         """The param paths whose leaves stack layers on axis 0: the model's declared or `zj.Stacked`
@@ -300,7 +297,7 @@ class Trainer:
         def init_state(key, inputs, params=None):
             fresh, model_state, _ = model.init(key, inputs)
             state = layout.fresh_state(tx, fresh if params is None else params)  # XLA drops an unused init
-            state = state.replace(rng=_run_key(key), model_state=model_state if has_model_state else None)
+            state = state.replace(rng=run_key(key), model_state=model_state if has_model_state else None)
             return offload_lib.place(state, prep.state_shardings, layout.host_groups, offload_lib.HOST)
 
         inputs = jnp.zeros(prep.inputs.shape, prep.inputs.dtype)

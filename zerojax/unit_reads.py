@@ -1,6 +1,6 @@
 """Which parameters a model reads outside the FSDP unit that gathers them.
 
-A unit gathers its parameters inside its own calls (`zerojax.wrap`). Anything else that reads them (a
+A unit gathers its parameters inside its own calls (`zerojax.units`). Anything else that reads them (a
 tied output head reading the embedding's table, a property, another module reaching in) would get
 the stored shard. So before a step is built, the model is traced once with every gather replaced by
 a marked identity, and the jaxpr is searched for a path from a unit's parameter to the model's

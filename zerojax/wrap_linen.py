@@ -4,7 +4,7 @@ A method interceptor sees every call of a bound module. The root's own params (o
 are written, gathered, into its scope when it is first entered. A unit's method (not its `setup`)
 runs through `_unit_transform`, a lifted transform in the manner of `flax.core.lift.checkpoint`:
 the unit's variables and RNG streams are packed into a pure function of arrays, which runs inside
-`wrap.rematerialized`, so its gathers are tied to the unit's input (forward) and to the incoming
+`zerojax.unit_vjp.rematerialized`, so its gathers are tied to the unit's input (forward) and to the incoming
 cotangent (backward, recomputing the unit) exactly as for NNX units. The pure function is traced
 once, so the RNG counters advance once (dropout masks are those of a plain call), and the mutable
 collections it updates (BatchNorm's `batch_stats`) are written back into the calling scope.
@@ -26,8 +26,10 @@ from flax.core import DenyList, lift
 from flax.linen.transforms import decorator_lift_transform, get_module_scopes
 
 from zerojax.errors import UserError
+from zerojax.ordering import Prefetch, tie
 from zerojax.remat import unit_policy
-from zerojax.wrap import Materialize, Path, Policy, Prefetch, _key, kept_weights, owner, rematerialized, tie
+from zerojax.unit_vjp import kept_weights, rematerialized
+from zerojax.units import Materialize, Path, Policy, UnitPlan, leaf_key, owner, sees_one_layer
 
 
 def linen_structure(module: nn.Module, params, model_state, inputs, **call_kwargs):
@@ -63,7 +65,7 @@ def linen_structure(module: nn.Module, params, model_state, inputs, **call_kwarg
 
 def _sees_slices(m: nn.Module, path: Path, stored: dict) -> bool:
     """Whether `m`, called at `path`, sees its params with their leading (layer) axis sliced off."""
-    own = nnx.traversals.flatten_mapping(_as_dict(m.variables.get("params", {}))) if m.scope is not None else {}
+    own = _own_params(m) if m.scope is not None else {}
     for rel, value in own.items():
         full = path + tuple(str(k) for k in rel)
         if full not in stored or not hasattr(value, "shape") or tuple(value.shape) == stored[full]:
@@ -78,32 +80,17 @@ def _sees_slices(m: nn.Module, path: Path, stored: dict) -> bool:
     return False
 
 
-def linen_around(
-    units: list[Path],
-    materialize: Materialize,
-    params_paths: list[Path],
-    reshard_after_forward: bool = True,
-    wait_for_grads: bool = False,
-    prefetch: bool = False,
-    policy: Policy = None,
-    loose: frozenset = frozenset(),
-    stacks: tuple = (),
-    ranks: dict | None = None,
-):
+def linen_around(plan: UnitPlan):
     """`around(module)` for a Linen model: the root's params are written, gathered, into its scope when
-    it is first entered; each call of a unit's method gathers the unit's params inside the call
-    (`prefetch`: one unit ahead, see `zerojax.wrap.Prefetch`; `policy`: what it saves for the backward,
-    see `zerojax.remat.unit_policy`); `loose`: leaves the root gathers though a unit holds them (the
-    model reads them outside it, `zerojax.unit_reads`); `stacks`: lifted layer stacks, units only where
-    called inside their transform, on one layer (their leaves' stored axes are `ranks`)."""
-    policy = unit_policy(policy, reshard_after_forward)
-    ranks = ranks or {}
-    root_leaves = [p for p in params_paths if owner(p, units) is None or p in loose]
-    unit_set = set(units)
+    it is first entered; each call of a unit's method gathers the unit's params inside the call. A
+    lifted stack (`plan.stacks`) is a unit only where called inside its transform, on one layer."""
+    policy = unit_policy(plan.policy, plan.reshard_after_forward)
+    root_leaves, unit_set, stacks, ranks = plan.root_leaves(), set(plan.units), plan.stacks, plan.ranks
+    units, materialize, loose = list(plan.units), plan.materialize, plan.loose
 
     def around(module: nn.Module):
         done, inside = [False], []  # inside: the scopes `_unit_transform` runs units in
-        record = Prefetch() if prefetch and reshard_after_forward else None  # one per traced call
+        record = Prefetch() if plan.prefetch and plan.reshard_after_forward else None  # one per traced call
 
         def interceptor(next_fun, args, kwargs, context):
             m = context.module
@@ -114,7 +101,7 @@ def linen_around(
             if not path and not done[0]:
                 done[0] = True
                 _put_gathered(m, path, root_leaves, materialize)
-            if path not in unit_set or (path in stacks and not _inside_stack(m, path, ranks)):
+            if path not in unit_set or (path in stacks and not sees_one_layer(path, _own_params(m), ranks)):
                 return next_fun(*args, **kwargs)  # a stack's own call: its transform calls it per layer
             if context.method_name == "setup":
                 # Not on the stored shards (its `self.param` checks their shape): the unit's setup
@@ -126,8 +113,8 @@ def linen_around(
                 context.orig_method.func,
                 gather=gather,
                 inside=inside,
-                reshard=reshard_after_forward,
-                wait_for_grads=wait_for_grads,
+                reshard=plan.reshard_after_forward,
+                wait_for_grads=plan.wait_for_grads,
                 prefetch=record,
                 policy=policy,
             )
@@ -136,16 +123,6 @@ def linen_around(
         return nn.intercept_methods(interceptor)
 
     return around
-
-
-def _inside_stack(m: nn.Module, path: Path, ranks: dict) -> bool:
-    """Whether the stack at `path` is called inside its transform (on one layer's params)."""
-    own = nnx.traversals.flatten_mapping(_as_dict(m.variables.get("params", {})))
-    for rel, value in own.items():  # a stored value may be a pair (stage 2's `Resident`): its arrays' rank
-        arrays = [x for x in jax.tree.leaves(value) if hasattr(x, "ndim")]
-        if arrays and (path + tuple(str(k) for k in rel)) in ranks:
-            return arrays[0].ndim == ranks[path + tuple(str(k) for k in rel)] - 1
-    return False
 
 
 def _unit_gather(m: nn.Module, args, kwargs, unit: Path, units: list[Path], materialize: Materialize, loose: frozenset):
@@ -163,7 +140,9 @@ def _unit_gather(m: nn.Module, args, kwargs, unit: Path, units: list[Path], mate
         flats = [nnx.traversals.flatten_mapping(_as_dict(group.get("params", {}))) for group in groups]
         owned = [(flat, rel, root + tuple(str(k) for k in rel)) for root, flat in zip(roots, flats) for rel in flat]
         owned = [(flat, rel, leaf) for flat, rel, leaf in owned if owner(leaf, units) == unit and leaf not in loose]
-        gathered = materialize([_key(leaf) for _, _, leaf in owned], [tie(flat[rel], token) for flat, rel, _ in owned])
+        gathered = materialize(
+            [leaf_key(leaf) for _, _, leaf in owned], [tie(flat[rel], token) for flat, rel, _ in owned]
+        )
         for (flat, rel, _), x in zip(owned, gathered):
             flat[rel] = x
         return tuple(
@@ -191,7 +170,7 @@ def _unit_transform(
     policy: Policy = "full",
 ):
     """A lifted transform (see `flax.core.lift.pack`): `fn(scope, *args)` run on the unit's gathered
-    params inside `wrap.rematerialized`; returns what it updated in the other mutable collections."""
+    params inside `zerojax.unit_vjp.rematerialized`; returns what it updated in the other mutable collections."""
 
     def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args, **kwargs):
         params, rest = variable_groups  # ("params" per scope, every other collection per scope)
@@ -221,13 +200,18 @@ def _unit_transform(
 
 
 def _put_gathered(m: nn.Module, path: Path, leaves: list[Path], materialize: Materialize) -> None:
-    tree = nnx.traversals.flatten_mapping(_as_dict(m.variables.get("params", {})))
+    tree = _own_params(m)
     for leaf in leaves:  # each on its own: the root's leaves are used at different times
         rel = leaf[len(path) :]
-        tree[rel] = materialize([_key(leaf)], [tree[rel]])[0]
+        tree[rel] = materialize([leaf_key(leaf)], [tree[rel]])[0]
     nested = nnx.traversals.unflatten_mapping(tree)
     for name in {leaf[len(path)] for leaf in leaves}:
         m.put_variable("params", name, nested[name])
+
+
+def _own_params(m: nn.Module) -> dict:
+    """{relative path: value} of the params `m` sees."""
+    return nnx.traversals.flatten_mapping(_as_dict(m.variables.get("params", {})))
 
 
 def _as_dict(tree: Any):

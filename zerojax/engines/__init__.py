@@ -76,6 +76,17 @@ class GatherReport:
     description: str
 
 
+def replicated_report(stage) -> GatherReport:
+    """Stages that keep the compute params whole on every device."""
+    return GatherReport("replicated", f"stage {stage.index}: compute params are replicated")
+
+
+def kept_whole_report(stage) -> GatherReport:
+    """Stage 3 with `reshard_after_forward=False`."""
+    text = "the whole model gathered once per step and kept for every micro-batch"
+    return GatherReport("whole", f"stage {stage.index}, reshard_after_forward=False: {text}")
+
+
 class BuiltStep(NamedTuple):
     step: Callable  # (state, batch) -> (state, metrics)
     report: GatherReport
@@ -108,13 +119,24 @@ def register(name: str, build: Callable[..., BuiltStep], supports) -> None:
     _REGISTRY[name] = Engine(name, build, frozenset(supports))
 
 
+def unregister(name: str) -> None:
+    """Forget an engine `register` added (a built-in one is registered again when next asked for)."""
+    _REGISTRY.pop(name, None)
+
+
 def get_engine(name: str) -> Engine:
     if name not in _REGISTRY and name in _BUILTIN:
         module = importlib.import_module(_BUILTIN[name])
         register(name, module.build, module.SUPPORTS)
-    if name not in _REGISTRY:
-        raise UserError(f"zero.engine must be one of {', '.join(names())}, got {name!r}.")
-    return _REGISTRY[name]
+    return _REGISTRY[check_name(name)]
+
+
+def check_name(name: str, known: tuple[str, ...] | None = None) -> str:
+    """`name` if it is among `known` (default: every engine, built-in or registered)."""
+    known = names() if known is None else known
+    if name not in known:
+        raise UserError(f"zero.engine must be one of {', '.join(known)}, got {name!r}.")
+    return name
 
 
 def names() -> tuple[str, ...]:

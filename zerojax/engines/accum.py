@@ -66,6 +66,24 @@ def parts(value, global_weight=lambda w: w, shares: int = 1):
     return total / scale, scale, weight
 
 
+def accumulate(micro_grads, acc, model_state, xs):
+    """The step's k micro-batches in one `lax.scan`, the one loop every engine's accumulation runs.
+
+    `micro_grads(acc, model_state, x) -> (acc, scaled loss, weight, model_state)` adds one
+    micro-batch's scaled gradient into `acc` (x: its slice of `xs`). Returns (the summed scaled
+    losses, the accumulated gradients, the summed weights, the last model state): dividing the first
+    two by the third gives the whole batch's loss and gradient."""
+
+    def body(carry, x):
+        acc, loss, weight, model_state = carry
+        acc, scaled_loss, micro_weight, model_state = micro_grads(acc, model_state, x)
+        return (acc, loss + scaled_loss, weight + micro_weight, model_state), None
+
+    zero = jnp.zeros((), jnp.float32)
+    (acc, loss, weight, model_state), _ = jax.lax.scan(body, (acc, zero, zero, model_state), xs)
+    return loss, acc, weight, model_state
+
+
 def zeros_f32(tree):
     return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32)), tree)
 

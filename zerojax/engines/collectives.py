@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from zerojax.engines import quantize
-from zerojax.stages import FSDP_AXIS, LeafLayout, fit_to, join_shards
+from zerojax.stages import FSDP_AXIS, LeafLayout, Stage, fit_to, join_shards
 
 
 class Resident(NamedTuple):
@@ -35,7 +35,7 @@ class Secondary(NamedTuple):
     primary: jax.Array
 
     def tied(self, token):
-        """The copy plus the exact zero `token` (`zerojax.wrap.tie`), computed after `token` exists."""
+        """The copy plus the exact zero `token` (`zerojax.ordering.tie`), computed after `token` exists."""
         return self._replace(copy=self.copy + token.astype(self.copy.dtype))
 
 
@@ -172,7 +172,7 @@ class Reduce:
         reduce-scatters, and every collective is a rendezvous of all device threads: one gather per
         layer instead of nine made the 27.5M GPT's stage-3 step about 15% faster on jax 0.10 and
         0.12 (docs/engines.md). qwZ's quantized and replicated leaves keep their own collectives."""
-        one = self.materializer(3)
+        one = self.gathered
         joined = [i for i, (l, x) in enumerate(zip(leaves, values)) if self._joinable(l, x)]
         if len(joined) < 2:  # nothing to join: each leaf's own gather
             return [one(l, x) for l, x in zip(leaves, values)]
@@ -217,21 +217,25 @@ class Reduce:
         f.defvjp(lambda full, shard: (full, None), lambda _, ct: (None, self.to_shard(ct, leaf)))
         return f
 
-    def materializer(self, stage: int):
-        if stage == 3:
-            return lambda leaf, x: (
-                self.hierarchical_gather(leaf, x.primary.dtype)(*x)
-                if isinstance(x, Secondary)
-                else self.gather(leaf, x.dtype)(x)
-            )
-        if stage == 2:
+    def gathered(self, leaf: LeafLayout, x):
+        """One leaf's stored shard (or hpZ's pair) -> the whole compute-dtype leaf."""
+        if isinstance(x, Secondary):
+            return self.hierarchical_gather(leaf, x.primary.dtype)(*x)
+        return self.gather(leaf, x.dtype)(x)
+
+    def materializer(self, stage: Stage):
+        """`(leaf, stored value) -> whole compute value`: gathered from the shard where the stage shards
+        the compute params, the resident copy where it keeps one, else the value as stored."""
+        if stage.compute_params:
+            return self.gathered
+        if stage.resident_compute:
             return lambda leaf, x: self.resident(leaf)(x.full, x.shard)
         return lambda leaf, x: x
 
-    def group_materializer(self, stage: int):
+    def group_materializer(self, stage: Stage):
         """`(leaves, stored values) -> whole values` of a group used together (one layer's leaves):
         `gather_group` at stage 3, else each leaf as `materializer` says."""
-        if stage == 3:
+        if stage.compute_params:
             return self.gather_group
         one = self.materializer(stage)
         return lambda leaves, values: [one(l, x) for l, x in zip(leaves, values)]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
 
-from zerojax import wrap as wrap_lib
+from zerojax import ordering
+from zerojax import units as units_lib
 from zerojax.layout import StateLayout
 from zerojax.precision import cast_tree
 from zerojax.stacked import under
@@ -120,10 +123,10 @@ def _after_params(opt_state, master):
     One zero per leaf, not one from the whole tree (`_written`): a single token that joins every leaf
     multiplied the compile time about 15-fold on an 8-block model."""
     treedef = jax.tree.structure(master)
-    zeros = jax.tree.map(wrap_lib.zero_from, master)
+    zeros = jax.tree.map(ordering.zero_from, master)
     like_params = lambda sub: jax.tree.structure(sub) == treedef
     return jax.tree.map(
-        lambda sub: jax.tree.map(wrap_lib.tie, sub, zeros) if like_params(sub) else sub, opt_state, is_leaf=like_params
+        lambda sub: jax.tree.map(ordering.tie, sub, zeros) if like_params(sub) else sub, opt_state, is_leaf=like_params
     )
 
 
@@ -143,15 +146,15 @@ def _checked_update(layout, tx, state, grads, finite, check_first):
         # The write's inputs depend on the verdict, so it cannot run before it, and no common
         # subexpression of the two passes can be computed once and held for both.
         new_state, _ = _updated(layout, tx, state, grads, verdict=finite.astype(jnp.float32) * 0)
-        new_state["opt_state"] = wrap_lib.tie_tree(new_state["opt_state"], _written(new_state["params"]))
+        new_state["opt_state"] = ordering.tie_tree(new_state["opt_state"], _written(new_state["params"]))
     return new_state, finite
 
 
 def _written(tree):
-    """An exact zero read from every leaf of `tree` (`wrap.zero_from`): what depends on it runs after
+    """An exact zero read from every leaf of `tree` (`zerojax.ordering.zero_from`): what depends on it runs after
     the whole tree is written (why the moments need that order: `_after_params`). Outside
     `shard_map`, reading one value of a sharded leaf is a scalar collective per leaf."""
-    return sum((wrap_lib.zero_from(x) for x in jax.tree.leaves(tree)), jnp.zeros((), jnp.float32))
+    return sum((ordering.zero_from(x) for x in jax.tree.leaves(tree)), jnp.zeros((), jnp.float32))
 
 
 def _updated(layout: StateLayout, tx: optax.GradientTransformation, state: TrainState, grads, verdict=None):
@@ -161,9 +164,9 @@ def _updated(layout: StateLayout, tx: optax.GradientTransformation, state: Train
     master = constrain(layout.to_opt(state.params), opt_shardings)
     opt_state = state.opt_state
     if verdict is not None:
-        master = constrain(wrap_lib.tie_tree(master, verdict), opt_shardings)
-        grads = constrain(wrap_lib.tie_tree(grads, verdict), opt_shardings)
-        opt_state = wrap_lib.tie_tree(opt_state, verdict)  # elementwise: stays on its operand's sharding
+        master = constrain(ordering.tie_tree(master, verdict), opt_shardings)
+        grads = constrain(ordering.tie_tree(grads, verdict), opt_shardings)
+        opt_state = ordering.tie_tree(opt_state, verdict)  # elementwise: stays on its operand's sharding
     updates, opt_state = tx.update(cast_tree(grads, jnp.float32), opt_state, master)
     master = optax.apply_updates(master, updates)
     params = constrain(layout.to_layout(master, layout.master_sharded), layout.shardings(layout.master_sharded))
@@ -185,13 +188,12 @@ def unit_around(
     """(GatherReport, around) for a model whose submodules the wrap `rule` makes FSDP units:
     `materialize(leaf layouts, stored values)` turns leaves used together into whole compute-dtype
     weights; `wait_for_grads`: a unit's input gradient waits for its reduced parameter gradients;
-    `prefetch`: each unit gathers one unit ahead (`zerojax.wrap.Prefetch`). A unit's leaf the model
+    `prefetch`: each unit gathers one unit ahead (`zerojax.ordering.Prefetch`). A unit's leaf the model
     also reads outside the unit (`zerojax.unit_reads`) is gathered by the root instead.
 
     A lifted layer stack (Linen `nn.scan` / `nn.vmap` over the params, `layout.stacks`) is a unit
     itself, called inside the transform on one layer's params: each leaf it reads there has lost its
     layer axis, and is gathered as that one layer (`LeafLayout.one_layer`)."""
-    from zerojax.engines import GatherReport
     from zerojax.stages import LeafLayout
 
     leaves = jax.tree.leaves(layout.leaves, is_leaf=lambda x: isinstance(x, LeafLayout))
@@ -201,7 +203,7 @@ def unit_around(
     )
     modules = model.modules(logical, model_state, inputs)
     module_paths = {p for p, _, n in modules if n}
-    units = sorted(set(wrap_lib.choose_units(modules, rule)) | {s for s in layout.stacks if s in module_paths})
+    units = sorted(set(units_lib.choose_units(modules, rule)) | {s for s in layout.stacks if s in module_paths})
     paths = [tuple(l.path.split("/")) for l in leaves]
     ranks = {p: len(l.shape) for p, l in zip(paths, leaves)}
     stacks = tuple(s for s in layout.stacks if s in module_paths)
@@ -216,48 +218,52 @@ def unit_around(
         ]
         return materialize(chosen, values)
 
-    loose = (
-        _read_outside_units(model, static, units, paths, logical, model_state, inputs, stacks, ranks) if units else ()
-    )
-    text = wrap_lib.describe(units, {p: c for p, c, _ in modules}, rule)
-    if stacks:
-        text += (
-            "; " + ", ".join(f"'{'/'.join(s)}'" for s in stacks) + " gathered one layer at a time inside its transform"
-        )
-    if loose:
-        text += f"; read outside their units, so gathered by the root: {', '.join('/'.join(p) for p in loose)}"
-    prefetch = prefetch and bool(units) and rule.reshard_after_forward
-    report = GatherReport(
-        "whole" if text.startswith("whole") else "units", text + (", next unit prefetched" if prefetch else "")
-    )
-    return report, model.unit_around(
-        units,
+    plan = units_lib.UnitPlan(
+        tuple(units),
         per_layer,
-        paths,
+        tuple(paths),
         rule.reshard_after_forward,
         wait_for_grads,
-        prefetch=prefetch,
-        policy=rule.remat,
-        loose=frozenset(loose),
+        False,
+        rule.remat,
         stacks=stacks,
         ranks=ranks,
     )
+    loose = _read_outside_units(model, static, plan, logical, model_state, inputs) if units else ()
+    prefetch = prefetch and bool(units) and rule.reshard_after_forward
+    report = _units_report(units_lib.describe(units, {p: c for p, c, _ in modules}, rule), stacks, loose, prefetch)
+    return report, model.unit_around(dataclasses.replace(plan, prefetch=prefetch, loose=frozenset(loose)))
 
 
-def _read_outside_units(model, static, units, paths, logical, model_state, inputs, stacks, ranks) -> list[tuple]:
+def _units_report(text: str, stacks, loose, prefetch: bool):
+    from zerojax.engines import GatherReport
+
+    if stacks:
+        text += "; " + ", ".join(f"'{'/'.join(s)}'" for s in stacks)
+        text += " gathered one layer at a time inside its transform"
+    if loose:
+        text += f"; read outside their units, so gathered by the root: {', '.join('/'.join(p) for p in loose)}"
+    return GatherReport(
+        "whole" if text.startswith("whole") else "units", text + (", next unit prefetched" if prefetch else "")
+    )
+
+
+def _read_outside_units(model, static, plan: units_lib.UnitPlan, logical, model_state, inputs) -> list[tuple]:
     """The unit-owned leaves (by path) that the model's outputs depend on other than through their
     unit's gather: traced once with marked gathers (`zerojax.unit_reads`)."""
     from zerojax import unit_reads
 
     probe = model.unit_around(
-        units, unit_reads.marked, paths, reshard_after_forward=False, policy="none", stacks=stacks, ranks=ranks
+        dataclasses.replace(
+            plan, materialize=unit_reads.marked, reshard_after_forward=False, wait_for_grads=False, policy="none"
+        )
     )
 
     def run(params, model_state, inputs):
         return model.apply(params, model_state, static, inputs, rng=jax.random.key(0), train=True, around=probe)
 
     raw = unit_reads.raw_reads(run, logical, model_state, inputs)
-    return [p for p, r in zip(paths, raw) if r and wrap_lib.owner(p, units) is not None]
+    return [p for p, r in zip(plan.param_paths, raw) if r and units_lib.owner(p, plan.units) is not None]
 
 
 def stack_paths(model, leaves, options) -> tuple[tuple, ...]:

@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from zerojax import wrap as wrap_lib
-from zerojax.engines import BuiltStep, EngineOptions, GatherReport
+from zerojax import units as units_lib
+from zerojax.engines import BuiltStep, EngineOptions, GatherReport, kept_whole_report, replicated_report
 from zerojax.engines.common import (
     apply_update,
     compute_params,
@@ -59,7 +59,7 @@ def _gather_where_used(layout, model, params, options):
 
 def _report(layout, model) -> GatherReport:
     if not layout.compute_sharded:
-        return GatherReport("replicated", f"stage {layout.stage.index}: compute params are replicated")
+        return replicated_report(layout.stage)
     if model.accepts_layer_hook:
         return GatherReport(
             "layers",
@@ -71,9 +71,9 @@ def _report(layout, model) -> GatherReport:
 
 def _units(layout, model, static, options, inputs, model_state):
     """Stage 3, a model without a layer hook: (report, around) making the wrap rule's submodules FSDP
-    units, each asking for its whole weights inside its own rematerialised call (see `zerojax.wrap`),
+    units, each asking for its whole weights inside its own rematerialised call (see `zerojax.units`),
     or None where no unit matches (the whole model is then gathered at once)."""
-    rule = wrap_lib.as_rule(options.wrap)
+    rule = units_lib.as_rule(options.wrap)
     if not layout.compute_sharded or model.accepts_layer_hook or rule is None or model.unit_around is None:
         return None
 
@@ -116,20 +116,30 @@ def build(
     def evaluate(state, batch, loss_fn):  # eval mode, gathered as the step's forward gathers
         return global_loss(loss_fn(run(compute_params(layout, state), state.model_state, batch, None, False)[0], batch))
 
-    accumulate = grad_accum > 1 or (layout.compute_sharded and not options.reshard_after_forward)
-    accumulated = (
-        accumulated_grads(layout, model, static, loss_fn, run, grad_accum, not options.reshard_after_forward)
-        if accumulate
-        else None
-    )
+    keep = layout.compute_sharded and not options.reshard_after_forward
+    if grad_accum > 1 or keep:
+        step = _accumulated_step(
+            layout, tx, options, accumulated_grads(layout, model, static, loss_fn, run, grad_accum, keep), around
+        )
+    else:
+        step = _step(layout, tx, options, loss_fn, run, around)
+    report = units[0] if units else _report(layout, model)
+    return BuiltStep(step, kept_whole_report(layout.stage) if keep else report, evaluate)
 
+
+def _accumulated_step(layout, tx, options: EngineOptions, accumulated, around):
     def step(state, batch):
-        if accumulated is not None:
-            loss, grads, model_state = accumulated(state, batch, step_key(state))
-            new_state, metrics = apply_update(
-                layout, tx, state, grads, loss, options.checked_update, order_moments=around is None
-            )
-            return keep_model_state(new_state, model_state, metrics["bad_step"]), {"loss": loss, **metrics}
+        loss, grads, model_state = accumulated(state, batch, step_key(state))
+        new_state, metrics = apply_update(
+            layout, tx, state, grads, loss, options.checked_update, order_moments=around is None
+        )
+        return keep_model_state(new_state, model_state, metrics["bad_step"]), {"loss": loss, **metrics}
+
+    return step
+
+
+def _step(layout, tx, options: EngineOptions, loss_fn, run, around):
+    def step(state, batch):
         # One draw over the global batch: the masks depend on the global shape and the key, not on
         # the stage or (with jax_threefry_partitionable, the default) on the device count.
         key = step_key(state)
@@ -145,7 +155,7 @@ def build(
         grads = constrain(grads, layout.shardings(layout.grads_sharded))
         # The update may read the gradient shards twice (check, then write in place) where they are
         # buffers of their own: casts' outputs in the compute dtype, or held by each FSDP unit's
-        # backward (`zerojax.wrap._held`). An fp32 "shard" outside units is a slice of the full
+        # backward (`zerojax.ordering.held_on_cpu`). An fp32 "shard" outside units is a slice of the full
         # all-reduced gradient on XLA:CPU, which a second reader would keep alive.
         shards_are_buffers = layout.precision.compute_dtype != jnp.float32 or around is not None
         new_state, metrics = apply_update(
@@ -160,11 +170,4 @@ def build(
         )
         return keep_model_state(new_state, model_state, metrics["bad_step"]), {"loss": loss, **metrics}
 
-    report = units[0] if units else _report(layout, model)
-    if layout.compute_sharded and not options.reshard_after_forward:
-        report = GatherReport(
-            "whole",
-            "stage 3, reshard_after_forward=False: the whole model gathered once per "
-            "step and kept for every micro-batch",
-        )
-    return BuiltStep(step, report, evaluate)
+    return step

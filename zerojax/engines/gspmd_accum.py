@@ -33,12 +33,13 @@ def accumulated_grads(layout, model, static, loss_fn, run, k: int, keep_gathered
     return _grouped(layout, model, static, loss_fn, k)
 
 
-def _scan(body, init, key, micro, k: int, mesh):
-    """Run `body` over the k micro-batches; the loss and the accumulated grads over the summed weight."""
+def _scan(micro_grads, acc, model_state, key, micro, k: int, mesh):
+    """`accum.accumulate` over the k micro-batches, each with its key; the loss and the accumulated
+    grads over the summed weight."""
     rows = NamedSharding(mesh, P(None, BATCH_AXES))
     micro = constrain(micro, jax.tree.map(lambda _: rows, micro))
     keys = jax.vmap(lambda i: accum.micro_key(key, i))(jnp.arange(k))
-    (grads, loss, weight, model_state), _ = jax.lax.scan(body, init, (keys, micro))
+    loss, grads, weight, model_state = accum.accumulate(micro_grads, acc, model_state, (keys, micro))
     return loss / weight, jax.tree.map(lambda g: g / weight, grads), model_state
 
 
@@ -51,8 +52,7 @@ def _sharded_micro(layout, loss_fn, run, k: int):
         zeros = constrain(layout.to_layout(accum.zeros_f32(params), True), shardings)
         micro = jax.tree.map(lambda x: accum.split(x, k, dp).reshape(k, -1, *x.shape[1:]), batch)
 
-        def body(carry, xs):
-            acc, loss_acc, weight_acc, model_state = carry
+        def micro_grads(acc, model_state, xs):
             key, mb = xs
 
             def loss_of(p):
@@ -63,11 +63,9 @@ def _sharded_micro(layout, loss_fn, run, k: int):
             (loss, (scale, weight, new_state)), g = jax.value_and_grad(loss_of, has_aux=True)(params)
             model_state = new_state if model_state is not None else None
             g = constrain(layout.to_layout(g, True), shardings)
-            acc = constrain(accum.add_scaled(acc, g, scale), shardings)
-            return (acc, loss_acc + scale * loss, weight_acc + weight, model_state), None
+            return constrain(accum.add_scaled(acc, g, scale), shardings), scale * loss, weight, model_state
 
-        zero = jnp.zeros((), jnp.float32)
-        return _scan(body, (zeros, zero, zero, state.model_state), key, micro, k, layout.mesh)
+        return _scan(micro_grads, zeros, state.model_state, key, micro, k, layout.mesh)
 
     return grads
 
@@ -101,18 +99,16 @@ def _grouped(layout, model, static, loss_fn, k: int):
         zeros = constrain(zeros, jax.tree.map(lambda _: group_sharding, zeros))
         micro = jax.tree.map(lambda x: accum.split(x, k, dp), batch)  # (k, dp, rows / k, ...)
 
-        def body(carry, xs):
-            acc, loss_acc, weight_acc, model_state = carry
+        def micro_grads(acc, model_state, xs):
             key, mb = xs
             (loss, (scale, weight, new_state)), g = per_group(params, model_state, mb, key, jnp.arange(dp))
             acc = jax.tree.map(lambda a, x: a + scale.reshape((dp,) + (1,) * (x.ndim - 1)) * x.astype(a.dtype), acc, g)
             acc = constrain(acc, jax.tree.map(lambda _: group_sharding, acc))
             if model_state is not None:  # the same in every group: its statistics are averaged over them
                 model_state = jax.tree.map(lambda x: x[0], new_state)
-            return (acc, loss_acc + jnp.sum(scale * loss), weight_acc + jnp.sum(weight), model_state), None
+            return acc, jnp.sum(scale * loss), jnp.sum(weight), model_state
 
-        zero = jnp.zeros((), jnp.float32)
-        loss, acc, model_state = _scan(body, (zeros, zero, zero, state.model_state), key, micro, k, layout.mesh)
+        loss, acc, model_state = _scan(micro_grads, zeros, state.model_state, key, micro, k, layout.mesh)
         grads = jax.tree.map(lambda a: jnp.sum(a, axis=0), acc)  # the step's one reduction
         grads = constrain(layout.to_layout(grads, layout.grads_sharded), layout.shardings(layout.grads_sharded))
         return loss, grads, model_state
