@@ -56,7 +56,7 @@ def _measure(a) -> list[dict]:
     """One row per stage x device count: the first `count` simulated devices."""
     import jax
 
-    from zerojax.accounting.compare import run_row
+    from zerojax.commands.compare_run import run_row
     from zerojax.config import load_config
 
     rows = []

@@ -38,9 +38,9 @@ def train_rows(preset: str, stages, precision: str, batch: int, steps: int) -> l
 
     from zerojax import Trainer
     from zerojax.accounting.params import count_params
+    from zerojax.accounting.placed_bytes import compiled_argument_bytes
     from zerojax.data import BatchStream, load_corpus
     from zerojax.models.gpt import GPT, gpt_config
-    from zerojax.offload import compiled_argument_bytes
 
     cfg = gpt_config(preset)
     stream = BatchStream(load_corpus(None, 400_000), seq_len=cfg.seq_len, global_batch=batch, seed=0)

@@ -31,7 +31,7 @@ STAGES = STAGE_INDICES
 
 
 def sweep(models, precisions, engines, steps: int) -> list[dict]:
-    from zerojax.accounting.compare import run_row
+    from zerojax.commands.compare_run import run_row
     from zerojax.config import load_config
 
     rows = []

@@ -35,7 +35,7 @@ TAIL = 50  # the acceptance compares the mean of the last 50 losses
 
 
 def run(steps: int, precision: str, names) -> list[dict]:
-    from zerojax.accounting.compare import run_row
+    from zerojax.commands.compare_run import run_row
     from zerojax.config import load_config
 
     rows = []

@@ -18,6 +18,7 @@ from tests.models import UnevenMLP, classification_batch, train_on_stream
 from zerojax import Trainer, load_params, make_mesh
 from zerojax import offload as offload_lib
 from zerojax.accounting.params import count_params
+from zerojax.accounting.placed_bytes import compiled_argument_bytes
 from zerojax.checkpoint import CheckpointWriter, restore, run_metadata
 from zerojax.config import load_config
 from zerojax.data import BatchStream, load_corpus
@@ -58,7 +59,7 @@ def _bytes(trainer, state, compiled) -> dict:
     return {
         "device": trainer.persistent_bytes_per_device(state),
         "host": trainer.host_persistent_bytes_per_device(state),
-        "args": offload_lib.compiled_argument_bytes(compiled),
+        "args": compiled_argument_bytes(compiled),
         "state": state,
     }
 
@@ -269,7 +270,7 @@ def test_backend_without_host_memory_is_a_user_error():
 
 def test_compare_row_reports_device_and_host_space():
     """`zerojax compare --set zero.offload=optimizer`: one row, as the command builds it."""
-    from zerojax.accounting.compare import run_row
+    from zerojax.commands.compare_run import run_row
 
     sets = [
         "zero.stage=3",

@@ -1,51 +1,24 @@
-"""Host offload (`zero.offload`): which train-state groups live in host memory between steps.
+"""Host offload (`zero.offload`): placing the train-state groups a mode keeps in host memory.
 
-  none               everything in device memory
-  optimizer          the fp32 master params (the `params` group) and the optimizer state in host
-                     memory (JAX memory kind "pinned_host"), at every stage
-  optimizer+params   also every other persistent parameter copy: the bf16 compute copy that stages 0-2
-                     keep (the `compute` group). Stage 3 keeps no parameter shard but the fp32 master,
-                     and with fp32 the master is the compute copy, so there it places the same as
-                     `optimizer`: its parameter shards already stay on the host between uses.
-
-The step streams the host groups through: it moves them into device memory inside the compiled
-step (`jax.device_put` to the same sharding in memory kind "device"), runs the engine's step
-unchanged, and moves the new master and optimizer state back out as the step's outputs. Where the
-master is also the forward's weights (fp32 at every stage, and stage 3 in every precision), the
-forward reads that streamed copy. See docs/offload.md for the choice (streaming, not
-`compute_on("device_host")`) and the measurements.
+The modes and the groups each keeps are in `zerojax.offload_modes`. The step streams the host groups
+through: it moves them into device memory inside the compiled step (`jax.device_put` to the same
+sharding in memory kind "device"), runs the engine's step unchanged, and moves the new master and
+optimizer state back out as the step's outputs. Where the master is also the forward's weights (fp32
+at every stage, and stage 3 in every precision), the forward reads that streamed copy. See
+docs/offload.md for the choice (streaming, not `compute_on("device_host")`) and the measurements.
 """
 
 from __future__ import annotations
 
-import math
-import re
-
 import jax
 
+# `check_mode`, `groups` and `split_bytes` are read through this module by the trainer and the layout.
+from zerojax.accounting.placed_bytes import split_bytes as split_bytes
 from zerojax.errors import UserError
+from zerojax.offload_modes import DEVICE, HOST
+from zerojax.offload_modes import check_mode as check_mode
+from zerojax.offload_modes import groups as groups
 from zerojax.state import TrainState
-
-MODES = ("none", "optimizer", "optimizer+params")
-HOST = "pinned_host"
-DEVICE = "device"
-_HOST_KINDS = ("pinned_host", "unpinned_host")
-
-
-def groups(mode: str, keeps_compute_copy: bool) -> tuple[str, ...]:
-    """The `TrainState` groups `mode` keeps in host memory."""
-    if mode == "none":
-        return ()
-    extra = ("compute",) if mode == "optimizer+params" and keeps_compute_copy else ()
-    return ("params", "opt_state", *extra)
-
-
-def check_mode(mode, key: str = "zero.offload") -> str:
-    """`mode` itself (None reads as "none"), or a `UserError` naming the valid modes."""
-    mode = "none" if mode is None else mode
-    if mode not in MODES:
-        raise UserError(f"{key} must be one of {', '.join(MODES)}, got {mode!r}.")
-    return mode
 
 
 def check_backend(mode: str, devices) -> None:
@@ -68,10 +41,6 @@ def to_host(sharding):
 
 def to_device(sharding):
     return sharding.with_memory_kind(DEVICE)
-
-
-def is_host(sharding) -> bool:
-    return getattr(sharding, "memory_kind", None) in _HOST_KINDS
 
 
 def place(state, shardings, names, where):
@@ -101,55 +70,3 @@ def streamed(fn, shardings, names):
         return place(out, shardings, names, HOST) if isinstance(out, TrainState) else out
 
     return run
-
-
-def split_bytes(tree, device=None) -> dict[str, int]:
-    """{"device": bytes, "host": bytes} of `tree`'s shards on `device` (default: the first shard's),
-    by each array's memory kind; for `jax.ShapeDtypeStruct`s, from their shardings."""
-    out = {"device": 0, "host": 0}
-    for leaf in jax.tree.leaves(tree):
-        where = "host" if is_host(leaf.sharding) else "device"
-        if isinstance(leaf, jax.ShapeDtypeStruct):
-            out[where] += math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
-            continue
-        for shard in leaf.addressable_shards:
-            device = shard.device if device is None else device
-            if shard.device == device:
-                out[where] += shard.data.nbytes
-    return out
-
-
-_DTYPE_BYTES = {
-    "f32": 4,
-    "s32": 4,
-    "u32": 4,
-    "bf16": 2,
-    "f16": 2,
-    "s8": 1,
-    "u8": 1,
-    "pred": 1,
-    "f64": 8,
-    "s64": 8,
-    "u64": 8,
-    "s16": 2,
-    "u16": 2,
-}
-_SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\](?:\{([^}]*)\})?")
-
-
-def compiled_argument_bytes(compiled) -> dict[str, int]:
-    """{"device": bytes, "host": bytes} of the compiled step's per-device arguments, read off the
-    entry computation layout of its HLO: an argument in host memory carries memory space S(5).
-
-    XLA:CPU's `memory_analysis()` counts host arguments in `argument_size_in_bytes` and leaves its
-    `host_argument_size_in_bytes` at 0 (jax 0.10.2 and 0.12), so the layout is where the compiled
-    program says which space each argument is in."""
-    text = compiled.as_text()
-    m = re.search(r"entry_computation_layout=\{\((.*?)\)->", text)
-    out = {"device": 0, "host": 0}
-    if m is None:
-        return out
-    for dtype, dims, layout in _SHAPE.findall(m.group(1)):
-        n = math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES.get(dtype, 4)
-        out["host" if "S(5)" in layout else "device"] += n
-    return out

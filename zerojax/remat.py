@@ -1,4 +1,5 @@
-"""Activation-checkpoint (remat) policies of the shipped GPT and `zj.Stacked`, by name.
+"""Activation-checkpoint (remat) policies of the shipped GPT and `zj.Stacked`, applied by name
+(the names: `zerojax.remat_policies`).
 
   none     no remat: every intermediate of the forward is kept for the backward.
   dots     save the weight matmuls' outputs (`dots_with_no_batch_dims_saveable`), recompute the rest.
@@ -21,20 +22,15 @@ from collections.abc import Callable
 import jax
 
 from zerojax.errors import UserError
+from zerojax.remat_policies import REMAT_POLICIES as REMAT_POLICIES  # re-exported by zerojax.models
+from zerojax.remat_policies import check as check  # read here by zerojax.wrap and zerojax.stacked
 
-REMAT_POLICIES = ("full", "dots", "none", "offload")
 OFFLOAD_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
 
 
 def _platform() -> str:
     """The backend a traced layer will run on (tests stand in another to lower for a GPU)."""
     return jax.default_backend()
-
-
-def check(policy: str, key: str = "model.remat") -> str:
-    if policy not in REMAT_POLICIES:
-        raise UserError(f"{key} must be one of {REMAT_POLICIES}, got {policy!r}.")
-    return policy
 
 
 def checkpoint_policy(policy: str):

@@ -1,9 +1,10 @@
 """Accounting: the analytic memory / traffic model and measurement from compiled programs.
 
-`analytic`, `planning`, `activations` and `hardware` are pure arithmetic (no JAX import); `params` is the one
-parameter count; `hlo` counts collective bytes in HLO text and compiles a lowered program to get the
-post-partitioning HLO; `measure` sets a built trainer beside the analytic model and `compare.run_row`
-trains and measures one stage x engine.
+`analytic`, `planning`, `picks`, `activations` and `hardware` are pure arithmetic (no JAX import); `params` is
+the one parameter count; `hlo` counts collective bytes in HLO text and compiles a lowered program to get the
+post-partitioning HLO; `placed_bytes` counts bytes by memory space (device or host); `measure` sets a built
+trainer beside the analytic model and `compare.measured_row` measures and times its step. Building the
+trainer from a config is the caller's (`zerojax.commands.compare_run`): accounting imports no experiment.
 """
 
 from zerojax.accounting.activations import ACTIVATION_MODEL, GPTShape, activation_bytes_gpt

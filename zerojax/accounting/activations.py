@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zerojax.errors import UserError
+from zerojax.remat_policies import REMAT_POLICIES
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ ACTIVATION_MODEL = ActivationModel(
     logits_bytes=6,
     host_saved={"offload": LayerTerms(d=4, f=2, score_bytes=0)},  # q, k, v, attention out; gate, up
 )
+assert set(ACTIVATION_MODEL.saved) == set(REMAT_POLICIES), "one set of saved terms per remat policy"
 
 
 def _layer_bytes(
@@ -125,6 +127,20 @@ def host_activation_bytes_gpt(
     if terms is None:
         return 0
     return int(round(n_layers * _layer_bytes(terms, d_model, n_heads, d_ff, seq_len, micro_batch, compute_bytes)))
+
+
+def gpt_activation_bytes(shape: GPTShape, seq_len: int, micro_batch: int, compute_bytes: float, remat: str) -> float:
+    """`activation_bytes_gpt` of a model shape: device bytes of one micro-batch."""
+    dims = (shape.d_model, shape.n_layers, shape.n_heads, shape.d_ff, shape.vocab_size)
+    return float(activation_bytes_gpt(*dims, seq_len, micro_batch, compute_bytes, remat))
+
+
+def gpt_host_activation_bytes(
+    shape: GPTShape, seq_len: int, micro_batch: int, compute_bytes: float, remat: str
+) -> float:
+    """`host_activation_bytes_gpt` of a model shape: host bytes of one micro-batch."""
+    dims = (shape.d_model, shape.n_layers, shape.n_heads, shape.d_ff)
+    return float(host_activation_bytes_gpt(*dims, seq_len, micro_batch, compute_bytes, remat))
 
 
 def gathered_weights_kept(

@@ -1,39 +1,35 @@
-"""Train one ZeRO stage x engine a few steps and measure it beside the analytic model: the row
+"""Measure a built trainer's step beside the analytic model and time it a few steps: the row
 `zerojax compare` prints and the experiments in `experiments/` tabulate."""
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 
 
-def run_row(c, steps: int, devices=None) -> tuple[dict, int, int]:
-    """One stage x engine: init, one compile (measured), `steps` steps on the config's data.
-    Returns (row, parameters, devices); `devices` (default all) are those the mesh is built over."""
-    import jax
+def measured_row(
+    trainer, state, batches, *, optimizer: str = "adamw", shape=None, seq_len: int = 0, remat: str = "full"
+) -> tuple[dict, int]:
+    """(row, parameters): `trainer`'s step compiled once for the first of `batches` and measured
+    (`measure.measure_step`; `shape`, `seq_len`, `remat` give the model's activations, as there),
+    then run from `state` on each batch in turn. The row adds the median step time and the losses."""
+    from zerojax.accounting import measure  # imports JAX: `zerojax compare` sets the devices first
 
-    from zerojax.accounting import measure
-    from zerojax.accounting.analytic import GPTShape
-    from zerojax.experiment import build_experiment
-    from zerojax.sources import global_batch
-
-    exp = build_experiment(c, devices=devices)
-    trainer, gpt = exp.trainer, exp.model  # gpt: None for a model.target (no analytic activations)
-    sharding = trainer.batch_sharding
-    first = global_batch(exp.train_data, 0, sharding)
-    state = trainer.init(jax.random.key(c.train.seed), first)
-    shape = {"shape": GPTShape.of(gpt), "seq_len": gpt.seq_len, "remat": gpt.remat} if gpt is not None else {}
-    m, compiled = measure.measure_step(trainer, state, first, optimizer=c.optimizer.name, **shape)
+    batches = iter(batches)
+    first = next(batches)
+    m, compiled = measure.measure_step(
+        trainer, state, first, optimizer=optimizer, shape=shape, seq_len=seq_len, remat=remat
+    )
     losses, times = [], []
-    for step in range(steps):
-        batch = trainer.shard_batch(first if step == 0 else global_batch(exp.train_data, step, sharding))
+    for batch in itertools.chain([first], batches):
+        batch = trainer.shard_batch(batch)
         t = time.perf_counter()
         state, metrics = compiled(state, batch)
         losses.append(float(metrics["loss"]))  # blocks until the step is done
         times.append(time.perf_counter() - t)
     del state
-    row = {**m.row(), "step_time_s": statistics.median(times), "losses": losses}
-    return row, m.ideal.params, int(trainer.mesh.devices.size)
+    return {**m.row(), "step_time_s": statistics.median(times), "losses": losses}, m.ideal.params
 
 
 def add_loss_differences(rows: list[dict]) -> None:

@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 import jax
 
 from zerojax.accounting import analytic, zeropp
-from zerojax.accounting.activations import GPTShape, activation_bytes_gpt, gathered_weights_kept
+from zerojax.accounting.activations import GPTShape, gathered_weights_kept, gpt_activation_bytes
 from zerojax.accounting.hlo import collective_bytes, compile_partitioned
 from zerojax.accounting.params import count_params
+from zerojax.accounting.placed_bytes import compiled_argument_bytes, split_bytes
 from zerojax.engines.common import global_loss
 from zerojax.mesh import data_parallel_size
-from zerojax.offload import compiled_argument_bytes, split_bytes
 from zerojax.optim import get_optimizer
 from zerojax.stages import LeafLayout
 
@@ -162,19 +162,7 @@ def ideal(
         traffic = zeropp.totals(by_kind_axis)
     act = temp = None
     if shape is not None and seq_len and micro_batch:
-        act = float(
-            activation_bytes_gpt(
-                shape.d_model,
-                shape.n_layers,
-                shape.n_heads,
-                shape.d_ff,
-                shape.vocab_size,
-                seq_len,
-                micro_batch,
-                prec.param_bytes,
-                remat,
-            )
-        )
+        act = gpt_activation_bytes(shape, seq_len, micro_batch, prec.param_bytes, remat)
         held = gathered_weights_kept(psi, stage, remat, prec.param_bytes, reshard)
         temp = analytic.step_temp_bytes(psi, p, stage, prec, act + held, grad_accum=k, reshard_after_forward=reshard)
     return Ideal(

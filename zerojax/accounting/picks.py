@@ -4,13 +4,14 @@ policy, its predicted per-device memory (device and host separately) and step ti
 Pure arithmetic on the formulas of `analytic` (kept state, temporaries, traffic, FLOPs) and
 `activations` (saved activations per remat policy); nothing here restates them. What this adds:
 
-  offload   `zero.offload` moves kept groups to host memory (`host_groups`, as `zerojax.offload`
-            places them): "optimizer" the fp32 master and the optimizer state (the 12 bytes per
-            parameter of Adam's master + moments: 12 psi / p from stage 1, 12 psi at stage 0; with
-            fp32 the params are the master, so they move too), "optimizer+params" also the bf16
-            compute copy stages 0-2 keep. Each step brings them in and writes them back: their bytes
-            cross the host link once each way per step, and they are on the device during the
-            update (after the backward has freed the activations; see `analytic.step_temp_bytes`).
+  offload   `zero.offload` moves kept groups to host memory (`host_groups`: those the trainer
+            places there, `zerojax.offload_modes`): "optimizer" the fp32 master and the optimizer
+            state (the 12 bytes per parameter of Adam's master + moments: 12 psi / p from stage 1,
+            12 psi at stage 0; with fp32 the params are the master, so they move too),
+            "optimizer+params" also the bf16 compute copy stages 0-2 keep. Each step brings them in
+            and writes them back: their bytes cross the host link once each way per step, and they
+            are on the device during the update (after the backward has freed the activations; see
+            `analytic.step_temp_bytes`).
   remat     the activation model's device bytes per policy; `offload` also keeps `dots`' residuals
             in host memory, which cross the host link once each way per micro-batch. Recomputation
             costs FLOPs (`recompute_flops`): `full` re-runs each layer's forward, `dots` and
@@ -30,30 +31,39 @@ from zerojax.accounting import analytic
 from zerojax.accounting.activations import (
     ACTIVATION_MODEL,
     GPTShape,
-    activation_bytes_gpt,
     gathered_weights_kept,
-    host_activation_bytes_gpt,
+    gpt_activation_bytes,
+    gpt_host_activation_bytes,
 )
 from zerojax.accounting.hardware import Hardware
 from zerojax.errors import UserError
+from zerojax.offload_modes import MODES, groups
 from zerojax.optim import Optimizer
 from zerojax.precision import Precision
-from zerojax.stages import STAGES
+from zerojax.remat_policies import REMAT_POLICIES, check
+from zerojax.stages import STAGES, Stage
 
-REMATS = ("none", "dots", "full", "offload")
-assert set(REMATS) == set(ACTIVATION_MODEL.saved)
-OFFLOADS = ("none", "optimizer", "optimizer+params")  # the values of `zero.offload`
+
+def device_saved_terms(remat: str) -> tuple[float, float, float]:
+    """What a layer saves on the device under `remat` (`ACTIVATION_MODEL.saved`), to compare policies."""
+    terms = ACTIVATION_MODEL.saved[remat]
+    return terms.d, terms.f, terms.score_bytes
+
+
+# The order `rank` tries the remat policies in: from the one that saves the most on the device (and
+# recomputes the least) to the one that saves the least, so that equal picks list the former first.
+REMAT_ORDER = tuple(sorted(REMAT_POLICIES, key=device_saved_terms, reverse=True))
+
+# The `TrainState` groups that `offload_modes.groups` names, as `analytic.kept_state_bytes` names them.
+KEPT_GROUP = {"params": "master", "opt_state": "optimizer", "compute": "compute_params"}
 
 
 def host_groups(offload: str, precision: Precision) -> tuple[str, ...]:
-    """The `analytic.kept_state_bytes` groups that `zero.offload` keeps in host memory."""
-    if offload not in OFFLOADS:
-        raise UserError(f"zero.offload must be one of {', '.join(OFFLOADS)}, got {offload!r}.")
-    if offload == "none":
-        return ()
-    params_are_master = not precision.master_bytes  # fp32: the compute params are the master
-    compute = params_are_master or offload == "optimizer+params"
-    return ("master", "optimizer") + (("compute_params",) if compute else ())
+    """The `analytic.kept_state_bytes` groups that `zero.offload` keeps in host memory. With fp32 the
+    params are the master, which `kept_state_bytes` counts under `compute_params`: they move too."""
+    moved = tuple(KEPT_GROUP[g] for g in groups(offload, keeps_compute_copy=precision.separate_compute_copy))
+    params_are_master = not precision.separate_compute_copy
+    return moved + ("compute_params",) if moved and params_are_master else moved
 
 
 def placed_state_bytes(
@@ -71,8 +81,7 @@ def placed_state_bytes(
 def recompute_flops(params: float, tokens: float, remat: str, shape: GPTShape | None = None, seq_len: int = 0) -> float:
     """FLOPs the backward spends recomputing the forward, per step (`tokens` per device). The
     layers' parameters are the model's less the untied embedding and head (2 * vocab * d_model)."""
-    if remat not in REMATS:
-        raise UserError(f"remat must be one of {', '.join(REMATS)}, got {remat!r}.")
+    check(remat, key="remat")
     attention = 4.0 * shape.n_layers * shape.d_model * seq_len * tokens if shape else 0.0  # QK^T and PV
     layers = params - 2.0 * shape.vocab_size * shape.d_model if shape else params
     return {"none": 0.0, "dots": attention, "offload": attention, "full": 2.0 * layers * tokens + attention}[remat]
@@ -130,6 +139,18 @@ class Pick:
         }
 
 
+def micro_batch_activations(
+    shape: GPTShape | None, seq_len: int, micro_batch: int, param_bytes: float, remat: str
+) -> tuple[float, float]:
+    """(device, host) activation bytes of one micro-batch; none counted without a model shape."""
+    if shape is None:
+        return 0.0, 0.0
+    return (
+        gpt_activation_bytes(shape, seq_len, micro_batch, param_bytes, remat),
+        gpt_host_activation_bytes(shape, seq_len, micro_batch, param_bytes, remat),
+    )
+
+
 def evaluate(
     params: float,
     devices: int,
@@ -151,32 +172,22 @@ def evaluate(
 ) -> Pick:
     """One combination's memory and time per device (`memory`: the device budget, default the
     hardware's; `host_memory`: the host budget per device, default unbounded)."""
-    b = precision.param_bytes
-    act = host_act = 0.0
-    if shape is not None:
-        dims = (shape.d_model, shape.n_layers, shape.n_heads, shape.d_ff)
-        act = float(activation_bytes_gpt(*dims, shape.vocab_size, seq_len, micro_batch, b, remat))
-        host_act = float(host_activation_bytes_gpt(*dims, seq_len, micro_batch, b, remat))
+    b, tokens = precision.param_bytes, grad_accum * micro_batch * seq_len
+    act, host_act = micro_batch_activations(shape, seq_len, micro_batch, b, remat)
     placed = placed_state_bytes(params, devices, stage, precision, optimizer, offload)
     # A compute copy kept on the host is on the device again for the whole forward and backward.
     held = gathered_weights_kept(params, stage, remat, b, reshard_after_forward) if shape is not None else 0.0
+    on_device = act + held + placed["host_compute"]
     temp = analytic.step_temp_bytes(
-        params,
-        devices,
-        stage,
-        precision,
-        act + held + placed["host_compute"],
-        placed["host"],
-        grad_accum,
-        reshard_after_forward,
+        params, devices, stage, precision, on_device, placed["host"], grad_accum, reshard_after_forward
     )
-    tokens = grad_accum * micro_batch * seq_len
     base = analytic.step_time_estimate(
         params, devices, stage, hardware, tokens, b, shape, seq_len, mfu, grad_accum, reshard_after_forward
     )
+    recompute_s = recompute_flops(params, tokens, remat, shape, seq_len) / (hardware.peak_flops * mfu)
     traffic = analytic.traffic_bytes(
         params, devices, stage, b, grad_accum=grad_accum, reshard_after_forward=reshard_after_forward
-    )["total"]
+    )
     host_link = placed["host"] + grad_accum * host_act  # each way: in and out
     return Pick(
         stage=stage,
@@ -189,9 +200,9 @@ def evaluate(
         activation_bytes=act,
         host_activation_bytes=host_act,
         device_peak_bytes=placed["device"] + temp,
-        collective_bytes=traffic,
+        collective_bytes=traffic["total"],
         host_link_bytes=host_link,
-        compute_s=base.compute_s + recompute_flops(params, tokens, remat, shape, seq_len) / (hardware.peak_flops * mfu),
+        compute_s=base.compute_s + recompute_s,
         comm_s=base.comm_s,
         host_s=host_link / hardware.host_bytes_per_s,
         memory_bytes=hardware.hbm_bytes if memory is None else memory,
@@ -202,6 +213,25 @@ def evaluate(
 def accum_choices(rows_per_device: int) -> list[int]:
     """Micro-batch counts that split a device's rows evenly: the divisors of `rows_per_device`."""
     return [k for k in range(1, rows_per_device + 1) if rows_per_device % k == 0]
+
+
+def offloads_tried(stage: Stage, offloads, precision: Precision) -> list[str]:
+    """`offloads` less "optimizer+params" where it moves no more than "optimizer" (it moves more only
+    with the bf16 compute copy of stages 0-2)."""
+    copy_too = host_groups("optimizer+params", precision) != host_groups("optimizer", precision)
+    return [o for o in offloads if o != "optimizer+params" or (copy_too and not stage.compute_params)]
+
+
+def rank_key(pick: Pick) -> tuple:
+    """Fitting first, fastest first; ties: least traffic, then fewest micro-batches (whose larger
+    matmuls the roofline does not reward), then least device memory."""
+    return (
+        not pick.fits,
+        pick.step_s,
+        pick.collective_bytes + pick.host_link_bytes,
+        pick.grad_accum,
+        pick.device_peak_bytes,
+    )
 
 
 def rank(
@@ -221,51 +251,41 @@ def rank(
     remats=None,
     offloads=None,
 ) -> list[Pick]:
-    """Every combination for a per-device batch of `rows_per_device` sequences per step, fitting ones
-    first, fastest first (ties: least traffic, then fewest micro-batches, whose larger matmuls the
-    roofline does not reward, then least device memory). Without a model shape the
-    remat policy changes nothing the planner can count, so only `remats` (default `full`) is tried;
-    `remats` and `offloads` narrow the choices (e.g. to what a CPU backend runs).
-    "optimizer+params" is tried only where it moves more than "optimizer" (the bf16 compute copy of
-    stages 0-2)."""
+    """Every combination for a per-device batch of `rows_per_device` sequences per step, in
+    `rank_key`'s order. Without a model shape the remat policy changes nothing the planner can
+    count, so only `remats` (default `full`) is tried; `remats` and `offloads` narrow the choices
+    (e.g. to what a CPU backend runs)."""
     if isinstance(rows_per_device, bool) or not isinstance(rows_per_device, int) or rows_per_device < 1:
         raise UserError(f"rows per device must be a positive integer, got {rows_per_device!r}.")
-    remats = tuple(remats or (REMATS if shape is not None else ("full",)))
-    out = []
-    for st in STAGES:
-        tried = [
-            o
-            for o in offloads or OFFLOADS
-            if o != "optimizer+params"
-            or (not st.compute_params and host_groups(o, precision) != host_groups("optimizer", precision))
-        ]
-        for k in accum_choices(rows_per_device):
-            for offload in tried:
-                for remat in remats:
-                    out.append(
-                        evaluate(
-                            params,
-                            devices,
-                            hardware,
-                            stage=st.index,
-                            grad_accum=k,
-                            micro_batch=rows_per_device // k,
-                            offload=offload,
-                            remat=remat,
-                            seq_len=seq_len,
-                            precision=precision,
-                            optimizer=optimizer,
-                            shape=shape,
-                            mfu=mfu,
-                            reshard_after_forward=reshard_after_forward,
-                            memory=memory,
-                            host_memory=host_memory,
-                        )
-                    )
-    return sorted(
-        out,
-        key=lambda p: (not p.fits, p.step_s, p.collective_bytes + p.host_link_bytes, p.grad_accum, p.device_peak_bytes),
+    remats = tuple(remats or (REMAT_ORDER if shape is not None else ("full",)))
+    common = dict(
+        seq_len=seq_len,
+        precision=precision,
+        optimizer=optimizer,
+        shape=shape,
+        mfu=mfu,
+        reshard_after_forward=reshard_after_forward,
+        memory=memory,
+        host_memory=host_memory,
     )
+    evaluated = [
+        evaluate(
+            params,
+            devices,
+            hardware,
+            stage=st.index,
+            grad_accum=k,
+            micro_batch=rows_per_device // k,
+            offload=offload,
+            remat=remat,
+            **common,
+        )
+        for st in STAGES
+        for k in accum_choices(rows_per_device)
+        for offload in offloads_tried(st, offloads or MODES, precision)
+        for remat in remats
+    ]
+    return sorted(evaluated, key=rank_key)
 
 
 def parse_bytes(text: str, flag: str = "--memory") -> float:

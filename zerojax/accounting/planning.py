@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from zerojax.accounting.activations import GPTShape, activation_bytes_gpt, gathered_weights_kept
+from zerojax.accounting.activations import GPTShape, gathered_weights_kept, gpt_activation_bytes
 from zerojax.accounting.analytic import (
     GROUPS,
     StepTime,
@@ -60,6 +60,56 @@ class Plan:
     reshard_after_forward: bool = True
 
 
+def check_plan_inputs(params: float, devices: int, seq_len: int, micro_batch: int, grad_accum: int, mfu: float) -> None:
+    """A `UserError` for a count that is not positive or an `mfu` outside (0, 1]."""
+    check_inputs(params, devices)
+    for key, value in (("seq_len", seq_len), ("micro_batch", micro_batch), ("grad_accum", grad_accum)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"{key} must be a positive integer, got {value!r}.")
+    if not 0 < mfu <= 1:
+        raise UserError(f"mfu must be in (0, 1], got {mfu!r}.")
+
+
+def stage_plan(
+    stage: int,
+    params: float,
+    devices: int,
+    hardware: Hardware,
+    *,
+    seq_len: int,
+    micro_batch: int,
+    precision: Precision,
+    optimizer: Optimizer,
+    shape: GPTShape | None,
+    remat: str,
+    mfu: float,
+    grad_accum: int,
+    reshard_after_forward: bool,
+) -> StagePlan:
+    """One stage's memory, traffic and time, and whether its state and one micro-batch's activations
+    (with the gathered weights the shipped GPT keeps for its backward) fit the device."""
+    b = precision.param_bytes
+    act = gpt_activation_bytes(shape, seq_len, micro_batch, b, remat) if shape is not None else None
+    held = gathered_weights_kept(params, stage, remat, b, reshard_after_forward) if shape is not None else 0.0
+    memory = model_state_bytes(params, devices, stage, precision, optimizer)
+    tokens = grad_accum * micro_batch * seq_len
+    return StagePlan(
+        stage=stage,
+        memory=memory,
+        activation_bytes=act,
+        traffic=traffic_bytes(
+            params, devices, stage, b, grad_accum=grad_accum, reshard_after_forward=reshard_after_forward
+        ),
+        time=step_time_estimate(
+            params, devices, stage, hardware, tokens, b, shape, seq_len, mfu, grad_accum, reshard_after_forward
+        ),
+        fits=memory["total"] + (act or 0.0) + held <= hardware.hbm_bytes,
+        comm_bound_below_tokens=comm_bound_tokens_per_device(
+            hardware, stage, b, devices, mfu, grad_accum, reshard_after_forward
+        ),
+    )
+
+
 def plan(
     params: float,
     devices: int,
@@ -77,66 +127,26 @@ def plan(
     """Every stage side by side, and the one to use. `micro_batch` sequences per device per
     micro-batch, `grad_accum` micro-batches per step: activations are one micro-batch's, compute is
     the whole step's, and stage 3's traffic is per micro-batch (see `traffic_units`)."""
-    check_inputs(params, devices)
-    for key, value in (("seq_len", seq_len), ("micro_batch", micro_batch), ("grad_accum", grad_accum)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise UserError(f"{key} must be a positive integer, got {value!r}.")
-    if not 0 < mfu <= 1:
-        raise UserError(f"mfu must be in (0, 1], got {mfu!r}.")
-    b = precision.param_bytes
-    act = None
-    if shape is not None:
-        act = float(
-            activation_bytes_gpt(
-                shape.d_model,
-                shape.n_layers,
-                shape.n_heads,
-                shape.d_ff,
-                shape.vocab_size,
-                seq_len,
-                micro_batch,
-                b,
-                remat,
-            )
+    check_plan_inputs(params, devices, seq_len, micro_batch, grad_accum, mfu)
+    rows = tuple(
+        stage_plan(
+            st.index,
+            params,
+            devices,
+            hardware,
+            seq_len=seq_len,
+            micro_batch=micro_batch,
+            precision=precision,
+            optimizer=optimizer,
+            shape=shape,
+            remat=remat,
+            mfu=mfu,
+            grad_accum=grad_accum,
+            reshard_after_forward=reshard_after_forward,
         )
-    rows = []
-    for st in STAGES:
-        memory = model_state_bytes(params, devices, st.index, precision, optimizer)
-        rows.append(
-            StagePlan(
-                stage=st.index,
-                memory=memory,
-                activation_bytes=act,
-                traffic=traffic_bytes(
-                    params, devices, st.index, b, grad_accum=grad_accum, reshard_after_forward=reshard_after_forward
-                ),
-                time=step_time_estimate(
-                    params,
-                    devices,
-                    st.index,
-                    hardware,
-                    grad_accum * micro_batch * seq_len,
-                    b,
-                    shape,
-                    seq_len,
-                    mfu,
-                    grad_accum,
-                    reshard_after_forward,
-                ),
-                fits=memory["total"]
-                + (act or 0.0)
-                + (
-                    gathered_weights_kept(params, st.index, remat, b, reshard_after_forward)
-                    if shape is not None
-                    else 0.0
-                )
-                <= hardware.hbm_bytes,
-                comm_bound_below_tokens=comm_bound_tokens_per_device(
-                    hardware, st.index, b, devices, mfu, grad_accum, reshard_after_forward
-                ),
-            )
-        )
-    rows = tuple(rows)
+        for st in STAGES
+    )
+    recommendation = _recommend(rows, params, hardware, precision, optimizer, seq_len)
     return Plan(
         params,
         devices,
@@ -148,7 +158,7 @@ def plan(
         mfu,
         shape,
         rows,
-        _recommend(rows, params, hardware, precision, optimizer, seq_len),
+        recommendation,
         grad_accum,
         reshard_after_forward,
     )

@@ -52,7 +52,8 @@ def engine_available(engine: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from zerojax.accounting.compare import add_loss_differences, run_row
+    from zerojax.accounting.compare import add_loss_differences
+    from zerojax.commands.compare_run import run_row
     from zerojax.config import load_config
     from zerojax.engines import ENGINES
     from zerojax.mesh import simulate_cpu_devices
@@ -108,66 +109,75 @@ def _by_axis(by_axis: dict, b) -> str:
     return ", ".join(f"{axes} {b(v)}" for axes, v in sorted(by_axis.items(), key=lambda kv: -kv[1])) or "-"
 
 
+CAPTION = (
+    "Per device. kept: what zerojax keeps between steps (analytic; no gradients, no stage-3 compute "
+    "copy), beside the live arrays' shards in device memory (persistent) and host memory (host: "
+    "zero.offload); ratio: both against kept. peak: memory_analysis() arguments + outputs - aliased + "
+    "temporaries; est.: kept + activations + gradients + one fp32 update buffer (a rough sum). collective: "
+    "bytes sent per step, counted on the HLO after SPMD partitioning; ideal: "
+    "ring collectives, 2 x params x bytes x (p-1)/p at stages 0-2, 3 x at stage 3; by axis: the mesh "
+    "axes each collective's replica groups span. (XLA:CPU's final "
+    "HLO upcasts bf16 reductions to f32, doubling them: not counted.)"
+)
+COLUMNS = (
+    "stage",
+    "engine",
+    "persistent",
+    "host",
+    "kept (ideal)",
+    "ratio",
+    "peak",
+    "peak est.",
+    "ratio",
+    "collective/step",
+    "ideal",
+    "ratio",
+    "by axis",
+    "step",
+    "final loss",
+    "vs stage 0",
+)
+
+
+def table_cells(r: dict, b) -> list[str]:
+    """One row of the table, bytes written by `b`."""
+    diff = r["final_loss_diff_vs_stage0"]
+    return [
+        str(r["stage"]),
+        r["engine"],
+        b(r["persistent_bytes_per_device"]),
+        b(r.get("host_persistent_bytes_per_device", 0)),
+        b(r["ideal_persistent_bytes_per_device"]),
+        _ratio(r["persistent_ratio"]),
+        b(r["peak_bytes_per_device"]),
+        b(r["ideal_peak_bytes_per_device"]),
+        _ratio(r["peak_ratio"]),
+        b(r["collective_bytes_per_device_per_step"]),
+        b(r["ideal_collective_bytes_per_device_per_step"]),
+        _ratio(r["collective_ratio"]),
+        _by_axis(r.get("collective_bytes_by_axis") or {}, b),
+        f"{r['step_time_s'] * 1e3:,.1f} ms",
+        f"{r['final_loss']:.4f}",
+        "-" if diff is None else f"{diff:+.2e}",
+    ]
+
+
 def print_table(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from zerojax.accounting.measure import human_bytes as b
+    from zerojax.accounting.measure import human_bytes
 
     rows = result["rows"]
     precision = rows[0]["precision"] if rows else "-"
     table = Table(
         title=f"zerojax compare: {result['params']:,} params, {result['devices']} devices, {precision}, "
         f"{result['steps']} steps each",
-        caption=(
-            "Per device. kept: what zerojax keeps between steps (analytic; no gradients, no stage-3 compute "
-            "copy), beside the live arrays' shards in device memory (persistent) and host memory (host: "
-            "zero.offload); ratio: both against kept. peak: memory_analysis() arguments + outputs - aliased + "
-            "temporaries; est.: kept + activations + gradients + one fp32 update buffer (a rough sum). collective: "
-            "bytes sent per step, counted on the HLO after SPMD partitioning; ideal: "
-            "ring collectives, 2 x params x bytes x (p-1)/p at stages 0-2, 3 x at stage 3; by axis: the mesh "
-            "axes each collective's replica groups span. (XLA:CPU's final "
-            "HLO upcasts bf16 reductions to f32, doubling them: not counted.)"
-        ),
+        caption=CAPTION,
     )
-    for col in (
-        "stage",
-        "engine",
-        "persistent",
-        "host",
-        "kept (ideal)",
-        "ratio",
-        "peak",
-        "peak est.",
-        "ratio",
-        "collective/step",
-        "ideal",
-        "ratio",
-        "by axis",
-        "step",
-        "final loss",
-        "vs stage 0",
-    ):
+    for col in COLUMNS:
         table.add_column(col, justify="left" if col == "engine" else "right")
     for r in rows:
-        diff = r["final_loss_diff_vs_stage0"]
-        table.add_row(
-            str(r["stage"]),
-            r["engine"],
-            b(r["persistent_bytes_per_device"]),
-            b(r.get("host_persistent_bytes_per_device", 0)),
-            b(r["ideal_persistent_bytes_per_device"]),
-            _ratio(r["persistent_ratio"]),
-            b(r["peak_bytes_per_device"]),
-            b(r["ideal_peak_bytes_per_device"]),
-            _ratio(r["peak_ratio"]),
-            b(r["collective_bytes_per_device_per_step"]),
-            b(r["ideal_collective_bytes_per_device_per_step"]),
-            _ratio(r["collective_ratio"]),
-            _by_axis(r.get("collective_bytes_by_axis") or {}, b),
-            f"{r['step_time_s'] * 1e3:,.1f} ms",
-            f"{r['final_loss']:.4f}",
-            "-" if diff is None else f"{diff:+.2e}",
-        )
+        table.add_row(*table_cells(r, human_bytes))
     console = Console(width=None if Console().is_terminal else 240)  # a file or pipe: never wrap headers
     console.print(table)
