@@ -228,7 +228,7 @@ def validate(c: Config) -> None:
     from zerojax.engines import ENGINES
     from zerojax.engines.accum import check_accum_batch
     from zerojax.mesh import check_batch, check_sizes
-    from zerojax.offload import check_mode
+    from zerojax.offload_modes import check_mode
     from zerojax.optim import get_optimizer
     from zerojax.precision import get_precision
     from zerojax.stages import get_stage
