@@ -49,19 +49,19 @@ def test_totals_add_up(three_devices):
     t = three_devices["persistent_bytes_per_device"]
     per_leaf = sum(l["bytes_per_device"]["total"] for l in three_devices["leaves"])
     assert t["total"] == per_leaf + t["other_state"]
-    assert t["compute"] == 0  # fp32 at stage 3: the master is the compute copy
+    assert t["compute_params"] == 0  # fp32 at stage 3: the master is the compute copy
 
 
 def test_bf16_stage_1_specs_per_group_and_total():
     out = _inspect("--devices", "8", "--stage", "1", "--set", "precision=bf16")
-    assert out["groups_sharded"] == {"compute": False, "master": True, "optimizer": True, "grads": False}
+    assert out["groups_sharded"] == {"compute_params": False, "master": True, "optimizer": True, "grads": False}
     for leaf in out["leaves"]:  # every tiny leaf divides by 8
         assert leaf["status"] == "sharded"
-        assert leaf["spec"]["compute"] == "()" and leaf["spec"]["grads"] == "()"
+        assert leaf["spec"]["compute_params"] == "()" and leaf["spec"]["grads"] == "()"
         assert "fsdp" in leaf["spec"]["master"] and leaf["spec"]["optimizer"] == leaf["spec"]["master"]
     kept = A.kept_state_bytes(PSI, 8, 1, PRECISIONS["bf16"], OPTIMIZERS["adamw"])
     total = out["persistent_bytes_per_device"]
-    assert total["compute"] == kept["compute_params"] == 2 * PSI
+    assert total["compute_params"] == kept["compute_params"] == 2 * PSI
     assert total["total"] == pytest.approx(kept["total"], rel=0.001)
 
 

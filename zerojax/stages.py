@@ -44,6 +44,25 @@ STAGES = (
 
 STAGE_INDICES = tuple(s.index for s in STAGES)
 
+# The four state groups a stage may shard, as plans, reports and `zerojax inspect` name them, and the
+# `Stage` field that says whether it does (gradients live only inside the step).
+GROUPS = ("compute_params", "master", "optimizer", "grads")
+_STAGE_FIELD = {
+    "compute_params": "compute_params",
+    "master": "master_params",
+    "optimizer": "optimizer",
+    "grads": "gradients",
+}
+
+
+# The `TrainState` field holding each group between steps.
+GROUP_OF_FIELD = {"compute": "compute_params", "params": "master", "opt_state": "optimizer"}
+
+
+def sharded_groups(stage: Stage) -> dict[str, bool]:
+    """{group: whether `stage` shards it}, in `GROUPS` order."""
+    return {g: getattr(stage, _STAGE_FIELD[g]) for g in GROUPS}
+
 
 def get_stage(index, key: str = "zero.stage") -> Stage:
     """The table row for `index`; `key` names the setting in the error (e.g. `--stage`)."""

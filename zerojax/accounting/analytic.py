@@ -15,10 +15,7 @@ from zerojax.accounting.hardware import Hardware
 from zerojax.errors import UserError
 from zerojax.optim import Optimizer
 from zerojax.precision import Precision
-from zerojax.stages import Stage, get_stage
-
-GROUPS = ("compute_params", "master", "optimizer", "grads")
-
+from zerojax.stages import GROUPS, Stage, get_stage, sharded_groups
 
 # --- optimizer state: bytes per parameter -------------------------------------------------
 # Precision (`zerojax.precision`) and the optimizer registry (`zerojax.optim`) are the library's
@@ -50,16 +47,6 @@ def _factored_numel(shape: tuple[int, ...]) -> int:
 # --- memory and traffic per stage ----------------------------------------------------------
 
 
-def _sharded_groups(stage: Stage) -> dict[str, bool]:
-    """The stage table read as: which memory group is split over the devices."""
-    return {
-        "compute_params": stage.compute_params,
-        "master": stage.master_params,
-        "optimizer": stage.optimizer,
-        "grads": stage.gradients,
-    }
-
-
 def check_inputs(params: float, devices: int) -> None:
     if not params > 0:
         raise UserError(f"the parameter count must be positive, got {params!r}.")
@@ -88,7 +75,7 @@ def model_state_bytes(
         "optimizer": optimizer_state_bytes(optimizer, params, shapes),
         "grads": float(policy.grad_bytes * params) if include_grads else 0.0,
     }
-    sharded = _sharded_groups(get_stage(stage))
+    sharded = sharded_groups(get_stage(stage))
     out = {g: full[g] / devices if sharded[g] else full[g] for g in GROUPS}
     out["total"] = sum(out[g] for g in GROUPS)
     return out

@@ -41,7 +41,7 @@ from zerojax.offload_modes import MODES, groups
 from zerojax.optim import Optimizer
 from zerojax.precision import Precision
 from zerojax.remat_policies import REMAT_POLICIES, check
-from zerojax.stages import STAGES, Stage
+from zerojax.stages import GROUP_OF_FIELD, STAGES, Stage
 
 
 def device_saved_terms(remat: str) -> tuple[float, float, float]:
@@ -54,14 +54,11 @@ def device_saved_terms(remat: str) -> tuple[float, float, float]:
 # recomputes the least) to the one that saves the least, so that equal picks list the former first.
 REMAT_ORDER = tuple(sorted(REMAT_POLICIES, key=device_saved_terms, reverse=True))
 
-# The `TrainState` groups that `offload_modes.groups` names, as `analytic.kept_state_bytes` names them.
-KEPT_GROUP = {"params": "master", "opt_state": "optimizer", "compute": "compute_params"}
-
 
 def host_groups(offload: str, precision: Precision) -> tuple[str, ...]:
     """The `analytic.kept_state_bytes` groups that `zero.offload` keeps in host memory. With fp32 the
     params are the master, which `kept_state_bytes` counts under `compute_params`: they move too."""
-    moved = tuple(KEPT_GROUP[g] for g in groups(offload, keeps_compute_copy=precision.separate_compute_copy))
+    moved = tuple(GROUP_OF_FIELD[g] for g in groups(offload, keeps_compute_copy=precision.separate_compute_copy))
     params_are_master = not precision.separate_compute_copy
     return moved + ("compute_params",) if moved and params_are_master else moved
 

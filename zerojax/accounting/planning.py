@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 from zerojax.accounting.activations import GPTShape, gathered_weights_kept, gpt_activation_bytes
 from zerojax.accounting.analytic import (
-    GROUPS,
     StepTime,
     check_inputs,
     comm_bound_tokens_per_device,
@@ -21,7 +20,7 @@ from zerojax.accounting.hardware import Hardware
 from zerojax.errors import UserError
 from zerojax.optim import OPTIMIZERS, Optimizer
 from zerojax.precision import PRECISIONS, Precision
-from zerojax.stages import STAGES
+from zerojax.stages import GROUPS, STAGES
 
 
 @dataclass(frozen=True)

@@ -8,22 +8,16 @@ import argparse
 import json
 import math
 
-GROUPS = ("compute", "master", "optimizer", "grads")
+from zerojax.commands import add_devices, add_overrides
+from zerojax.stages import GROUPS
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("inspect", help="per-parameter layout of each state group, bytes per device")
     p.add_argument("config", help="YAML experiment config, e.g. configs/tiny.yaml")
     p.add_argument("--stage", type=int, default=None, help="ZeRO stage to lay out (default: the config's)")
-    p.add_argument("--devices", type=int, default=None, help="simulate N CPU devices (keeps other XLA_FLAGS)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key (repeatable)",
-    )
+    add_devices(p)
+    add_overrides(p, "override a config key (repeatable)")
     p.add_argument("--json", action="store_true", help="print the layout as JSON")
     p.set_defaults(run=run)
 
@@ -85,7 +79,7 @@ def layout_report(c) -> dict:
     by_param, other = _optimizer_leaves(state.opt_state, params)
     master = {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(state.params)[0]}
     leaves = [_leaf_row(layout, name, l, master[name], by_param.get(name, [])) for name, l in params.items()]
-    totals = {g: sum(leaf["bytes_per_device"][g] for leaf in leaves) for g in ("compute", "master", "optimizer")}
+    totals = {g: sum(leaf["bytes_per_device"][g] for leaf in leaves) for g in GROUPS if g != "grads"}
     totals["other_state"] = sum(o["bytes_per_device"] for o in other) + _shard_bytes(state.step)
     totals["total"] = sum(totals.values())
     return {
@@ -96,12 +90,9 @@ def layout_report(c) -> dict:
         "mesh": {k: int(v) for k, v in layout.mesh.shape.items()},
         "fsdp": layout.fsdp_size,
         "params": count_params(layout.leaves),
-        "groups_sharded": {
-            "compute": layout.compute_sharded,
-            "master": layout.master_sharded,
-            "optimizer": layout.optimizer_sharded,
-            "grads": layout.grads_sharded,
-        },
+        "groups_sharded": dict(
+            zip(GROUPS, (layout.compute_sharded, layout.master_sharded, layout.optimizer_sharded, layout.grads_sharded))
+        ),
         "leaves": leaves,
         "other_state": other,
         "persistent_bytes_per_device": totals,
@@ -149,7 +140,11 @@ def _leaf_row(layout, name: str, l, m, opt: list) -> dict:
         compute_spec, compute_bytes, compute_note = _spec(m.sharding), 0, "the master itself (fp32)"
     grads = NamedSharding(layout.mesh, l.spec(layout.grads_sharded))
     status = "replicated" if l.axis is None else ("padded" if l.padded else "sharded")
-    nbytes = {"compute": compute_bytes, "master": _shard_bytes(m), "optimizer": sum(_shard_bytes(s) for s in opt)}
+    nbytes = {
+        "compute_params": compute_bytes,
+        "master": _shard_bytes(m),
+        "optimizer": sum(_shard_bytes(s) for s in opt),
+    }
     nbytes["total"] = sum(nbytes.values())
     return {
         "path": name,
@@ -158,7 +153,7 @@ def _leaf_row(layout, name: str, l, m, opt: list) -> dict:
         "status": status,
         "reason": l.reason,
         "spec": {
-            "compute": compute_spec,
+            "compute_params": compute_spec,
             "master": _spec(m.sharding),
             "optimizer": _spec(opt[0].sharding) if opt else "-",
             "grads": _spec(grads),
@@ -191,7 +186,7 @@ def print_report(r: dict) -> None:
             leaf["path"],
             str(tuple(leaf["shape"])),
             stored,
-            s["compute"],
+            s["compute_params"],
             s["master"],
             s["optimizer"],
             s["grads"],
@@ -204,7 +199,7 @@ def print_report(r: dict) -> None:
     replicated = [l["path"] for l in r["leaves"] if l["status"] == "replicated"]
     padded = [l["path"] for l in r["leaves"] if l["status"] == "padded"]
     console.print(
-        f"per device: compute {b(t['compute'])}, master {b(t['master'])}, optimizer {b(t['optimizer'])}, "
+        f"per device: compute {b(t['compute_params'])}, master {b(t['master'])}, optimizer {b(t['optimizer'])}, "
         f"other {b(t['other_state'])}; total {b(t['total'])}"
     )
     console.print(f"replicated leaves: {len(replicated)}" + (f" ({', '.join(replicated)})" if replicated else ""))
