@@ -85,7 +85,7 @@ _PLACED = re.compile(
 def test_offload_places_the_saved_activations_in_host_memory(monkeypatch):
     """Lowered for a GPU (jax.export), every residual `dots` would save is annotated for pinned_host,
     and their bytes are those the planner counts as host activations."""
-    monkeypatch.setattr(remat_lib, "_platform", lambda: "gpu")
+    monkeypatch.setattr(remat_lib, "platform", lambda: "gpu")
     cfg = gpt_config("tiny", remat="offload")
     graphdef, params = _split(cfg)
     batch, seq = 4, 64

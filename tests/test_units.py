@@ -40,7 +40,7 @@ from tests.unit_models import (
     unit_model,
 )
 from zerojax.accounting.analytic import peak_bytes
-from zerojax.accounting.hlo import _parse, collective_bytes, compile_partitioned
+from zerojax.accounting.hlo import collective_bytes, compile_partitioned, parse
 from zerojax.units import WrapRule
 
 
@@ -217,7 +217,7 @@ def _gather_levels(hlo: str) -> list[tuple[int, str]]:
     """(matmuls upstream, shape) of every all-gather in the partitioned HLO: how many dots each gather
     waits for, by data dependence alone (no scheduler involved)."""
     out = []
-    for comp in _parse(hlo)[0].values():
+    for comp in parse(hlo)[0].values():
         ins = comp.instructions
         for name, instr in ins.items():
             if instr.opcode != "all-gather":

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax import offload as offload_lib
+from zerojax import offload_modes
 from zerojax.precision import Precision, cast_tree
 from zerojax.stacked import under
 from zerojax.stages import FSDP_AXIS, LeafLayout, Stage, fit_to, leaf_layout, path_str
@@ -70,7 +71,7 @@ class StateLayout:
     @property
     def host_groups(self) -> tuple[str, ...]:
         """The state groups kept in host memory ("pinned_host") between steps."""
-        return offload_lib.groups(self.offload, self.keeps_compute_copy)
+        return offload_modes.groups(self.offload, self.keeps_compute_copy)
 
     @property
     def replicated(self) -> NamedSharding:

@@ -13,11 +13,8 @@ from __future__ import annotations
 import jax
 
 # `check_mode`, `groups` and `split_bytes` are read through this module by the trainer and the layout.
-from zerojax.accounting.placed_bytes import split_bytes as split_bytes
 from zerojax.errors import UserError
 from zerojax.offload_modes import DEVICE, HOST
-from zerojax.offload_modes import check_mode as check_mode
-from zerojax.offload_modes import groups as groups
 from zerojax.state import TrainState
 
 

@@ -22,13 +22,12 @@ from collections.abc import Callable
 import jax
 
 from zerojax.errors import UserError
-from zerojax.remat_policies import REMAT_POLICIES as REMAT_POLICIES  # re-exported by zerojax.models
-from zerojax.remat_policies import check as check  # read here by zerojax.wrap and zerojax.stacked
+from zerojax.remat_policies import check
 
 OFFLOAD_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
 
 
-def _platform() -> str:
+def platform() -> str:
     """The backend a traced layer will run on (tests stand in another to lower for a GPU)."""
     return jax.default_backend()
 
@@ -39,10 +38,10 @@ def checkpoint_policy(policy: str):
     if policy == "dots":
         return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
     if policy == "offload":
-        platform = _platform()
-        if platform not in OFFLOAD_PLATFORMS:
+        backend = platform()
+        if backend not in OFFLOAD_PLATFORMS:
             raise UserError(
-                f"remat=offload keeps saved activations in host memory, which the {platform} backend "
+                f"remat=offload keeps saved activations in host memory, which the {backend} backend "
                 "cannot place from a compiled program (JAX lowers the move to the host as a no-op there); "
                 "use remat=full for the same device memory on CPU, or run on a GPU or TPU."
             )

@@ -47,6 +47,7 @@ from flax import nnx
 
 from zerojax import remat as remat_lib
 from zerojax.errors import UserError
+from zerojax.remat_policies import check as check_remat
 
 LAYERS = "layers"  # the attribute holding the stacked blocks: stack params live under <path>/layers
 
@@ -62,7 +63,7 @@ class Stacked(nnx.Module):
     def __init__(self, block: Callable[..., nnx.Module], n: int, *args, rngs: nnx.Rngs, remat: str = "full", **kwargs):
         if not isinstance(n, int) or n < 1:
             raise UserError(f"Stacked needs a positive number of blocks, got n={n!r}.")
-        remat_lib.check(remat, "Stacked remat")
+        check_remat(remat, "Stacked remat")
         self.n = n
         self.remat = remat
 

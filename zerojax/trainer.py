@@ -25,7 +25,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zerojax import checks
+from zerojax import checks, offload_modes
 from zerojax import offload as offload_lib
 from zerojax.adapt import functional
 from zerojax.engines import EngineOptions, GatherReport, get_engine
@@ -93,7 +93,7 @@ class Trainer:
         self.grad_accum = check_grad_accum(grad_accum)
         if self.grad_accum > 1 and "grad_accum" not in self._engine.supports:
             raise UserError(f"the {engine} engine does not support gradient accumulation (train.grad_accum).")
-        self.offload = offload_lib.check_mode(offload)
+        self.offload = offload_modes.check_mode(offload)
         self.model = functional(model, rng_streams)
         self.tx = optimizer
         self.mesh = mesh if mesh is not None else make_mesh()
@@ -298,7 +298,7 @@ class Trainer:
             fresh, model_state, _ = model.init(key, inputs)
             state = layout.fresh_state(tx, fresh if params is None else params)  # XLA drops an unused init
             state = state.replace(rng=run_key(key), model_state=model_state if has_model_state else None)
-            return offload_lib.place(state, prep.state_shardings, layout.host_groups, offload_lib.HOST)
+            return offload_lib.place(state, prep.state_shardings, layout.host_groups, offload_modes.HOST)
 
         inputs = jnp.zeros(prep.inputs.shape, prep.inputs.dtype)
         state = jax.jit(init_state, out_shardings=prep.state_shardings)(key, inputs, params)
@@ -320,13 +320,13 @@ class Trainer:
             shardings, host = prep.state_shardings, layout.host_groups
 
             def derive(state):  # the master streamed in from host memory where it is kept there
-                state = offload_lib.place(state, shardings, host, offload_lib.DEVICE)
+                state = offload_lib.place(state, shardings, host, offload_modes.DEVICE)
                 compute = layout.derive_compute(state.params)
                 return (
                     compute
                     if "compute" not in host
                     else offload_lib.place(
-                        state.replace(compute=compute), shardings, ("compute",), offload_lib.HOST
+                        state.replace(compute=compute), shardings, ("compute",), offload_modes.HOST
                     ).compute
                 )
 
@@ -387,8 +387,12 @@ class Trainer:
     def persistent_bytes_per_device(self, state: TrainState) -> int:
         """Bytes of the state's shards of the first local device that live in its device memory
         (host-offloaded groups are counted by `host_persistent_bytes_per_device`)."""
-        return offload_lib.split_bytes(state, self.mesh.devices.flat[0])["device"]
+        from zerojax.accounting.placed_bytes import split_bytes
+
+        return split_bytes(state, self.mesh.devices.flat[0])["device"]
 
     def host_persistent_bytes_per_device(self, state: TrainState) -> int:
         """Bytes of the state's shards of the first local device kept in host memory (`offload`)."""
-        return offload_lib.split_bytes(state, self.mesh.devices.flat[0])["host"]
+        from zerojax.accounting.placed_bytes import split_bytes
+
+        return split_bytes(state, self.mesh.devices.flat[0])["host"]

@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 
-from zerojax.remat import check as check_remat
+from zerojax.remat_policies import check as check_remat
 
 Path = tuple[str, ...]
 # (["a/b/kernel", ...], their stored values) -> the compute-dtype arrays: the leaves a unit uses

@@ -119,7 +119,8 @@ def _parse_instruction(line: str) -> _Instruction | None:
     return _Instruction(name, shape, op.group(1), operands, rest[close:])
 
 
-def _parse(hlo_text: str) -> tuple[dict[str, _Computation], int]:
+def parse(hlo_text: str) -> tuple[dict[str, _Computation], int]:
+    """(the computations by name, each with its instructions; the number of devices)."""
     computations: dict[str, _Computation] = {}
     current = None
     header = hlo_text[: hlo_text.find("\n")] if "\n" in hlo_text else hlo_text
@@ -279,7 +280,7 @@ class Collective:
 
 def collectives(hlo_text: str) -> list[Collective]:
     """Every collective of the program that runs, with its executions per step and device groups."""
-    comps, devices = _parse(hlo_text)
+    comps, devices = parse(hlo_text)
     mults, uncertain = _multipliers(comps)
     found = []
     for comp in comps.values():

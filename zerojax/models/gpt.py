@@ -13,7 +13,7 @@ from flax import nnx
 
 from zerojax import remat as remat_lib
 from zerojax.errors import UserError
-from zerojax.remat import REMAT_POLICIES  # noqa: F401  (re-exported by zerojax.models)
+from zerojax.remat_policies import check as check_remat
 
 _NORM_EPS = 1e-6
 
@@ -54,7 +54,7 @@ class GPTConfig:
                 f"model.d_model={self.d_model} must split into model.n_heads={self.n_heads} heads "
                 "of even size (rotary embeddings rotate pairs)."
             )
-        remat_lib.check(self.remat)
+        check_remat(self.remat)
 
     @property
     def head_dim(self) -> int:
