@@ -80,10 +80,13 @@ _SMALL = [
 ]
 
 
-def test_cli_verify_exit_0_and_1_with_the_parameter(shard_for):
+def test_cli_verify_exits_0_when_the_stage_matches_stage_0():
     done = cli_in_process("verify", "configs/tiny.yaml", "--devices", "8", *_SMALL)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "PASS: 3 steps against stage 0" in done.stdout and "gathers        per layer" in done.stdout
+
+
+def test_cli_verify_exits_1_naming_the_parameter_a_shard_reached(shard_for):
     shard_for("blocks/w_up")
     done = cli_in_process("verify", "configs/tiny.yaml", "--devices", "8", "--steps", "2", *_SMALL)
     assert done.returncode == 1, done.stdout + done.stderr

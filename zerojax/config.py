@@ -225,7 +225,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
 
 def validate(c: Config) -> None:
     """The rules beyond each key's own type and bounds, each asked of the module that owns it."""
-    from zerojax.engines import ENGINES
+    from zerojax.engines import ENGINES, check_name
     from zerojax.engines.accum import check_accum_batch
     from zerojax.mesh import check_batch, check_sizes
     from zerojax.offload_modes import check_mode
@@ -236,8 +236,7 @@ def validate(c: Config) -> None:
     get_precision(c.precision, c.zero.reduce_dtype)
     get_stage(c.zero.stage)
     check_mode(c.zero.offload)
-    if c.zero.engine not in ENGINES:
-        raise UserError(f"zero.engine must be one of {', '.join(ENGINES)}, got {c.zero.engine!r}.")
+    check_name(c.zero.engine, ENGINES)  # a config names a built-in engine
     get_optimizer(c.optimizer.name)
     check_sizes(c.mesh.data, c.mesh.fsdp)
     if c.model.kwargs and not c.model.target:

@@ -1,1 +1,12 @@
-"""One module per `zerojax` subcommand: each defines `add_parser(subparsers)`; the parser sets `run`."""
+"""The `zerojax` subcommands: a module per subcommand defines `add_parser(subparsers)`, whose parser
+sets `run`; the other modules here are a subcommand's parts (`plan_inputs`, `plan_tables`, `compare_run`)."""
+
+
+def add_overrides(parser, help: str = "override a config key, e.g. --set zero.stage=2 (repeatable)") -> None:
+    """`--set KEY=VALUE`, repeatable, into `args.overrides`."""
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help)
+
+
+def add_devices(parser) -> None:
+    """`--devices N`: simulate N CPU devices, set before JAX starts."""
+    parser.add_argument("--devices", type=int, default=None, help="simulate N CPU devices (keeps other XLA_FLAGS)")

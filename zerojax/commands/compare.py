@@ -8,6 +8,7 @@ import argparse
 import importlib.util
 import json
 
+from zerojax.commands import add_devices, add_overrides
 from zerojax.errors import UserError
 
 
@@ -16,16 +17,9 @@ def add_parser(sub) -> None:
     p.add_argument("config", help="YAML experiment config, e.g. configs/tiny.yaml")
     p.add_argument("--stages", default="0,1,2,3", help="comma-separated ZeRO stages (default 0,1,2,3)")
     p.add_argument("--engines", default="gspmd", help="comma-separated engines: gspmd, shard_map (default gspmd)")
-    p.add_argument("--devices", type=int, default=None, help="simulate N CPU devices (keeps other XLA_FLAGS)")
+    add_devices(p)
     p.add_argument("--steps", type=int, default=3, help="train steps per combination (default 3)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key for every combination (repeatable)",
-    )
+    add_overrides(p, "override a config key for every combination (repeatable)")
     p.add_argument("--json", dest="json_path", metavar="PATH", help="also write the rows as JSON to PATH")
     p.set_defaults(run=run)
 

@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 
+from zerojax.commands import add_overrides
 from zerojax.commands.plan_inputs import inputs_from_config, inputs_from_flags
 from zerojax.errors import UserError
 
@@ -28,14 +29,7 @@ def add_model_arguments(p) -> None:
     from zerojax.accounting.hardware import HARDWARE
 
     p.add_argument("config", nargs="?", help="experiment YAML: plan its model (or pass --params instead)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a key of CONFIG, e.g. --set model.preset=7b (repeatable)",
-    )
+    add_overrides(p, "override a key of CONFIG, e.g. --set model.preset=7b (repeatable)")
     p.add_argument("--params", help="parameter count, e.g. 7e9 or 125M")
     p.add_argument(
         "--devices",

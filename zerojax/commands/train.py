@@ -6,20 +6,14 @@ import argparse
 import sys
 
 from zerojax import distributed
+from zerojax.commands import add_devices, add_overrides
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train the shipped GPT, or the model.target / data.target a YAML config names")
     p.add_argument("config", help="YAML experiment config, e.g. configs/tiny.yaml")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key, e.g. --set zero.stage=2 (repeatable)",
-    )
-    p.add_argument("--devices", type=int, default=None, help="simulate N CPU devices (keeps other XLA_FLAGS)")
+    add_overrides(p)
+    add_devices(p)
     p.add_argument("--out", default="runs/latest", help="output folder for metrics.jsonl and summary.json")
     p.add_argument(
         "--resume",

@@ -5,19 +5,14 @@ from __future__ import annotations
 
 import argparse
 
+from zerojax.commands import add_devices, add_overrides
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("verify", help="check the config's model trains as at stage 0 (run once on a new model)")
     p.add_argument("config", help="YAML experiment config, e.g. configs/tiny.yaml")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key, e.g. --set zero.stage=2 (repeatable)",
-    )
-    p.add_argument("--devices", type=int, default=None, help="simulate N CPU devices (keeps other XLA_FLAGS)")
+    add_overrides(p)
+    add_devices(p)
     p.add_argument("--steps", type=int, default=3, help="steps to compare (default 3)")
     p.set_defaults(run=run)
 
