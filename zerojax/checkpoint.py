@@ -2,7 +2,7 @@
 mesh. (Consolidated fp32 export and `load_params` are in `zerojax.export`.)
 
 A checkpoint is one orbax step directory `DIR/<step>/` with two items:
-  state  the saved groups of `TrainState` ({"step", "params", "opt_state"} today) exactly as the run
+  state  the saved groups of `TrainState` (`TrainState.SAVED`, those not None) exactly as the run
          stores them (padded where sharded); every process writes only its own shards. The bf16
          compute copy is derived: not saved.
   meta   JSON: each leaf's saved shape, each parameter's logical shape, stage, mesh, the data

@@ -67,10 +67,10 @@ def _transposed(reduce, ct, axis: int):
 
     JAX differentiates `x @ w` into a weight-gradient dot followed by a transpose. With nothing
     between that transpose and the reduction, XLA's algebraic simplifier folds it into the dot
-    (`lhs_contracting_dims={0}`), a form jaxlib 0.12's CPU backend keeps out of its YNNPACK fusions:
-    `shard_map` steps ran 2-3x slower than `gspmd`'s, whose partitioner puts an all-reduce between
-    the two. Reducing the transpose cancels JAX's: the dot keeps its canonical form, and the one
-    transpose left runs on the reduced result (a shard, from stage 1 on). The same bytes move; the
+    (`lhs_contracting_dims={0}`), a form jaxlib 0.12's CPU backend keeps out of its YNNPACK fusions
+    (several times slower; `gspmd`'s partitioner puts an all-reduce between the two). Reducing the
+    transpose cancels JAX's: the dot keeps its canonical form, and the one transpose left runs on the
+    reduced result (a shard, from stage 1 on). The same bytes move; the
     sums are the same, and bf16 results move by rounding (XLA computes the dot another way).
     Only on CPU, where it was measured; GPU and TPU compile these dots with their own libraries.
     """
@@ -169,9 +169,9 @@ class Reduce:
 
         Each leaf's backward is its own reduction, as in `gather` / `hierarchical_gather`, so each
         gradient is reduced as soon as it exists. XLA:CPU combines neither all-gathers nor
-        reduce-scatters, and every collective is a rendezvous of all device threads: one gather per
-        layer instead of nine made the 27.5M GPT's stage-3 step about 15% faster on jax 0.10 and
-        0.12 (docs/engines.md). qwZ's quantized and replicated leaves keep their own collectives."""
+        reduce-scatters, and every collective is a rendezvous of all device threads, so one gather
+        per layer is faster than one per leaf (docs/engines.md). qwZ's quantized and replicated
+        leaves keep their own collectives."""
         one = self.gathered
         joined = [i for i, (l, x) in enumerate(zip(leaves, values)) if self._joinable(l, x)]
         if len(joined) < 2:  # nothing to join: each leaf's own gather

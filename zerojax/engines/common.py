@@ -118,10 +118,9 @@ def _after_params(opt_state, master):
     the new master: each leaf tied to an exact zero read from its own master leaf.
 
     The master's write recomputes the new moments inline from the old ones; without an order between
-    it and the moments' own writes, XLA cannot write the moments over the old ones in place, and it
-    copied both at the step's entry (8 bytes per parameter shard with Adam, measured on XLA:CPU).
-    One zero per leaf, not one from the whole tree (`_written`): a single token that joins every leaf
-    multiplied the compile time about 15-fold on an 8-block model."""
+    it and the moments' own writes, XLA cannot write the moments over the old ones in place and
+    copies both at the step's entry. One zero per leaf, not one from the whole tree (`_written`): a
+    token joining every leaf makes compiling many times slower (docs/engines.md, "The update")."""
     treedef = jax.tree.structure(master)
     zeros = jax.tree.map(ordering.zero_from, master)
     like_params = lambda sub: jax.tree.structure(sub) == treedef

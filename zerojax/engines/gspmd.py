@@ -48,12 +48,12 @@ def _gather_where_used(layout, model, params, options):
     outside = outside_stacks(
         lambda _, v: jax.lax.with_sharding_constraint(v, layout.replicated), stacks, layout.leaves, params
     )
-    if not model.stacks:  # the GPT's hook, as it always was
+    if not model.stacks:  # a model's own layer hook
         return outside, {s: (lambda layer: _replicated(layout, layer)) for s in stacks}
     # `zj.Stacked`: a barrier between the layer's slice and its gather keeps XLA:CPU's layout
     # assignment from re-laying out the whole stacked shard for the gather (a copy of 1/fsdp of the
-    # stack's weights for the whole step: temp then grew by 0.25 of a block per block, now 0.125,
-    # the gradient's shard). Values are unchanged; elsewhere it only orders the slice before the gather.
+    # stack's weights held for the whole step; docs/engines.md). Values are unchanged; elsewhere it
+    # only orders the slice before the gather.
     return outside, {s: (lambda layer: _replicated(layout, jax.lax.optimization_barrier(layer))) for s in stacks}
 
 
