@@ -9,6 +9,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Trainer": "zerojax.trainer",
+    "shard": "zerojax.functional",
+    "Sharded": "zerojax.functional",
     "TrainState": "zerojax.state",
     "EngineOptions": "zerojax.engines",
     "make_mesh": "zerojax.mesh",

@@ -15,48 +15,24 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from zerojax import checks, offload_modes
 from zerojax import offload as offload_lib
-from zerojax.adapt import functional
-from zerojax.engines import EngineOptions, GatherReport, get_engine
-from zerojax.engines.accum import check_accum_batch, check_grad_accum
-from zerojax.engines.common import compute_params, cross_entropy, global_loss, stack_paths
+from zerojax.engines import EngineOptions, GatherReport
+from zerojax.engines.common import cross_entropy
 from zerojax.errors import UserError
-from zerojax.layout import StateLayout, make_layout
-from zerojax.mesh import BATCH_AXES, check_batch, data_parallel_size, make_mesh
-from zerojax.optim import pads_exactly
-from zerojax.precision import get_precision
-from zerojax.stages import get_stage
-from zerojax.state import TrainState, run_key
+from zerojax.functional import Setup, Sharded, prepare
+from zerojax.layout import StateLayout
+from zerojax.state import TrainState
 
 _KEEP_PREPARED = 4  # preparations kept for reuse (one per input shape and key)
-_KEY_SHAPE = (2,)  # the raw data of a threefry key: the state's `rng`
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """What a `Trainer` builds for one (input shape and dtype, key); never changed once built."""
-
-    inputs: jax.ShapeDtypeStruct  # the model inputs it was built for
-    layout: StateLayout
-    param_shapes: Any  # the model's logical params, abstract
-    state_shardings: TrainState  # a NamedSharding per leaf of each group
-    abstract: TrainState  # the state as ShapeDtypeStructs with their shardings
-    static: Any  # the model's RNG streams (NNX), replicated; rewritten from the step's key each step
-    step_fn: Callable  # jitted (state, batch) -> (state, metrics)
-    eval_fn: Callable  # jitted (state, batch, loss_fn) -> loss, in eval mode
-    report: GatherReport  # how the step materialises the compute params
-    classes: int | None = None  # the output's classes, which the default loss's integer targets index
+Prepared = Sharded  # what `Trainer.prepare` returns: `zerojax.functional.Sharded`
 
 
 class Trainer:
@@ -86,24 +62,36 @@ class Trainer:
             "replicate_below_bytes": replicate_below_bytes,
             "rng_streams": tuple(rng_streams),
         }
-        self._engine = get_engine(engine)
-        self.engine = engine
-        self.options = EngineOptions.of(engine_options)
-        self._engine.check(self.options)
-        self.grad_accum = check_grad_accum(grad_accum)
-        if self.grad_accum > 1 and "grad_accum" not in self._engine.supports:
-            raise UserError(f"the {engine} engine does not support gradient accumulation (train.grad_accum).")
-        self.offload = offload_modes.check_mode(offload)
-        self.model = functional(model, rng_streams)
-        self.tx = optimizer
-        self.mesh = mesh if mesh is not None else make_mesh()
-        self.stage = get_stage(stage)
-        offload_lib.check_backend(self.offload, self.mesh.devices.flat)
-        self.precision = get_precision(precision, reduce_dtype)
-        self.loss_fn = loss_fn or cross_entropy
+        setup = Setup.of(
+            model,
+            optimizer,
+            mesh=mesh,
+            stage=stage,
+            engine=engine,
+            precision=precision,
+            loss_fn=loss_fn,
+            reduce_dtype=reduce_dtype,
+            replicate_below_bytes=replicate_below_bytes,
+            engine_options=engine_options,
+            rng_streams=rng_streams,
+            grad_accum=grad_accum,
+            offload=offload,
+        )
+        self.setup, self.engine = setup, engine
+        self.model, self.tx, self.mesh, self.stage, self.precision = (
+            setup.model,
+            setup.tx,
+            setup.mesh,
+            setup.stage,
+            setup.precision,
+        )
+        self.loss_fn, self.options, self.grad_accum, self.offload = (
+            setup.loss_fn,
+            setup.options,
+            setup.grad_accum,
+            setup.offload,
+        )
         self.replicate_below_bytes = replicate_below_bytes
-        # An optimizer whose update is not elementwise keeps padded leaves whole (see `make_layout`).
-        self._pads_exactly = pads_exactly(optimizer)
         self._preparations: dict[tuple, Prepared] = {}
         self._active: Prepared | None = None  # the preparation `step` uses: set by init / restore_state
         self._compiled = None  # (preparation, its compiled step), reused by `step`
@@ -112,7 +100,7 @@ class Trainer:
 
     @property
     def batch_sharding(self) -> NamedSharding:
-        return NamedSharding(self.mesh, P(BATCH_AXES))
+        return self.setup.batch_sharding
 
     def check_batch(self, batch: dict) -> None:
         """A `UserError` unless `step` can train on `batch`: its keys and labels (its rows are checked
@@ -121,24 +109,18 @@ class Trainer:
         if self._active is not None and self._active.classes is not None:
             checks.check_targets(batch, self._active.classes)
 
-    def _check_batch(self, batch) -> None:
-        """What any use of `batch` needs (init and evaluation too): inputs, rows the mesh divides."""
-        checks.check_keys(batch, default_loss=False)
-        check_batch(batch["inputs"].shape[0], data_parallel_size(self.mesh))
-        check_accum_batch(batch["inputs"].shape[0], data_parallel_size(self.mesh), self.grad_accum)
-
     def prepare(self, key, batch: dict) -> Prepared:
         """The preparation for this batch's input shape and `key`: built on first use, then reused.
 
         Builds no state and changes nothing `step` uses (that is `init`'s and `restore_state`'s job).
         """
-        self._check_batch(batch)
+        self.setup.check_batch(batch)
         inputs = jax.ShapeDtypeStruct(batch["inputs"].shape, batch["inputs"].dtype)
         token = (tuple(inputs.shape), str(inputs.dtype), tuple(np.asarray(jax.random.key_data(key)).ravel().tolist()))
         if token not in self._preparations:
             if len(self._preparations) >= _KEEP_PREPARED:
                 self._preparations.pop(next(iter(self._preparations)))
-            prep = self._build(key, inputs)
+            prep = prepare(self.setup, key, batch)
             self._preparations[token] = dataclasses.replace(prep, classes=self._check_model(prep, key, batch))
         prep = self._preparations[token]
         if prep.classes is not None:
@@ -153,90 +135,6 @@ class Trainer:
 
         args = (prep.param_shapes, prep.abstract.model_state or {}, prep.static)
         return checks.check_model_and_loss(run_model, args, self.loss_fn, batch, self.loss_fn is cross_entropy)
-
-    def _build(self, key, inputs: jax.ShapeDtypeStruct) -> Prepared:
-        param_shapes, model_state_shapes, static_shapes = jax.eval_shape(self.model.init, key, inputs)  # one trace
-        layout = make_layout(
-            self.mesh,
-            self.stage,
-            self.precision,
-            param_shapes,
-            replicate_below_bytes=self.replicate_below_bytes,
-            pad_free_optimizer=not self._pads_exactly,
-            stack_paths=self._stacks(param_shapes, model_state_shapes, static_shapes, inputs),
-            offload=self.offload,
-            hierarchical=self.options.hierarchical,
-        )
-        opt_state_shapes = layout.opt_state_shapes(self.tx)
-        has_model_state = bool(jax.tree.leaves(model_state_shapes))
-        model_state_shapes = model_state_shapes if has_model_state else None
-        shardings = layout.state_shardings(self.tx, opt_state_shapes).replace(
-            rng=layout.replicated, model_state=jax.tree.map(lambda _: layout.replicated, model_state_shapes)
-        )
-        abstract = layout.abstract_state(self.tx, opt_state_shapes).replace(
-            rng=jax.ShapeDtypeStruct(_KEY_SHAPE, np.uint32, sharding=layout.replicated),
-            model_state=jax.tree.map(
-                lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=layout.replicated), model_state_shapes
-            ),
-        )
-        static = self._static(key, inputs, static_shapes, layout)
-        accumulate = {"grad_accum": self.grad_accum} if self.grad_accum > 1 else {}
-        built = self._engine.build(
-            layout,
-            self.model,
-            static,
-            self.loss_fn,
-            self.tx,
-            self.options,
-            inputs,
-            model_state=model_state_shapes,
-            **accumulate,
-        )
-        # Host-offloaded groups stream into device memory at the step's start and back out at its end.
-        step = offload_lib.streamed(built.step, shardings, layout.host_groups)
-        step_fn = jax.jit(
-            step,
-            in_shardings=(shardings, self.batch_sharding),
-            out_shardings=(shardings, layout.replicated),
-            donate_argnums=0,
-        )
-        eval_fn = self._eval_fn(layout, shardings, static, built.evaluate)
-        return Prepared(inputs, layout, param_shapes, shardings, abstract, static, step_fn, eval_fn, built.report)
-
-    def _eval_fn(self, layout, shardings, static, evaluate):
-        """The jitted `(state, batch, loss_fn) -> loss` in eval mode (no dropout, BatchNorm's running
-        statistics), gathered as the train step's forward gathers where the engine says how."""
-        model = self.model
-
-        def eval_loss(state, batch, loss_fn):
-            if evaluate is not None:
-                return evaluate(state, batch, loss_fn)
-            params = compute_params(layout, state)
-            out, _ = model.apply(params, state.model_state or {}, static, batch["inputs"], train=False)
-            return global_loss(loss_fn(out, batch))
-
-        return jax.jit(
-            offload_lib.streamed(eval_loss, shardings, layout.host_groups),
-            static_argnums=2,
-            in_shardings=(shardings, self.batch_sharding),
-            out_shardings=layout.replicated,
-        )
-
-    def _stacks(self, param_shapes, model_state_shapes, static_shapes, inputs) -> tuple:
-        """The param paths whose leaves stack layers on axis 0: the model's declared or `zj.Stacked`
-        stacks, or the lifted ones its transforms make (`FunctionalModel.lifted_stacks`)."""
-        declared = stack_paths(self.model, param_shapes, self.options)
-        if declared or self.model.lifted_stacks is None:
-            return declared
-        return self.model.lifted_stacks(param_shapes, model_state_shapes or {}, static_shapes, inputs)
-
-    def _static(self, key, inputs, static_shapes, layout: StateLayout):
-        """The model's RNG streams, replicated (computed only where it has leaves)."""
-        if not jax.tree.leaves(static_shapes):
-            return static_shapes
-        shardings = jax.tree.map(lambda _: layout.replicated, static_shapes)
-        init_static = jax.jit(lambda k, x: self.model.init(k, x)[2], out_shardings=shardings)
-        return init_static(key, jnp.zeros(inputs.shape, inputs.dtype))
 
     @property
     def prepared(self) -> Prepared:
@@ -269,15 +167,7 @@ class Trainer:
 
     def shard_batch(self, batch: dict) -> dict:
         """A global batch as `jax.Array`s split over (data, fsdp); device arrays already so are kept."""
-        self._check_batch(batch)
-        out = {}
-        for name, value in batch.items():
-            if isinstance(value, jax.Array) and value.sharding.is_equivalent_to(self.batch_sharding, value.ndim):
-                out[name] = value
-            else:
-                host = np.asarray(value)
-                out[name] = jax.make_array_from_callback(host.shape, self.batch_sharding, lambda idx, h=host: h[idx])
-        return out
+        return self.setup.shard_batch(batch)
 
     def init(self, key, batch: dict, params=None) -> TrainState:
         """The train state, created inside `jit` directly into its shards.
@@ -285,23 +175,7 @@ class Trainer:
         `params` (e.g. from `zerojax.load_params`) start the run from those weights instead of `key`.
         """
         prep = self.prepare(key, batch)
-        if params is not None:
-            got = jax.tree.map(lambda x: tuple(np.shape(x)), params)
-            want = jax.tree.map(lambda x: tuple(x.shape), prep.param_shapes)
-            if jax.tree.structure(got) != jax.tree.structure(want) or got != want:
-                raise UserError("the given params do not match the model's parameter names and shapes.")
-        model, layout, tx = self.model, prep.layout, self.tx
-
-        has_model_state = prep.state_shardings.model_state is not None
-
-        def init_state(key, inputs, params=None):
-            fresh, model_state, _ = model.init(key, inputs)
-            state = layout.fresh_state(tx, fresh if params is None else params)  # XLA drops an unused init
-            state = state.replace(rng=run_key(key), model_state=model_state if has_model_state else None)
-            return offload_lib.place(state, prep.state_shardings, layout.host_groups, offload_modes.HOST)
-
-        inputs = jnp.zeros(prep.inputs.shape, prep.inputs.dtype)
-        state = jax.jit(init_state, out_shardings=prep.state_shardings)(key, inputs, params)
+        state = prep.init(key, params)
         self._activate(prep)
         return state
 

@@ -2,12 +2,13 @@
 
 An engine is a builder registered under a name:
 
-    build(layout, model, static, loss_fn, tx, options, inputs) -> BuiltStep(step, report)
+    build(layout, model, static, loss_fn, tx, options, inputs) -> BuiltStep(grads, update, report)
 
 An engine that lists "grad_accum" in its `SUPPORTS` also takes `grad_accum=k` (k > 1): k micro-batches
 per step (see `zerojax.engines.accum`).
 
-`step(state, batch) -> (state, metrics)` is pure (the trainer jits it); `report` says how the
+`grads` and `update` are pure, and so is their composition `step(state, batch) -> (state, metrics)`
+(the trainer jits it); `report` says how the
 compute params are materialised, decided when the step is built. `options` is one `EngineOptions`;
 an engine names the options it supports (`Engine.supports`), and any other option set away from its
 default is a `UserError` naming the engine. A new engine is a module with a `build` function and
@@ -88,11 +89,20 @@ def kept_whole_report(stage) -> GatherReport:
 
 
 class BuiltStep(NamedTuple):
-    step: Callable  # (state, batch) -> (state, metrics)
+    # (state, batch) -> (loss, grads, model_state): the gradients reduced and laid out as the stage
+    # stores them (shards from stage 2 on)
+    grads: Callable
+    # (state, loss, grads, model_state) -> (state, metrics): the sharded optimizer update, which keeps
+    # the old state where the loss or the gradient norm is not finite
+    update: Callable
     report: GatherReport
     # (state, batch, loss_fn) -> loss in eval mode, gathering as the step's forward does; None: the
     # trainer's plain eval (the model applied to the compute params, partitioned by XLA)
     evaluate: Callable | None = None
+
+    def step(self, state, batch):
+        """(state, batch) -> (state, metrics): `update` after `grads`."""
+        return self.update(state, *self.grads(state, batch))
 
 
 @dataclass(frozen=True)

@@ -118,28 +118,45 @@ def build(
 
     keep = layout.compute_sharded and not options.reshard_after_forward
     if grad_accum > 1 or keep:
-        step = _accumulated_step(
-            layout, tx, options, accumulated_grads(layout, model, static, loss_fn, run, grad_accum, keep), around
-        )
+        accumulated = accumulated_grads(layout, model, static, loss_fn, run, grad_accum, keep)
+        grads, update = _accumulated(accumulated), _update(layout, tx, options, around)
     else:
-        step = _step(layout, tx, options, loss_fn, run, around)
+        # The update may read the gradient shards twice (check, then write in place) where they are
+        # buffers of their own: casts' outputs in the compute dtype, or held by each FSDP unit's
+        # backward (`zerojax.ordering.held_on_cpu`). An fp32 "shard" outside units is a slice of the
+        # full all-reduced gradient on XLA:CPU, which a second reader would keep alive.
+        shards_are_buffers = layout.precision.compute_dtype != jnp.float32 or around is not None
+        grads, update = _grads(layout, loss_fn, run), _update(layout, tx, options, around, shards_are_buffers)
     report = units[0] if units else _report(layout, model)
-    return BuiltStep(step, kept_whole_report(layout.stage) if keep else report, evaluate)
+    return BuiltStep(grads, update, kept_whole_report(layout.stage) if keep else report, evaluate)
 
 
-def _accumulated_step(layout, tx, options: EngineOptions, accumulated, around):
-    def step(state, batch):
-        loss, grads, model_state = accumulated(state, batch, step_key(state))
+def _accumulated(accumulated):
+    def grads(state, batch):
+        return accumulated(state, batch, step_key(state))
+
+    return grads
+
+
+def _update(layout, tx, options: EngineOptions, around, check_first: bool = True):
+    def update(state, loss, grads, model_state):
         new_state, metrics = apply_update(
-            layout, tx, state, grads, loss, options.checked_update, order_moments=around is None
+            layout,
+            tx,
+            state,
+            grads,
+            loss,
+            options.checked_update,
+            check_first=check_first,
+            order_moments=around is None,
         )
         return keep_model_state(new_state, model_state, metrics["bad_step"]), {"loss": loss, **metrics}
 
-    return step
+    return update
 
 
-def _step(layout, tx, options: EngineOptions, loss_fn, run, around):
-    def step(state, batch):
+def _grads(layout, loss_fn, run):
+    def grads(state, batch):
         # One draw over the global batch: the masks depend on the global shape and the key, not on
         # the stage or (with jax_threefry_partitionable, the default) on the device count.
         key = step_key(state)
@@ -152,22 +169,6 @@ def _step(layout, tx, options: EngineOptions, loss_fn, run, around):
         # Stages 2-3 ask for sharded gradients, which XLA can meet with a reduce-scatter;
         # stages 0-1 ask for the full all-reduced gradient.
         grads = layout.to_layout(grads, layout.grads_sharded)
-        grads = constrain(grads, layout.shardings(layout.grads_sharded))
-        # The update may read the gradient shards twice (check, then write in place) where they are
-        # buffers of their own: casts' outputs in the compute dtype, or held by each FSDP unit's
-        # backward (`zerojax.ordering.held_on_cpu`). An fp32 "shard" outside units is a slice of the full
-        # all-reduced gradient on XLA:CPU, which a second reader would keep alive.
-        shards_are_buffers = layout.precision.compute_dtype != jnp.float32 or around is not None
-        new_state, metrics = apply_update(
-            layout,
-            tx,
-            state,
-            grads,
-            loss,
-            options.checked_update,
-            check_first=shards_are_buffers,
-            order_moments=around is None,
-        )
-        return keep_model_state(new_state, model_state, metrics["bad_step"]), {"loss": loss, **metrics}
+        return loss, constrain(grads, layout.shardings(layout.grads_sharded)), model_state
 
-    return step
+    return grads

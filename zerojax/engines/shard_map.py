@@ -254,8 +254,9 @@ def build(
     train_report, grads_fn = _train_grads(
         layout, model, static, loss_fn, options, reduce, report, run_model, grad_accum
     )
-    step = _step(layout, tx, options, reduce, grads_fn, order_moments=report.route != "units")
-    return BuiltStep(step, train_report, _eval_fn(layout, run_model, reduce) if stage.compute_params else None)
+    update = _update(layout, tx, options, reduce, order_moments=report.route != "units")
+    evaluate = _eval_fn(layout, run_model, reduce) if stage.compute_params else None
+    return BuiltStep(_grads(layout, grads_fn), update, train_report, evaluate)
 
 
 def _train_grads(layout, model, static, loss_fn, options, reduce, report, run_model, grad_accum):
@@ -280,9 +281,19 @@ def _train_grads(layout, model, static, loss_fn, options, reduce, report, run_mo
     return train_report, _accum_grads_fn(layout, run_whole, loss_fn, reduce, grad_accum, keep)
 
 
-def _step(layout: StateLayout, tx, options: EngineOptions, reduce: Reduce, grads_fn, order_moments: bool):
-    """The train step: gradients from `grads_fn`, the sharded update, and (where the state keeps a
-    replicated compute copy beside a sharded master) the new copy gathered from the cast shards."""
+def _grads(layout: StateLayout, grads_fn):
+    """The step's gradients: `grads_fn` on the stored params (shards at stage 3) and the step's key."""
+
+    def grads(state, batch):
+        params = state.params if layout.stage.compute_params else compute_params(layout, state)
+        return grads_fn(params, state.model_state or {}, jax.random.key_data(step_key(state)), batch)
+
+    return grads
+
+
+def _update(layout: StateLayout, tx, options: EngineOptions, reduce: Reduce, order_moments: bool):
+    """The sharded update and, where the state keeps a replicated compute copy beside a sharded
+    master, the new copy gathered from the cast shards."""
     gather_compute = jax.shard_map(
         lambda params: jax.tree.map(lambda l, x: reduce.cast_gather(x, l), layout.leaves, params, is_leaf=is_layout),
         mesh=layout.mesh,
@@ -291,10 +302,7 @@ def _step(layout: StateLayout, tx, options: EngineOptions, reduce: Reduce, grads
         check_vma=False,
     )
 
-    def step(state, batch):
-        params = state.params if layout.stage.compute_params else compute_params(layout, state)
-        key = jax.random.key_data(step_key(state))
-        loss, grads, model_state = grads_fn(params, state.model_state or {}, key, batch)
+    def update(state, loss, grads, model_state):
         new_state, metrics = apply_update(
             layout, tx, state, grads, loss, options.checked_update, order_moments=order_moments
         )
@@ -303,4 +311,4 @@ def _step(layout: StateLayout, tx, options: EngineOptions, reduce: Reduce, grads
             new_state = new_state.replace(compute=gather_compute(new_state.params))  # params already kept if bad
         return new_state, {"loss": loss, **metrics}
 
-    return step
+    return update
