@@ -33,8 +33,9 @@ def _peak(compiled) -> int:
 
 @pytest.mark.parametrize("stage, engine", _CASES)
 def test_own_jit_step_trains_and_compiles_like_trainer(stage, engine):
-    """Uneven shapes (13 -> 61 -> 11: nothing the 8 devices divide, the kernels padded and sharded): the same losses within 1e-6,
-    the same compiled peak within 1% and the same collective bytes as `Trainer`'s step."""
+    """Uneven shapes (13 -> 61 -> 11: nothing the 8 devices divide; the kernels padded and sharded):
+    the same losses within 1e-6, the same compiled peak within 1% and the same collective bytes as
+    `Trainer`'s step."""
     data, mesh = own_loop.batches(STEPS), zj.make_mesh(fsdp=8)
     core = zj.shard(own_loop.Uneven, optax.adamw(1e-2), data[0], mesh=mesh, stage=stage, engine=engine)
     state = core.init(jax.random.key(0))
