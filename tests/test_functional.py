@@ -93,3 +93,27 @@ def test_misuse_is_one_user_error():
     other = zj.shard(own_loop.Uneven, optax.adamw(1e-2), data[0], mesh=zj.make_mesh(fsdp=8), stage=0)
     with pytest.raises(zj.UserError, match=r"state leaf .* another model, stage or device count"):
         jax.jit(core.step)(other.init(jax.random.key(0)), core.shard_batch(data[0]))
+
+
+def test_checkpoints_and_load_params_take_the_functional_state(tmp_path):
+    """A `zj.shard` state saves like `Trainer`'s and restores into another stage's `Sharded`, each
+    device reading its own slice; exported, its logical weights are what `init` starts from."""
+    from zerojax.checkpoint import CheckpointWriter, restore, run_metadata
+    from zerojax.export import export_params
+
+    data, mesh = own_loop.batches(2), zj.make_mesh(fsdp=8)
+    core = zj.shard(own_loop.Uneven, optax.adamw(1e-2), data[0], mesh=mesh, stage=3)
+    state, _ = jax.jit(core.step)(core.init(jax.random.key(0)), core.shard_batch(data[0]))
+    writer = CheckpointWriter(str(tmp_path / "ckpt"), keep=1, run_meta=run_metadata(core, seed=0))
+    writer.save(1, state)
+    writer.close()
+    other = zj.shard(own_loop.Uneven, optax.adamw(1e-2), data[0], mesh=mesh, stage=1)
+    restored, meta = restore(other, str(tmp_path / "ckpt" / "1"))
+    assert meta["stage"] == 3 and meta["engine"] == "gspmd"
+    export_params(str(tmp_path / "ckpt" / "1"), str(tmp_path / "params.npz"))
+    whole = zj.load_params(str(tmp_path / "params.npz"))
+    np.testing.assert_array_equal(whole["hidden"]["kernel"], np.asarray(state.params["hidden"]["kernel"])[:, :61])
+    np.testing.assert_array_equal(np.asarray(restored.params["hidden"]["kernel"]), whole["hidden"]["kernel"])
+    assert np.array_equal(
+        other.init(jax.random.key(1), params=whole).params["out"]["kernel"][:61], whole["out"]["kernel"]
+    )

@@ -347,16 +347,19 @@ def _check_leaves(meta: dict, target: dict, step_dir: str) -> None:
         )
 
 
-def restore(trainer, step_dir: str, key, batch: dict) -> tuple[TrainState, dict]:
-    """(state, meta): the checkpoint in `step_dir`, placed as `trainer` (any stage, any mesh) wants.
+def restore(trainer, step_dir: str, key=None, batch: dict | None = None) -> tuple[TrainState, dict]:
+    """(state, meta): the checkpoint in `step_dir`, placed as `trainer` (any stage, any mesh) wants:
+    a `Trainer` prepared for `key` and `batch` (the state is then the one it steps), or a
+    `zerojax.functional.Sharded` (`zj.shard`; no key or batch needed).
 
     Each device reads only its own slice; nothing is gathered. Raises `UserError` for a checkpoint of
     another model or optimizer, or a damaged one, before any state is changed.
     """
     ocp = _ocp()
     meta = read_meta(step_dir)
-    target = trainer.abstract_state(key, batch).saved()
-    _check_model(meta, trainer.prepare(key, batch).layout, step_dir)
+    prep = trainer.prepare(key, batch) if hasattr(trainer, "prepare") else trainer
+    target = prep.abstract_state().saved()
+    _check_model(meta, prep.layout, step_dir)
     _check_leaves(meta, target, step_dir)
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
 
@@ -375,7 +378,8 @@ def restore(trainer, step_dir: str, key, batch: dict) -> tuple[TrainState, dict]
     except Exception as e:  # noqa: BLE001 - tensorstore and orbax raise many types for damaged files
         raise unreadable(step_dir, "arrays", e) from None
     _verify(meta, saved, step_dir)
-    return trainer.restore_state(saved, key, batch), meta
+    state = trainer.restore_state(saved, key, batch) if hasattr(trainer, "prepare") else prep.restore_state(saved)
+    return state, meta
 
 
 def _verify(meta: dict, saved: dict, step_dir: str) -> None:

@@ -157,6 +157,35 @@ class Sharded:
         """A global batch as `jax.Array`s split over the batch axes; device arrays already so are kept."""
         return self.setup.shard_batch(batch)
 
+    def abstract_state(self) -> TrainState:
+        """The state `init` builds, as `jax.ShapeDtypeStruct`s with shardings, less the derived compute
+        copy (`restore_state` rebuilds it): what `zerojax.checkpoint.restore` reads into."""
+        return self.abstract.replace(compute=None)
+
+    def restore_state(self, saved: dict) -> TrainState:
+        """The full train state from restored groups: the compute copy derived again from the master."""
+        state = TrainState.from_saved(saved)
+        if not self.layout.keeps_compute_copy:
+            return state
+        layout, shardings, host = self.layout, self.state_shardings, self.layout.host_groups
+
+        def derive(state):  # the master streamed in from host memory where it is kept there
+            state = offload_lib.place(state, shardings, host, offload_modes.DEVICE)
+            compute = layout.derive_compute(state.params)
+            if "compute" not in host:
+                return compute
+            return offload_lib.place(
+                state.replace(compute=compute), shardings, ("compute",), offload_modes.HOST
+            ).compute
+
+        return state.replace(compute=jax.jit(derive, out_shardings=shardings.compute)(state))
+
+    # what a checkpoint's metadata records of the run (`zerojax.checkpoint.run_metadata`)
+    stage = property(lambda self: self.setup.stage)
+    precision = property(lambda self: self.setup.precision)
+    mesh = property(lambda self: self.setup.mesh)
+    engine = property(lambda self: self.setup.engine.name)
+
 
 def shard(model, optimizer, batch: dict, *, key=None, **setup) -> Sharded:
     """`Sharded` for `model` trained by `optimizer` on batches shaped like `batch` (`setup`: the keyword

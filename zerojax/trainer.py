@@ -22,8 +22,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding
 
-from zerojax import checks, offload_modes
-from zerojax import offload as offload_lib
+from zerojax import checks
 from zerojax.engines import EngineOptions, GatherReport
 from zerojax.engines.common import cross_entropy
 from zerojax.errors import UserError
@@ -182,29 +181,13 @@ class Trainer:
     def abstract_state(self, key, batch: dict) -> TrainState:
         """The state `init` would build, as `jax.ShapeDtypeStruct`s with shardings; allocates no params
         and changes nothing. The derived compute copy is left out: `restore_state` rebuilds it."""
-        return self.prepare(key, batch).abstract.replace(compute=None)
+        return self.prepare(key, batch).abstract_state()
 
     def restore_state(self, saved: dict, key, batch: dict) -> TrainState:
         """The full train state from restored groups (placed as `abstract_state(key, batch)` says),
         made current for `step`: the compute copy is derived again from the master params."""
         prep = self.prepare(key, batch)
-        state = TrainState.from_saved(saved)
-        layout = prep.layout
-        if layout.keeps_compute_copy:
-            shardings, host = prep.state_shardings, layout.host_groups
-
-            def derive(state):  # the master streamed in from host memory where it is kept there
-                state = offload_lib.place(state, shardings, host, offload_modes.DEVICE)
-                compute = layout.derive_compute(state.params)
-                return (
-                    compute
-                    if "compute" not in host
-                    else offload_lib.place(
-                        state.replace(compute=compute), shardings, ("compute",), offload_modes.HOST
-                    ).compute
-                )
-
-            state = state.replace(compute=jax.jit(derive, out_shardings=shardings.compute)(state))
+        state = prep.restore_state(saved)
         self._activate(prep)
         return state
 
