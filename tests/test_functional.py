@@ -14,15 +14,10 @@ from zerojax.accounting.analytic import peak_bytes
 from zerojax.accounting.hlo import collective_bytes
 
 STEPS = 3
-_CASES = [
-    pytest.param(0, "gspmd"),
-    pytest.param(1, "shard_map", marks=pytest.mark.slow),
-    pytest.param(2, "gspmd", marks=pytest.mark.slow),
-    pytest.param(2, "shard_map"),
+_CASES = [  # stage 3 in both engines by default; the other stages under -m slow
     pytest.param(3, "gspmd"),
     pytest.param(3, "shard_map"),
-    pytest.param(0, "shard_map", marks=pytest.mark.slow),
-    pytest.param(1, "gspmd", marks=pytest.mark.slow),
+    *(pytest.param(s, e, marks=pytest.mark.slow) for s in (0, 1, 2) for e in ("gspmd", "shard_map")),
 ]
 
 
