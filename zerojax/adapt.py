@@ -125,7 +125,7 @@ def _rngs_by_keyword(make) -> bool:
 def _nnx_functions(make: Callable[[Any], nnx.Module] | None, concrete: nnx.Module | None) -> FunctionalModel:
     if make is not None and _rngs_by_keyword(make):
         make = (lambda build: lambda rngs: build(rngs=rngs))(make)
-    abstract = concrete if concrete is not None else nnx.eval_shape(lambda: make(nnx.Rngs(0)))
+    abstract = concrete if concrete is not None else nnx.eval_shape(lambda: _built(make, nnx.Rngs(0)))
     graphdef = nnx.split(abstract, nnx.Param, nnx.RngState, ...)[0]
     hooked = _takes(type(abstract).__call__, "layer_hook")
     looped = hooked and _takes(type(abstract).__call__, "layer_loop")
@@ -147,9 +147,16 @@ def _nnx_functions(make: Callable[[Any], nnx.Module] | None, concrete: nnx.Modul
     )
 
 
+def _built(make, rngs: nnx.Rngs) -> nnx.Module:
+    """The model, its variables created unsharded: zerojax lays them out itself, and a model annotated
+    for Flax's eager sharding (`nnx.with_partitioning`) would otherwise need a mesh context to build."""
+    with nnx.use_eager_sharding(False):
+        return make(rngs)
+
+
 def _nnx_init(make, concrete, key, inputs):
     del inputs  # NNX modules know their shapes from their constructor
-    module = concrete if concrete is not None else make(nnx.Rngs(key))
+    module = concrete if concrete is not None else _built(make, nnx.Rngs(key))
     _, params, rng_state, model_state = _nnx_split(module)
     return params, model_state, rng_state
 
@@ -248,6 +255,7 @@ def _linen_structure(module, mode, params, model_state, inputs):
 
 def _linen_init(module, rng_streams, mode, key, inputs):
     variables = module.init({"params": key, **{s: key for s in rng_streams}}, inputs, **mode(False))
+    variables = nn.meta.unbox(variables)  # `nn.with_logical_partitioning` boxes: zerojax lays the arrays out itself
     model_state = {k: v for k, v in variables.items() if k != "params"}
     return dict(variables["params"]), model_state, None
 

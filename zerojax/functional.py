@@ -33,7 +33,7 @@ from zerojax.engines.accum import check_accum_batch, check_grad_accum
 from zerojax.engines.common import compute_params, cross_entropy, global_loss, stack_paths
 from zerojax.errors import UserError
 from zerojax.layout import StateLayout, make_layout
-from zerojax.mesh import BATCH_AXES, check_batch, data_parallel_size, make_mesh
+from zerojax.mesh import BATCH_AXES, check_batch, check_trainable, data_parallel_size, make_mesh
 from zerojax.optim import pads_exactly
 from zerojax.precision import Precision, get_precision
 from zerojax.stages import Stage, get_stage
@@ -83,6 +83,7 @@ class Setup:
             raise UserError(f"the {engine} engine does not support gradient accumulation (train.grad_accum).")
         offload = offload_modes.check_mode(offload)
         mesh = mesh if mesh is not None else make_mesh()
+        check_trainable(mesh)
         offload_lib.check_backend(offload, mesh.devices.flat)
         return cls(
             functional(model, rng_streams),

@@ -71,5 +71,16 @@ def make_mesh(data: int = 1, fsdp: int | None = None, tensor: int = 1, *, device
     return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
+def check_trainable(mesh) -> None:
+    """A mesh zerojax can train on: its `tensor` axis of size 1, since nothing is sharded over it yet
+    (devices along it would repeat each other's work)."""
+    tensor = dict(mesh.shape).get("tensor", 1)
+    if tensor > 1:
+        raise UserError(
+            f"the mesh's tensor axis has {tensor} devices, but zerojax does not shard over it yet: they "
+            "would repeat each other's work; put those devices on fsdp or data (tensor=1)."
+        )
+
+
 def data_parallel_size(mesh) -> int:
     return math.prod(mesh.shape[a] for a in BATCH_AXES)
