@@ -77,23 +77,32 @@ class Trainer:
             offload=offload,
         )
         self.setup, self.engine = setup, engine
-        self.model, self.tx, self.mesh, self.stage, self.precision = (
-            setup.model,
-            setup.tx,
-            setup.mesh,
-            setup.stage,
-            setup.precision,
-        )
-        self.loss_fn, self.options, self.grad_accum, self.offload = (
-            setup.loss_fn,
-            setup.options,
-            setup.grad_accum,
-            setup.offload,
-        )
         self.replicate_below_bytes = replicate_below_bytes
         self._preparations: dict[tuple, Prepared] = {}
         self._active: Prepared | None = None  # the preparation `step` uses: set by init / restore_state
         self._compiled = None  # (preparation, its compiled step), reused by `step`
+
+    # ---- the choices, as checked (`zerojax.functional.Setup`) ---------------------------------------
+
+    model = property(lambda self: self.setup.model)
+    tx = property(lambda self: self.setup.tx)
+    mesh = property(lambda self: self.setup.mesh)
+    stage = property(lambda self: self.setup.stage)
+    precision = property(lambda self: self.setup.precision)
+    options = property(lambda self: self.setup.options)
+    grad_accum = property(lambda self: self.setup.grad_accum)
+    offload = property(lambda self: self.setup.offload)
+
+    @property
+    def loss_fn(self) -> Callable:
+        return self.setup.loss_fn
+
+    @loss_fn.setter
+    def loss_fn(self, fn: Callable) -> None:
+        """A new loss: the steps prepared for the old one are dropped."""
+        self.setup = dataclasses.replace(self.setup, loss_fn=fn)
+        self._preparations.clear()
+        self._active = self._compiled = None
 
     # ---- preparation -----------------------------------------------------------------------------
 
