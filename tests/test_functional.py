@@ -84,6 +84,8 @@ def test_misuse_is_one_user_error():
     core = zj.shard(own_loop.Uneven, optax.adamw(1e-2), data[0], mesh=zj.make_mesh(fsdp=8), stage=3)
     with pytest.raises(zj.UserError, match="do not match"):
         core.init(jax.random.key(0), params={"hidden": {"kernel": np.zeros((13, 61))}})
+    with pytest.raises(zj.UserError, match="outside"):  # labels the 11 classes cannot hold
+        core.shard_batch({**data[0], "targets": np.full(16, 11, np.int32)})
     # a stage-0 state holds the logical (unpadded) params where stage 3 stores padded shards
     other = zj.shard(own_loop.Uneven, optax.adamw(1e-2), data[0], mesh=zj.make_mesh(fsdp=8), stage=0)
     with pytest.raises(zj.UserError, match=r"state leaf .* another model, stage or device count"):

@@ -155,7 +155,10 @@ class Sharded:
         return jax.jit(self.make_state, out_shardings=self.state_shardings)(key, inputs, params)
 
     def shard_batch(self, batch: dict) -> dict:
-        """A global batch as `jax.Array`s split over the batch axes; device arrays already so are kept."""
+        """A global batch as `jax.Array`s split over the batch axes; device arrays already so are kept.
+        Integer targets outside the output's classes are one `UserError` (read on the host)."""
+        if self.classes is not None:
+            checks.check_targets(batch, self.classes)
         return self.setup.shard_batch(batch)
 
     def abstract_state(self) -> TrainState:
@@ -215,6 +218,7 @@ def prepare(setup: Setup, key, batch: dict) -> Sharded:
     model_state_shapes = model_state_shapes if jax.tree.leaves(model_state_shapes) else None
     shardings, abstract = _state_shardings(setup, layout, model_state_shapes)
     static = _static(setup, key, inputs, static_shapes, layout)
+    classes = _check_model(setup, key, batch, (param_shapes, abstract.model_state or {}, static))
     accumulate = {"grad_accum": setup.grad_accum} if setup.grad_accum > 1 else {}
     built = setup.engine.build(
         layout,
@@ -250,7 +254,19 @@ def prepare(setup: Setup, key, batch: dict) -> Sharded:
             step, in_shardings=in_shardings, out_shardings=(shardings, layout.replicated), donate_argnums=0
         ),
         eval_fn=jax.jit(evaluate, static_argnums=2, in_shardings=in_shardings, out_shardings=layout.replicated),
+        classes=classes,
     )
+
+
+def _check_model(setup: Setup, key, batch: dict, args) -> int | None:
+    """The model and the loss on this batch's shapes, abstractly (`zerojax.checks`): the output's
+    classes where the default loss indexes them with integer targets."""
+
+    def run_model(params, model_state, static, inputs):
+        return setup.model.apply(params, model_state, static, inputs, rng=key, train=True)[0]
+
+    default = setup.loss_fn is cross_entropy
+    return checks.check_model_and_loss(run_model, args, setup.loss_fn, batch, default)
 
 
 def _checked(fn, abstract: TrainState):

@@ -128,21 +128,11 @@ class Trainer:
         if token not in self._preparations:
             if len(self._preparations) >= _KEEP_PREPARED:
                 self._preparations.pop(next(iter(self._preparations)))
-            prep = prepare(self.setup, key, batch)
-            self._preparations[token] = dataclasses.replace(prep, classes=self._check_model(prep, key, batch))
+            self._preparations[token] = prepare(self.setup, key, batch)
         prep = self._preparations[token]
         if prep.classes is not None:
             checks.check_targets(batch, prep.classes)
         return prep
-
-    def _check_model(self, prep: Prepared, key, batch: dict) -> int | None:
-        """The model and the loss on this batch's shapes, abstractly (`zerojax.checks`)."""
-
-        def run_model(params, model_state, static, inputs):
-            return self.model.apply(params, model_state, static, inputs, rng=key, train=True)[0]
-
-        args = (prep.param_shapes, prep.abstract.model_state or {}, prep.static)
-        return checks.check_model_and_loss(run_model, args, self.loss_fn, batch, self.loss_fn is cross_entropy)
 
     @property
     def prepared(self) -> Prepared:
