@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
 import optax
@@ -114,3 +116,25 @@ def test_checkpoints_and_load_params_take_the_functional_state(tmp_path):
     assert np.array_equal(
         other.init(jax.random.key(1), params=whole).params["out"]["kernel"][:61], whole["out"]["kernel"]
     )
+
+
+def test_fit_continues_a_functional_state(tmp_path):
+    """`zj.fit(trainer, ..., state=...)` takes up a state a `zj.shard` loop made, at its step, and
+    trains on as an uninterrupted `fit` of the same trainer does."""
+    data, mesh = own_loop.batches(4), zj.make_mesh(fsdp=8)
+    source = zj.ArraySource({k: np.concatenate([b[k] for b in data]) for k in data[0]}, batch_size=16)
+    core = zj.shard(own_loop.Uneven, optax.adamw(1e-2), data[0], mesh=mesh, stage=3)
+    state = core.init(jax.random.key(0))
+    state, _ = jax.jit(core.step, donate_argnums=0)(state, core.shard_batch(source.batch(0)))
+
+    def trainer():
+        return zj.Trainer(own_loop.Uneven, optax.adamw(1e-2), mesh=mesh, stage=3)
+
+    opts = {"steps": 3, "eval_every": 0, "checkpoint_every": 0}
+    taken_up = zj.fit(trainer(), source, str(tmp_path / "a"), state=state, **opts)
+    whole = zj.fit(trainer(), source, str(tmp_path / "b"), **opts)
+    assert taken_up["final_loss"] == whole["final_loss"]
+    with open(tmp_path / "a" / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == [2, 3]  # from the state's step on
+    with pytest.raises(zj.UserError, match="not both"):
+        zj.fit(trainer(), source, str(tmp_path / "c"), state=state, resume=True, **opts)

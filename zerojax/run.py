@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from zerojax import checkpoint, sources
-from zerojax.errors import Diverged, Preempted
+from zerojax.errors import Diverged, Preempted, UserError
 from zerojax.log import warn
 from zerojax.preempt import Preemption
 from zerojax.resume import check_checkpoint_matches, continue_metrics, step_to_resume
@@ -82,10 +82,16 @@ def _ckpt_dir(o: FitOptions, out_dir: str) -> str:
     return checkpoint.checkpoint_dir(o.checkpoint_dir, out_dir)
 
 
-def _start(trainer, source, o: FitOptions, ckpt_dir: str, resume: bool) -> tuple[TrainState, int]:
-    """(state, step): the latest complete checkpoint when resuming, else a fresh init."""
+def _start(trainer, source, o: FitOptions, ckpt_dir: str, resume: bool, state=None) -> tuple[TrainState, int]:
+    """(state, step): the given `state` (e.g. from `zj.shard`), the latest complete checkpoint when
+    resuming, else a fresh init."""
     sharding = trainer.batch_sharding
     key = jax.random.key(o.seed)
+    if state is not None:
+        if resume:
+            raise UserError("fit starts from a given state or resumes from a checkpoint, not both.")
+        step = int(jax.device_get(state.step))
+        return trainer.restore_state(state.saved(), key, sources.global_batch(source, step, sharding)), step
     step = step_to_resume(ckpt_dir, resume=resume, writes_checkpoints=bool(o.checkpoint_every))
     if step is None:
         return trainer.init(key, sources.global_batch(source, 0, sharding)), 0
@@ -108,10 +114,10 @@ class Start:
     compile_s: float
 
 
-def prepare(trainer, source, out_dir: str, options: FitOptions, *, resume: bool = False) -> Start:
+def prepare(trainer, source, out_dir: str, options: FitOptions, *, resume: bool = False, state=None) -> Start:
     """Init or restore, then compile: every bad-checkpoint error surfaces here, before any output."""
     t0 = time.perf_counter()
-    state, step = _start(trainer, source, options, _ckpt_dir(options, out_dir), resume)
+    state, step = _start(trainer, source, options, _ckpt_dir(options, out_dir), resume, state)
     trainer.compile(state, sources.global_batch(source, step, trainer.batch_sharding))
     if step >= options.steps:
         warn(f"the checkpoint is at step {step}, not before train.steps={options.steps}; nothing to train.")
@@ -232,6 +238,7 @@ def fit(
     resume: bool = False,
     on_step: Callable[[dict], None] | None = None,
     start: Start | None = None,
+    state: TrainState | None = None,
     **kwargs,
 ) -> dict:
     """Train `trainer` on batch source `source` up to `steps`; returns the summary also written to
@@ -241,6 +248,8 @@ def fit(
     checkpoint_every, checkpoint_keep, checkpoint_dir, seed, config, model), or pass `options`.
     `resume`: continue from the latest complete checkpoint and continue metrics.jsonl with it; without
     one, start from scratch with a warning. `start`: the result of `prepare`, when the caller ran it.
+    `state`: start from this state and its step instead (one a `zj.shard` loop made, laid out as
+    `trainer` lays it out).
     `fit(experiment, out_dir, ...)` runs a config's `Experiment`.
     """
     from zerojax.experiment import Experiment
@@ -255,7 +264,7 @@ def fit(
         from zerojax.report import compiling
 
         with compiling("the step"):
-            start = prepare(trainer, source, out_dir, o, resume=resume)
+            start = prepare(trainer, source, out_dir, o, resume=resume, state=state)
     run, history = _train(trainer, source, eval_source, o, out_dir, start, on_step)
     if not o.eval_every or o.steps % o.eval_every or not run.records:
         run.eval_loss = evaluate(trainer, eval_source, run.state, o.eval_batches)
