@@ -138,3 +138,6 @@ def test_fit_continues_a_functional_state(tmp_path):
         assert [json.loads(line)["step"] for line in f] == [2, 3]  # from the state's step on
     with pytest.raises(zj.UserError, match="not both"):
         zj.fit(trainer(), source, str(tmp_path / "c"), state=state, resume=True, **opts)
+    stage_0 = zj.shard(own_loop.Uneven, optax.adamw(1e-2), data[0], mesh=mesh, stage=0).init(jax.random.key(0))
+    with pytest.raises(zj.UserError, match=r"is \[13, 61\], but this step stores it as \[13, 64\]"):
+        zj.fit(trainer(), source, str(tmp_path / "d"), state=stage_0, **opts)

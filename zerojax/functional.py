@@ -167,7 +167,9 @@ class Sharded:
         return self.abstract.replace(compute=None)
 
     def restore_state(self, saved: dict) -> TrainState:
-        """The full train state from restored groups: the compute copy derived again from the master."""
+        """The full train state from restored groups: the compute copy derived again from the master.
+        Groups laid out for another model, stage or device count are one `UserError`."""
+        _check_layout(saved, self.abstract_state().saved())
         state = TrainState.from_saved(saved)
         if not self.layout.keeps_compute_copy:
             return state
@@ -275,18 +277,24 @@ def _checked(fn, abstract: TrainState):
     `UserError` naming the first leaf that differs)."""
 
     def run(state, *rest):
-        want = abstract.replace(compute=state.compute if abstract.compute is None else abstract.compute)
-        if not isinstance(state, TrainState) or jax.tree.structure(state) != jax.tree.structure(want):
+        if not isinstance(state, TrainState):
             raise UserError("this state was not made for this model and optimizer: init it from the same zj.shard.")
-        for (path, got), need in zip(jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(want)):
-            if tuple(got.shape) != tuple(need.shape):
-                raise UserError(
-                    f"state leaf {jax.tree_util.keystr(path)} is {list(got.shape)}, but this step stores it as "
-                    f"{list(need.shape)}: the state was made for another model, stage or device count."
-                )
+        _check_layout(state, abstract.replace(compute=state.compute if abstract.compute is None else abstract.compute))
         return fn(state, *rest)
 
     return run
+
+
+def _check_layout(state, want) -> None:
+    """`state` (a TrainState or its saved groups) has `want`'s structure and stored shapes."""
+    if jax.tree.structure(state) != jax.tree.structure(want):
+        raise UserError("this state was not made for this model and optimizer: init it from the same zj.shard.")
+    for (path, got), need in zip(jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(want)):
+        if tuple(got.shape) != tuple(need.shape):
+            raise UserError(
+                f"state leaf {jax.tree_util.keystr(path)} is {list(got.shape)}, but this step stores it as "
+                f"{list(need.shape)}: the state was made for another model, stage or device count."
+            )
 
 
 def _state_shardings(setup: Setup, layout: StateLayout, model_state_shapes):
