@@ -6,9 +6,10 @@
     state = trainer.init(jax.random.key(0), batch)
     state, metrics = trainer.step(state, batch)
 
-Everything built for one (input shape and dtype, key) is one frozen `Prepared`: the layout, the
-shardings, the model's static state and the jitted step and eval functions. `prepare` builds it once
-and reuses it; `init` and `restore_state` make it the one `step`, `evaluate` and `compile` use.
+Everything built for one (input shape and dtype, key) is one frozen `zerojax.functional.Sharded`:
+the layout, the shardings, the model's static state and the step and eval functions, pure and
+jitted. `prepare` builds it once and reuses it; `init` and `restore_state` make it the one `step`,
+`evaluate` and `compile` use.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from zerojax.layout import StateLayout
 from zerojax.state import TrainState
 
 _KEEP_PREPARED = 4  # preparations kept for reuse (one per input shape and key)
-Prepared = Sharded  # what `Trainer.prepare` returns: `zerojax.functional.Sharded`
 
 
 class Trainer:
@@ -77,9 +77,8 @@ class Trainer:
             offload=offload,
         )
         self.setup, self.engine = setup, engine
-        self.replicate_below_bytes = replicate_below_bytes
-        self._preparations: dict[tuple, Prepared] = {}
-        self._active: Prepared | None = None  # the preparation `step` uses: set by init / restore_state
+        self._preparations: dict[tuple, Sharded] = {}
+        self._active: Sharded | None = None  # the preparation `step` uses: set by init / restore_state
         self._compiled = None  # (preparation, its compiled step), reused by `step`
 
     # ---- the choices, as checked (`zerojax.functional.Setup`) ---------------------------------------
@@ -92,6 +91,7 @@ class Trainer:
     options = property(lambda self: self.setup.options)
     grad_accum = property(lambda self: self.setup.grad_accum)
     offload = property(lambda self: self.setup.offload)
+    replicate_below_bytes = property(lambda self: self.setup.replicate_below_bytes)
 
     @property
     def loss_fn(self) -> Callable:
@@ -117,7 +117,7 @@ class Trainer:
         if self._active is not None and self._active.classes is not None:
             checks.check_targets(batch, self._active.classes)
 
-    def prepare(self, key, batch: dict) -> Prepared:
+    def prepare(self, key, batch: dict) -> Sharded:
         """The preparation for this batch's input shape and `key`: built on first use, then reused.
 
         Builds no state and changes nothing `step` uses (that is `init`'s and `restore_state`'s job).
@@ -135,7 +135,7 @@ class Trainer:
         return prep
 
     @property
-    def prepared(self) -> Prepared:
+    def prepared(self) -> Sharded:
         """The preparation the last `init` or `restore_state` made current."""
         if self._active is None:
             raise RuntimeError("call trainer.init(key, batch) before compile, step or evaluate")
@@ -157,7 +157,7 @@ class Trainer:
         """How the current step materialises the compute params."""
         return self.prepared.report
 
-    def _activate(self, prep: Prepared) -> None:
+    def _activate(self, prep: Sharded) -> None:
         if self._active is not prep:
             self._active, self._compiled = prep, None
 
@@ -208,7 +208,7 @@ class Trainer:
         self._compiled = (prep, compiled)
         return compiled
 
-    def _check_inputs(self, prep: Prepared, batch: dict) -> None:
+    def _check_inputs(self, prep: Sharded, batch: dict) -> None:
         x = batch["inputs"]
         if tuple(x.shape) != tuple(prep.inputs.shape) or x.dtype != prep.inputs.dtype:
             raise UserError(

@@ -8,8 +8,8 @@ An engine that lists "grad_accum" in its `SUPPORTS` also takes `grad_accum=k` (k
 per step (see `zerojax.engines.accum`).
 
 `grads` and `update` are pure, and so is their composition `step(state, batch) -> (state, metrics)`
-(the trainer jits it); `report` says how the
-compute params are materialised, decided when the step is built. `options` is one `EngineOptions`;
+(the trainer jits it); `report` says how the compute params are materialised, decided when the step
+is built. `options` is one `EngineOptions`;
 an engine names the options it supports (`Engine.supports`), and any other option set away from its
 default is a `UserError` naming the engine. A new engine is a module with a `build` function and
 its entry in `_BUILTIN` (or a `register` call).
