@@ -1,7 +1,7 @@
 """Models annotated the way Flax's sharding guides write them (`nnx.with_partitioning`,
 `nn.with_logical_partitioning`) train at every stage: the names are metadata zerojax lays out itself,
-so the model needs no mesh context to be built. A mesh whose `tensor` axis zerojax does not use is
-refused, never trained with devices repeating each other's work."""
+so the model needs no mesh context to be built (tensor parallelism over the same names:
+tests/test_tensor_parallel.py)."""
 
 from __future__ import annotations
 
@@ -66,9 +66,3 @@ def test_an_annotated_model_trains_at_stage_3_like_stage_0(kind, engine):
     reference = _losses(kind, 0, "gspmd")
     np.testing.assert_allclose(_losses(kind, 3, engine), reference, rtol=1e-5, atol=0)
     assert reference[1] < reference[0]
-
-
-def test_a_tensor_axis_is_refused_in_one_line():
-    mesh = zj.make_mesh(fsdp=4, tensor=2)
-    with pytest.raises(zj.UserError, match="tensor axis has 2 devices.*repeat each other's work"):
-        zj.Trainer(AnnotatedNNX, optax.adamw(1e-2), mesh=mesh, stage=3)

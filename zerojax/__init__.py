@@ -26,6 +26,9 @@ _EXPORTS = {
     "ArraySource": "zerojax.sources",
     "IterableSource": "zerojax.sources",
     "Stacked": "zerojax.stacked",
+    "DEFAULT_AXIS_RULES": "zerojax.axis_rules",
+    "SEQUENCE_PARALLEL_RULES": "zerojax.activations",
+    "with_logical_constraint": "zerojax.activations",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -53,6 +53,38 @@ class FunctionalModel:
     # stacks: Linen `nn.scan` / `nn.vmap`, NNX `nnx.vmap`-built modules run through `nnx.scan` or
     # `nnx.vmap` (found by tracing: inside the transform, their modules see one layer's params)
     lifted_stacks: Callable[[Any, Any, Any, Any], tuple] | None = None
+    # (key, abstract inputs) -> {param path "a/b/kernel": its logical axis names} for the leaves the
+    # model annotates (`nnx.with_partitioning`, `nn.with_logical_partitioning`; see `zerojax.axis_rules`)
+    axis_names: Callable[[Any, Any], dict] | None = None
+
+
+# The metadata key under which each Flax version keeps an NNX variable's axis names.
+_NNX_NAME_KEYS = ("out_sharding", "sharding_names", "sharding")
+
+
+def _nnx_axis_names(abstract: nnx.Module, key=None, inputs=None) -> dict:
+    del key, inputs  # an NNX module's variables carry their metadata from construction
+    names = {}
+    for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
+        meta = var.get_metadata()
+        found = next((meta[k] for k in _NNX_NAME_KEYS if meta.get(k)), None)
+        if found:
+            names["/".join(str(k) for k in path)] = tuple(found)
+    return names
+
+
+def _linen_axis_names(module, rng_streams, mode, key, inputs) -> dict:
+    boxed = jax.eval_shape(
+        lambda k, x: module.init({"params": k, **{s: k for s in rng_streams}}, x, **mode(False)), key, inputs
+    )
+    flat = jax.tree_util.tree_flatten_with_path(
+        boxed.get("params", {}), is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata)
+    )[0]
+    return {
+        "/".join(str(getattr(k, "key", k)) for k in path): tuple(leaf.names)
+        for path, leaf in flat
+        if isinstance(leaf, nn.Partitioned)  # LogicallyPartitioned is one too
+    }
 
 
 def _takes(fn, name: str) -> bool:
@@ -144,6 +176,7 @@ def _nnx_functions(make: Callable[[Any], nnx.Module] | None, concrete: nnx.Modul
         stacks=stacks,
         declared_stacks=declared,
         lifted_stacks=None if hooked or stacks else functools.partial(_nnx_lifted_stacks, apply),
+        axis_names=functools.partial(_nnx_axis_names, abstract),
     )
 
 
@@ -242,6 +275,7 @@ def _linen_functions(module: nn.Module, rng_streams: tuple[str, ...]) -> Functio
         unit_around=wrap_linen.linen_around,
         sync_batch_stats=lambda m, axes: _linen_sync(axes),
         lifted_stacks=lambda params, model_state, static, inputs: structure(params, model_state, inputs)[1],
+        axis_names=functools.partial(_linen_axis_names, module, rng_streams, mode),
     )
 
 

@@ -67,7 +67,10 @@ class ZeroConfig(_Section):
 
 class MeshConfig(_Section):
     data: Int = 1
-    fsdp: Int | None = None  # default: every device not on `data`
+    fsdp: Int | None = None  # default: every device not on `data` or `tensor`
+    tensor: Int = 1  # tensor parallelism: the parameter dimensions `rules` map to it (docs/parallelism.md)
+    # logical axis name -> "tensor", "fsdp" or null; default: vocab, heads, kv_heads and mlp on tensor
+    rules: dict[str, str | None] | None = None
 
 
 class OptimizerConfig(_Section):
@@ -225,6 +228,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
 
 def validate(c: Config) -> None:
     """The rules beyond each key's own type and bounds, each asked of the module that owns it."""
+    from zerojax.axis_rules import as_rules
     from zerojax.engines import ENGINES, check_name
     from zerojax.engines.accum import check_accum_batch
     from zerojax.mesh import check_batch, check_sizes
@@ -238,7 +242,8 @@ def validate(c: Config) -> None:
     check_mode(c.zero.offload)
     check_name(c.zero.engine, ENGINES)  # a config names a built-in engine
     get_optimizer(c.optimizer.name)
-    check_sizes(c.mesh.data, c.mesh.fsdp)
+    check_sizes(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
+    as_rules(c.mesh.rules)
     if c.model.kwargs and not c.model.target:
         raise UserError(
             "model.kwargs needs a model.target to pass them to; the shipped GPT takes model.preset, "

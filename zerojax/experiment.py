@@ -75,7 +75,7 @@ def build_data(c: Config, gpt: GPTConfig | None) -> tuple[Any, Any | None]:
 
 def build_experiment(c: Config, devices=None) -> Experiment:
     model, gpt, meta = build_model(c)
-    mesh = make_mesh(c.mesh.data, c.mesh.fsdp, devices=devices)
+    mesh = make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor, devices=devices)
     check_batch(c.train.batch_size, data_parallel_size(mesh))
     check_accum_batch(c.train.batch_size, data_parallel_size(mesh), c.train.grad_accum)
     train_data, eval_data = build_data(c, gpt)
@@ -104,5 +104,6 @@ def build_experiment(c: Config, devices=None) -> Experiment:
         ),
         grad_accum=c.train.grad_accum,
         offload=c.zero.offload,
+        axis_rules=c.mesh.rules,
     )
     return Experiment(c, gpt, trainer, train_data, eval_data, meta)

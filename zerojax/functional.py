@@ -25,6 +25,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zerojax import axis_rules as axis_rules_lib
 from zerojax import checks, offload_modes
 from zerojax import offload as offload_lib
 from zerojax.adapt import FunctionalModel, functional
@@ -33,7 +34,7 @@ from zerojax.engines.accum import check_accum_batch, check_grad_accum
 from zerojax.engines.common import compute_params, cross_entropy, global_loss, stack_paths
 from zerojax.errors import UserError
 from zerojax.layout import StateLayout, make_layout
-from zerojax.mesh import BATCH_AXES, check_batch, check_trainable, data_parallel_size, make_mesh
+from zerojax.mesh import BATCH_AXES, check_batch, check_tensor_used, check_trainable, data_parallel_size, make_mesh
 from zerojax.optim import pads_exactly
 from zerojax.precision import Precision, get_precision
 from zerojax.stages import Stage, get_stage
@@ -57,6 +58,7 @@ class Setup:
     grad_accum: int
     offload: str
     replicate_below_bytes: int
+    axis_rules: dict  # logical axis name -> mesh axis (`zerojax.axis_rules`)
 
     @classmethod
     def of(
@@ -75,6 +77,7 @@ class Setup:
         rng_streams: tuple[str, ...] = ("dropout",),
         grad_accum: int = 1,
         offload: str = "none",
+        axis_rules=None,
     ) -> Setup:
         built, options = get_engine(engine), EngineOptions.of(engine_options)
         built.check(options)
@@ -83,7 +86,7 @@ class Setup:
             raise UserError(f"the {engine} engine does not support gradient accumulation (train.grad_accum).")
         offload = offload_modes.check_mode(offload)
         mesh = mesh if mesh is not None else make_mesh()
-        check_trainable(mesh)
+        check_trainable(mesh, built.supports)
         offload_lib.check_backend(offload, mesh.devices.flat)
         return cls(
             functional(model, rng_streams),
@@ -97,6 +100,7 @@ class Setup:
             grad_accum,
             offload,
             replicate_below_bytes,
+            axis_rules_lib.as_rules(axis_rules),
         )
 
     @property
@@ -216,7 +220,10 @@ def prepare(setup: Setup, key, batch: dict) -> Sharded:
         stack_paths=_stacks(setup, param_shapes, model_state_shapes, static_shapes, inputs),
         offload=setup.offload,
         hierarchical=setup.options.hierarchical,
+        axis_names=model.axis_names(key, inputs) if model.axis_names else None,
+        axis_rules=setup.axis_rules,
     )
+    check_tensor_used(layout)
     model_state_shapes = model_state_shapes if jax.tree.leaves(model_state_shapes) else None
     shardings, abstract = _state_shardings(setup, layout, model_state_shapes)
     static = _static(setup, key, inputs, static_shapes, layout)

@@ -6,6 +6,7 @@ padded shape; a replicated group in their logical shape.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,11 +17,12 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zerojax import axis_rules as axis_rules_lib
 from zerojax import offload as offload_lib
 from zerojax import offload_modes
 from zerojax.precision import Precision, cast_tree
 from zerojax.stacked import under
-from zerojax.stages import FSDP_AXIS, LeafLayout, Stage, fit_to, leaf_layout, path_str
+from zerojax.stages import FSDP_AXIS, TENSOR_AXIS, LeafLayout, Stage, fit_to, leaf_layout, path_str
 from zerojax.state import TrainState
 
 _is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
@@ -39,6 +41,10 @@ class StateLayout:
     offload: str = "none"
     # param paths whose leaves stack layers on axis 0, kept whole (`make_layout`'s `stack_paths`)
     stacks: tuple = ()
+    # the model's logical axis names that no rule maps and no mesh axis is: free for FSDP
+    unmapped_names: tuple = ()
+    # logical axis name -> mesh axis, for parameters and activations (`zerojax.activations`)
+    axis_rules: Any = None
 
     @property
     def fsdp_size(self) -> int:
@@ -195,6 +201,14 @@ class StateLayout:
         return cast_tree(self.to_layout(params, sharded=False), self.precision.compute_dtype)
 
 
+def _unpadded(leaf: LeafLayout) -> LeafLayout:
+    """A padded leaf as a non-elementwise optimizer keeps it: whole over fsdp (its tensor split kept)."""
+    if not leaf.padded:
+        return leaf
+    reason = "replicated in the optimizer: padding would change a non-elementwise update"
+    return dataclasses.replace(leaf, padded_shape=leaf.shape, axis=None, reason=reason)
+
+
 def make_layout(
     mesh,
     stage: Stage,
@@ -206,48 +220,46 @@ def make_layout(
     stack_paths: tuple = (),
     offload: str = "none",
     hierarchical: bool = False,
+    axis_names: dict | None = None,
+    axis_rules: dict | None = None,
 ) -> StateLayout:
     """One `LeafLayout` per parameter; leaves under one of the `stack_paths` (the param paths of the
     model's layer stacks: `zj.Stacked`, or what a model taking `layer_hook` declares) keep axis 0 whole.
 
     `pad_free_optimizer`: the optimizer group keeps padded leaves replicated in their logical shape
     (for an optimizer whose update is not elementwise, which the zero padding would change).
+    `axis_names` ({param path: logical names}) and `axis_rules` (`zerojax.axis_rules`) choose each
+    leaf's tensor-parallel dimension, and a dimension the model gives to `fsdp` itself.
     """
+    rules = axis_rules_lib.as_rules(axis_rules)
+    tensor = dict(mesh.shape).get(TENSOR_AXIS, 1)
     fsdp = mesh.shape[FSDP_AXIS]
     over = (FSDP_AXIS, "data") if hierarchical else (FSDP_AXIS,)  # hpZ: state sharded over fsdp x data
     fsdp *= mesh.shape["data"] if hierarchical else 1
 
     def rule(path, leaf):
         name = path_str(path)
-        keys = tuple(getattr(k, "key", k) for k in path)
-        stacked = under(keys, stack_paths)
-        itemsize = np.dtype(precision.master_dtype).itemsize
+        stacked = under(tuple(getattr(k, "key", k) for k in path), stack_paths)
+        tensor_axis, fsdp_axis = axis_rules_lib.dims(name, (axis_names or {}).get(name), leaf.shape, rules, tensor)
         return leaf_layout(
             name,
             leaf.shape,
-            itemsize,
+            np.dtype(precision.master_dtype).itemsize,
             fsdp,
             layer_axis=0 if stacked else None,
             replicate_below_bytes=replicate_below_bytes,
             over=over,
+            tensor_axis=tensor_axis,
+            tensor_size=tensor,
+            fsdp_axis=fsdp_axis,
         )
 
     leaves = jax.tree_util.tree_map_with_path(rule, param_shapes)
     opt_leaves = None
     if pad_free_optimizer and stage.optimizer and any(l.padded for l in jax.tree.leaves(leaves, is_leaf=_is_layout)):
-        opt_leaves = jax.tree.map(
-            lambda l: (
-                LeafLayout(
-                    l.path,
-                    l.shape,
-                    l.shape,
-                    None,
-                    "replicated in the optimizer: padding would change a non-elementwise update",
-                )
-                if l.padded
-                else l
-            ),
-            leaves,
-            is_leaf=_is_layout,
-        )
-    return StateLayout(mesh, stage, precision, leaves, opt_leaves, offload, tuple(stack_paths))
+        opt_leaves = jax.tree.map(_unpadded, leaves, is_leaf=_is_layout)
+    names = [n for ns in (axis_names or {}).values() for n in ns]
+    unmapped = tuple(axis_rules_lib.unmapped(names, rules))
+    return StateLayout(
+        mesh, stage, precision, leaves, opt_leaves, offload, tuple(stack_paths), unmapped, axis_rules=rules
+    )

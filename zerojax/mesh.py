@@ -1,5 +1,6 @@
 """Device mesh with the axes `data` (pure replicas), `fsdp` (the axis ZeRO shards over) and `tensor`
-(size 1 until tensor parallelism exists; the config has no key for it). Owns the mesh-size and
+(Megatron-style tensor parallelism: the parameter dimensions the axis rules map to it, see
+`zerojax.axis_rules`). Owns the mesh-size and
 batch-divisibility rules."""
 
 from __future__ import annotations
@@ -71,15 +72,35 @@ def make_mesh(data: int = 1, fsdp: int | None = None, tensor: int = 1, *, device
     return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
-def check_trainable(mesh) -> None:
-    """A mesh zerojax can train on: its `tensor` axis of size 1, since nothing is sharded over it yet
-    (devices along it would repeat each other's work)."""
+def check_trainable(mesh, supports=("tensor",)) -> None:
+    """A mesh the chosen engine can train on: one whose `tensor` axis it shards over (its `supports`)."""
     tensor = dict(mesh.shape).get("tensor", 1)
-    if tensor > 1:
+    if tensor > 1 and "tensor" not in supports:
         raise UserError(
-            f"the mesh's tensor axis has {tensor} devices, but zerojax does not shard over it yet: they "
-            "would repeat each other's work; put those devices on fsdp or data (tensor=1)."
+            f"the mesh's tensor axis has {tensor} devices, but this engine does not shard over it: they "
+            "would repeat each other's work; use engine gspmd, or put those devices on fsdp or data (tensor=1)."
         )
+
+
+def check_tensor_used(layout) -> None:
+    """A `tensor` axis over which some parameter is split: otherwise its devices would repeat each
+    other's work (a model without axis names, or names no rule maps to `tensor`)."""
+    tensor = dict(layout.mesh.shape).get("tensor", 1)
+    leaves = [l for l in jax_leaves(layout.leaves) if l.tensor_axis is not None]
+    if tensor > 1 and not leaves:
+        raise UserError(
+            f"the mesh's tensor axis has {tensor} devices, but no parameter of this model is mapped to it "
+            "(name its dimensions with nnx.with_partitioning / nn.with_logical_partitioning and map a name "
+            "to tensor in the axis rules), so they would repeat each other's work; use tensor=1."
+        )
+
+
+def jax_leaves(layouts) -> list:
+    import jax
+
+    from zerojax.stages import LeafLayout
+
+    return jax.tree.leaves(layouts, is_leaf=lambda x: isinstance(x, LeafLayout))
 
 
 def data_parallel_size(mesh) -> int:

@@ -15,6 +15,7 @@ import numpy as np
 from zerojax.errors import UserError
 
 FSDP_AXIS = "fsdp"
+TENSOR_AXIS = "tensor"
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,10 @@ class LeafLayout:
     # the mesh axes `axis` is split over, major first: ("fsdp",), or ("fsdp", "data") for hpZ's
     # primary partition (`zero.hierarchical`)
     over: tuple[str, ...] = (FSDP_AXIS,)
+    # tensor parallelism: the array axis split over the mesh's `tensor` axis in *every* group (it is
+    # model parallelism, not ZeRO: no stage gathers it), and that axis's size
+    tensor_axis: int | None = None
+    tensor_size: int = 1
 
     @property
     def padded(self) -> bool:
@@ -97,14 +102,24 @@ class LeafLayout:
     def one_layer(self) -> LeafLayout:
         """One layer of a stacked leaf (its layer axis 0 is never sharded): what a scan body sees."""
         axis = None if self.axis is None else self.axis - 1
-        return dataclasses.replace(self, shape=self.shape[1:], padded_shape=self.padded_shape[1:], axis=axis)
+        tensor_axis = None if self.tensor_axis is None else self.tensor_axis - 1
+        return dataclasses.replace(
+            self, shape=self.shape[1:], padded_shape=self.padded_shape[1:], axis=axis, tensor_axis=tensor_axis
+        )
 
     def spec(self, sharded: bool):
+        """The leaf's `PartitionSpec` in a sharded (or replicated) group: `fsdp` on `axis` only where
+        sharded, `tensor` on `tensor_axis` always. Trailing unsplit axes are left out."""
         from jax.sharding import PartitionSpec as P
 
-        if not sharded or self.axis is None:
-            return P()
-        return P(*([None] * self.axis + [self.over[0] if len(self.over) == 1 else self.over]))
+        entries: list = [None] * len(self.shape)
+        if self.tensor_axis is not None:
+            entries[self.tensor_axis] = TENSOR_AXIS
+        if sharded and self.axis is not None:
+            entries[self.axis] = self.over[0] if len(self.over) == 1 else self.over
+        while entries and entries[-1] is None:
+            entries.pop()
+        return P(*entries)
 
 
 def leaf_layout(
@@ -116,24 +131,36 @@ def leaf_layout(
     layer_axis: int | None = None,
     replicate_below_bytes: int = 2048,
     over: tuple[str, ...] = (FSDP_AXIS,),
+    tensor_axis: int | None = None,
+    tensor_size: int = 1,
+    fsdp_axis: int | None = None,
 ) -> LeafLayout:
     """Shard the largest dimension divisible by `fsdp_size`; else pad the largest one.
 
     Only leaves under `replicate_below_bytes` that no dimension divides stay replicated: padding them
     would save nothing worth a collective. The layer axis of a stacked scan is never split, since
     the scan slices it one layer at a time. `fsdp_size` is the number of shards: the product of the
-    sizes of the mesh axes in `over`.
+    sizes of the mesh axes in `over`. `tensor_axis` (split over `tensor_size` devices by the axis
+    rules) is not free for FSDP; `fsdp_axis`, a dimension the model itself names `fsdp`, is tried first.
     """
-    leaf = _leaf_layout(path, shape, itemsize, fsdp_size, layer_axis, replicate_below_bytes)
+    skip = {layer_axis, tensor_axis}
+    leaf = _leaf_layout(path, shape, itemsize, fsdp_size, skip, replicate_below_bytes, fsdp_axis)
+    if tensor_axis is not None:
+        leaf = dataclasses.replace(
+            leaf,
+            tensor_axis=tensor_axis,
+            tensor_size=tensor_size,
+            reason=f"{leaf.reason}; tensor on axis {tensor_axis}",
+        )
     return leaf if over == (FSDP_AXIS,) else dataclasses.replace(leaf, over=tuple(over))
 
 
-def _leaf_layout(path, shape, itemsize, fsdp_size, layer_axis, replicate_below_bytes) -> LeafLayout:
+def _leaf_layout(path, shape, itemsize, fsdp_size, skip, replicate_below_bytes, first) -> LeafLayout:
     shape = tuple(int(d) for d in shape)
-    candidates = [i for i in range(len(shape)) if i != layer_axis and shape[i] > 0]
+    candidates = [i for i in range(len(shape)) if i not in skip and shape[i] > 0]
     if not candidates:
         return LeafLayout(path, shape, shape, None, "replicated: no dimension to shard")
-    by_size = sorted(candidates, key=lambda i: (-shape[i], i))
+    by_size = sorted(candidates, key=lambda i: (i != first, -shape[i], i))
     for i in by_size:
         if shape[i] % fsdp_size == 0:
             return LeafLayout(path, shape, shape, i, f"sharded on axis {i}")
@@ -195,6 +222,7 @@ def describe(layouts) -> list[dict]:
 
 def shard_numel(layout: LeafLayout, sharded: bool, fsdp_size: int) -> int:
     """Elements one device holds of this leaf when its group is (or is not) sharded."""
+    tensor = layout.tensor_size if layout.tensor_axis is not None else 1
     if not sharded or layout.axis is None:
-        return int(np.prod(layout.shape))
-    return int(np.prod(layout.padded_shape)) // fsdp_size
+        return int(np.prod(layout.shape)) // tensor
+    return int(np.prod(layout.padded_shape)) // (fsdp_size * tensor)

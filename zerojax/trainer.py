@@ -51,6 +51,7 @@ class Trainer:
         rng_streams: tuple[str, ...] = ("dropout",),
         grad_accum: int = 1,
         offload: str = "none",
+        axis_rules=None,
     ):
         # what `verify` builds its stage-0 reference from
         self.arguments = {
@@ -60,6 +61,7 @@ class Trainer:
             "reduce_dtype": reduce_dtype,
             "replicate_below_bytes": replicate_below_bytes,
             "rng_streams": tuple(rng_streams),
+            "axis_rules": axis_rules,
         }
         setup = Setup.of(
             model,
@@ -75,6 +77,7 @@ class Trainer:
             rng_streams=rng_streams,
             grad_accum=grad_accum,
             offload=offload,
+            axis_rules=axis_rules,
         )
         self.setup, self.engine = setup, engine
         self._preparations: dict[tuple, Sharded] = {}

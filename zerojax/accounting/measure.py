@@ -21,7 +21,7 @@ import jax
 from zerojax.accounting import analytic, zeropp
 from zerojax.accounting.activations import GPTShape, gathered_weights_kept, gpt_activation_bytes
 from zerojax.accounting.hlo import collective_bytes, compile_partitioned
-from zerojax.accounting.params import count_params
+from zerojax.accounting.params import count_params, tensor_local_params
 from zerojax.accounting.placed_bytes import compiled_argument_bytes, split_bytes
 from zerojax.engines.common import global_loss
 from zerojax.mesh import data_parallel_size
@@ -153,7 +153,13 @@ def ideal(
     """The analytic figures for what `trainer` keeps and moves (over its fsdp axis; replicas on `data`
     are not modelled, except with ZeRO++'s options, `accounting.zeropp`, where every axis is);
     activations need the model's shape."""
-    psi, p, stage, prec = param_count(trainer), trainer.layout.fsdp_size, trainer.stage.index, trainer.precision
+    # a tensor axis: each device holds, and FSDP moves, one tensor-parallel slice of the model
+    psi, p, stage, prec = (
+        tensor_local_params(trainer.layout.leaves),
+        trainer.layout.fsdp_size,
+        trainer.stage.index,
+        trainer.precision,
+    )
     kept = analytic.kept_state_bytes(psi, p, stage, prec, get_optimizer(optimizer))
     k, reshard = trainer.grad_accum, trainer.options.reshard_after_forward
     traffic = analytic.traffic_bytes(psi, p, stage, prec.param_bytes, prec.reduce_bytes, k, reshard)

@@ -14,6 +14,15 @@ def count_params(tree) -> int:
     return int(sum(math.prod(leaf.shape) for leaf in leaves))
 
 
+def tensor_local_params(layouts) -> int:
+    """Elements of one tensor-parallel slice of the model: each leaf split over `tensor` counts
+    1/tensor of its elements. FSDP shards this slice (`LeafLayout`s in, as `count_params`)."""
+    import jax
+
+    leaves = jax.tree.leaves(layouts, is_leaf=lambda x: hasattr(x, "tensor_axis"))
+    return int(sum(math.prod(l.shape) // (l.tensor_size if l.tensor_axis is not None else 1) for l in leaves))
+
+
 def gpt_params(gpt) -> int:
     """Parameters of the shipped GPT with config `gpt`, counted on `jax.eval_shape` of its init:
     nothing is allocated."""

@@ -89,6 +89,9 @@ def layout_report(c) -> dict:
         "engine": trainer.engine,
         "mesh": {k: int(v) for k, v in layout.mesh.shape.items()},
         "fsdp": layout.fsdp_size,
+        "tensor": int(dict(layout.mesh.shape).get("tensor", 1)),
+        # logical axis names no rule maps and no mesh axis is: free for FSDP (`zerojax.axis_rules`)
+        "unmapped_axis_names": list(layout.unmapped_names),
         "params": count_params(layout.leaves),
         "groups_sharded": dict(
             zip(GROUPS, (layout.compute_sharded, layout.master_sharded, layout.optimizer_sharded, layout.grads_sharded))
@@ -133,7 +136,9 @@ def _leaf_row(layout, name: str, l, m, opt: list) -> dict:
 
     prec = layout.precision
     if layout.keeps_compute_copy:
-        compute_spec, compute_bytes, compute_note = "()", math.prod(l.shape) * prec.param_bytes, "kept"
+        tensor = l.tensor_size if l.tensor_axis is not None else 1
+        compute_spec = _spec(NamedSharding(layout.mesh, l.spec(False)))
+        compute_bytes, compute_note = math.prod(l.shape) * prec.param_bytes // tensor, "kept"
     elif layout.compute_sharded and prec.separate_compute_copy:
         compute_spec, compute_bytes, compute_note = _spec(m.sharding), 0, "cast from the shard and gathered per use"
     else:
@@ -151,6 +156,7 @@ def _leaf_row(layout, name: str, l, m, opt: list) -> dict:
         "shape": list(l.shape),
         "stored_shape": list(m.shape),
         "status": status,
+        "tensor_axis": l.tensor_axis,  # the dimension split over the mesh's tensor axis in every group
         "reason": l.reason,
         "spec": {
             "compute_params": compute_spec,
@@ -171,7 +177,8 @@ def print_report(r: dict) -> None:
 
     sharded = ", ".join(g for g, on in r["groups_sharded"].items() if on) or "nothing"
     table = Table(
-        title=f"zerojax inspect: stage {r['stage']}, {r['precision']}, {r['params']:,} params, fsdp={r['fsdp']} "
+        title=f"zerojax inspect: stage {r['stage']}, {r['precision']}, {r['params']:,} params, fsdp={r['fsdp']}, "
+        f"tensor={r['tensor']} "
         f"(mesh {r['mesh']}); sharded groups: {sharded}",
         caption="PartitionSpec per group; bytes = what one device keeps between steps (compute copy + fp32 master "
         "+ optimizer state). Gradients live only inside the step.",
@@ -181,7 +188,7 @@ def print_report(r: dict) -> None:
     for leaf in r["leaves"]:
         s = leaf["spec"]
         stored = "" if leaf["stored_shape"] == leaf["shape"] else str(tuple(leaf["stored_shape"]))
-        why = leaf["reason"] if leaf["status"] != "sharded" else ""
+        why = leaf["reason"] if leaf["status"] != "sharded" or leaf["tensor_axis"] is not None else ""
         table.add_row(
             leaf["path"],
             str(tuple(leaf["shape"])),
@@ -205,3 +212,6 @@ def print_report(r: dict) -> None:
     console.print(f"replicated leaves: {len(replicated)}" + (f" ({', '.join(replicated)})" if replicated else ""))
     console.print(f"padded leaves: {len(padded)}" + (f" ({', '.join(padded)})" if padded else ""))
     console.print(f"gathers: {r['gathers']}")
+    if r["unmapped_axis_names"]:
+        names = ", ".join(r["unmapped_axis_names"])
+        console.print(f"axis names no rule maps (free for FSDP): {names}")

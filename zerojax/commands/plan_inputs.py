@@ -65,6 +65,11 @@ def counted_model(c, args: argparse.Namespace) -> dict:
 def sharding_devices(c, args: argparse.Namespace) -> int:
     """The devices the state is sharded over: `--devices` less the config's replicas, else mesh.fsdp."""
     replicas = c.mesh.data
+    if c.mesh.tensor > 1:
+        raise UserError(
+            f"the planner models data x fsdp meshes only; mesh.tensor={c.mesh.tensor} is not planned "
+            "(docs/parallelism.md measures what tensor parallelism moves)."
+        )
     if args.devices is not None:
         if args.devices % replicas:
             raise UserError(f"--devices {args.devices} is not divisible by mesh.data = {replicas}.")

@@ -18,6 +18,15 @@ from zerojax.engines import quantize
 from zerojax.stages import FSDP_AXIS, LeafLayout, Stage, fit_to, join_shards
 
 
+def keep_tensor_split(value, leaf: LeafLayout):
+    """A whole (over the manual axes) leaf, still split over the automatic `tensor` axis: the
+    partitioner then splits the matmuls that read it (Megatron) instead of gathering it."""
+    if leaf.tensor_axis is None:
+        return value
+    sharding = jax.sharding.NamedSharding(jax.sharding.get_abstract_mesh(), leaf.spec(False))
+    return jax.lax.with_sharding_constraint(value, sharding)
+
+
 class Resident(NamedTuple):
     """Stage 2's view of a leaf: the replicated compute copy the forward reads, and a shard-shaped
     zero whose gradient receives this device's reduce-scattered part of the leaf's gradient."""
@@ -112,9 +121,9 @@ class Reduce:
         return _transposed(lambda c, _: jax.lax.psum(c.astype(self.reduce_dtype), (FSDP_AXIS, *self.replicas)), ct, 0)
 
     def cast_gather(self, shard, leaf: LeafLayout):
-        x = shard.astype(self.compute_dtype)  # cast first, so the gather moves compute-dtype bytes
+        x = keep_tensor_split(shard, leaf).astype(self.compute_dtype)  # cast first: the gather moves compute bytes
         if leaf.axis is not None:
-            x = gather_bits(x, leaf.axis)
+            x = keep_tensor_split(gather_bits(x, leaf.axis), leaf)
         return fit_to(x, leaf.shape)
 
     def shard_gather(self, shard, leaf: LeafLayout):
@@ -188,8 +197,11 @@ class Reduce:
         return out
 
     def _joinable(self, leaf: LeafLayout, x) -> bool:
+        # A tensor-parallel leaf keeps its own gather: flattening it into the joined one would make
+        # the partitioner gather its tensor split as well.
         shard = x.copy if isinstance(x, Secondary) else x
-        return leaf.axis is not None and not (self.weights is not None and self.weights.applies(shard.size))
+        weights = self.weights is not None and self.weights.applies(shard.size)
+        return leaf.axis is not None and leaf.tensor_axis is None and not weights
 
     def _bits(self, x):
         """The compute-dtype bits a stage-3 gather moves for this stored value (not differentiated)."""
@@ -227,15 +239,15 @@ class Reduce:
         """`(leaf, stored value) -> whole compute value`: gathered from the shard where the stage shards
         the compute params, the resident copy where it keeps one, else the value as stored."""
         if stage.compute_params:
-            return self.gathered
+            return lambda leaf, x: keep_tensor_split(self.gathered(leaf, x), leaf)
         if stage.resident_compute:
-            return lambda leaf, x: self.resident(leaf)(x.full, x.shard)
-        return lambda leaf, x: x
+            return lambda leaf, x: keep_tensor_split(self.resident(leaf)(x.full, x.shard), leaf)
+        return keep_tensor_split
 
     def group_materializer(self, stage: Stage):
         """`(leaves, stored values) -> whole values` of a group used together (one layer's leaves):
         `gather_group` at stage 3, else each leaf as `materializer` says."""
         if stage.compute_params:
-            return self.gather_group
+            return lambda leaves, values: list(map(keep_tensor_split, self.gather_group(leaves, values), leaves))
         one = self.materializer(stage)
         return lambda leaves, values: [one(l, x) for l, x in zip(leaves, values)]

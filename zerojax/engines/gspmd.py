@@ -3,10 +3,14 @@ constraints on the gradients let XLA's SPMD partitioner insert every collective.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import NamedSharding
 
+from zerojax import activations
 from zerojax import units as units_lib
 from zerojax.engines import BuiltStep, EngineOptions, GatherReport, kept_whole_report, replicated_report
 from zerojax.engines.common import (
@@ -23,12 +27,26 @@ from zerojax.engines.common import (
 )
 from zerojax.engines.gspmd_accum import accumulated_grads
 from zerojax.errors import UserError
+from zerojax.stacked import at
+from zerojax.stages import LeafLayout
 
-SUPPORTS = ("layer_stacks", "prefetch", "wrap", "reshard_after_forward", "grad_accum", "checked_update")
+is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
+
+SUPPORTS = ("layer_stacks", "prefetch", "wrap", "reshard_after_forward", "grad_accum", "checked_update", "tensor")
 
 
-def _replicated(layout, tree):
-    return constrain(tree, jax.tree.map(lambda _: layout.replicated, tree))
+def _whole(layout, layouts, tree):
+    """`tree` (params laid out as `layouts`, or one layer's `nnx.State`) gathered over FSDP: each leaf
+    whole but for its tensor-parallel split, which every stage keeps."""
+    state = isinstance(tree, nnx.State)
+    leaves, treedef = jax.tree.flatten(layouts, is_leaf=lambda x: isinstance(x, LeafLayout))
+    values = treedef.flatten_up_to(nnx.to_pure_dict(tree) if state else tree)
+    out = treedef.unflatten([_whole_leaf(layout, l, v) for l, v in zip(leaves, values)])
+    return nnx.State(out) if state else out
+
+
+def _whole_leaf(layout, leaf: LeafLayout, value):
+    return jax.lax.with_sharding_constraint(value, NamedSharding(layout.mesh, leaf.spec(False)))
 
 
 def _gather_where_used(layout, model, params, options):
@@ -44,17 +62,18 @@ def _gather_where_used(layout, model, params, options):
         return params, None
     stacks = stack_paths(model, params, options)
     if not stacks:
-        return _replicated(layout, params), None
-    outside = outside_stacks(
-        lambda _, v: jax.lax.with_sharding_constraint(v, layout.replicated), stacks, layout.leaves, params
-    )
+        return _whole(layout, layout.leaves, params), None
+    outside = outside_stacks(functools.partial(_whole_leaf, layout), stacks, layout.leaves, params)
+    layers = {s: jax.tree.map(LeafLayout.one_layer, at(layout.leaves, s), is_leaf=is_layout) for s in stacks}
     if not model.stacks:  # a model's own layer hook
-        return outside, {s: (lambda layer: _replicated(layout, layer)) for s in stacks}
+        return outside, {s: functools.partial(_whole, layout, layers[s]) for s in stacks}
     # `zj.Stacked`: a barrier between the layer's slice and its gather keeps XLA:CPU's layout
     # assignment from re-laying out the whole stacked shard for the gather (a copy of 1/fsdp of the
     # stack's weights held for the whole step; docs/engines.md). Values are unchanged; elsewhere it
     # only orders the slice before the gather.
-    return outside, {s: (lambda layer: _replicated(layout, jax.lax.optimization_barrier(layer))) for s in stacks}
+    return outside, {
+        s: (lambda layer, s=s: _whole(layout, layers[s], jax.lax.optimization_barrier(layer))) for s in stacks
+    }
 
 
 def _report(layout, model) -> GatherReport:
@@ -83,7 +102,8 @@ def _units(layout, model, static, options, inputs, model_state):
         # The gradient's transpose is the same pair, so each unit's gradient is reduced inside its backward.
         return [
             jax.lax.with_sharding_constraint(
-                jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, leaf.spec(True))), layout.replicated
+                jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, leaf.spec(True))),
+                NamedSharding(layout.mesh, leaf.spec(False)),
             )
             for leaf, x in zip(leaves, values)
         ]
@@ -109,9 +129,10 @@ def build(
         hook = None
         if around is None:
             params, hook = _gather_where_used(layout, model, params, options)
-        return model.apply(
-            params, model_state or {}, static, batch["inputs"], rng=key, train=train, layer_hook=hook, around=around
-        )
+        with activations.rules_active(layout, manual=False):
+            return model.apply(
+                params, model_state or {}, static, batch["inputs"], rng=key, train=train, layer_hook=hook, around=around
+            )
 
     def evaluate(state, batch, loss_fn):  # eval mode, gathered as the step's forward gathers
         return global_loss(loss_fn(run(compute_params(layout, state), state.model_state, batch, None, False)[0], batch))

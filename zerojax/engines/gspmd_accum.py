@@ -94,7 +94,7 @@ def _grouped(layout, model, static, loss_fn, k: int):
     def grads(state, batch, key):
         params = compute_params(layout, state)
         if layout.compute_sharded:  # stage 3: gathered once, kept for every micro-batch
-            params = constrain(params, jax.tree.map(lambda _: layout.replicated, params))
+            params = constrain(params, layout.shardings(False))
         zeros = jax.tree.map(lambda p: jnp.zeros((dp, *p.shape), jnp.promote_types(p.dtype, jnp.float32)), params)
         zeros = constrain(zeros, jax.tree.map(lambda _: group_sharding, zeros))
         micro = jax.tree.map(lambda x: accum.split(x, k, dp), batch)  # (k, dp, rows / k, ...)

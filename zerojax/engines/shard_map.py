@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from zerojax import activations
 from zerojax.engines import BuiltStep, EngineOptions, GatherReport, accum, kept_whole_report
 from zerojax.engines.collectives import Reduce, Resident
 from zerojax.engines.common import apply_update, compute_params, keep_model_state, loss_parts, step_key
@@ -27,7 +28,7 @@ from zerojax.engines.shard_map_routes import RunModel, is_layout, route
 from zerojax.errors import UserError
 from zerojax.layout import StateLayout
 from zerojax.mesh import BATCH_AXES, data_parallel_size
-from zerojax.stages import FSDP_AXIS, LeafLayout, Stage
+from zerojax.stages import FSDP_AXIS, TENSOR_AXIS, LeafLayout, Stage
 
 SUPPORTS = (
     "layer_stacks",
@@ -40,6 +41,7 @@ SUPPORTS = (
     "quantize_block",
     "hierarchical",
     "checked_update",
+    "tensor",
 )
 
 
@@ -55,7 +57,25 @@ def _local_shape(leaf: LeafLayout, fsdp: int) -> tuple[int, ...]:
 
 
 def _specs(layout: StateLayout, sharded: bool):
-    return jax.tree.map(lambda l: l.spec(sharded), layout.leaves, is_leaf=is_layout)
+    """The leaves' specs over the manual axes only: `tensor` stays with the partitioner (`_manual`)."""
+    return jax.tree.map(lambda l: _without_tensor(l.spec(sharded)), layout.leaves, is_leaf=is_layout)
+
+
+def _without_tensor(spec):
+    return P(*(None if entry == TENSOR_AXIS else entry for entry in spec))
+
+
+def _manual(fn, layout: StateLayout, in_specs, out_specs):
+    """`fn` once per device over the data-parallel axes, every collective placed by hand; a `tensor`
+    axis is left automatic (shard_map's partial manual axes), so XLA's partitioner splits each
+    matmul over it as the parameters' tensor-parallel shardings ask (Megatron's collectives)."""
+    manual = {} if dict(layout.mesh.shape).get(TENSOR_AXIS, 1) == 1 else {"axis_names": frozenset(BATCH_AXES)}
+
+    def body(*args):
+        with activations.rules_active(layout, manual=True):
+            return fn(*args)
+
+    return jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False, **manual)
 
 
 def _grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: Reduce):
@@ -152,12 +172,11 @@ def _per_device(layout: StateLayout, local):
     """`local(params, model_state, key, batch) -> (loss, grads, model_state)` as a shard_map: params in
     as stored (shards where the compute params are sharded), gradients out as the master is."""
     stage = layout.stage
-    return jax.shard_map(
+    return _manual(
         local,
-        mesh=layout.mesh,
+        layout,
         in_specs=(_specs(layout, stage.compute_params), P(), P(), P(BATCH_AXES)),
         out_specs=(P(), _specs(layout, stage.master_params), P()),
-        check_vma=False,
     )
 
 
@@ -176,9 +195,9 @@ def _eval_fn(layout: StateLayout, run_model: RunModel, reduce: Reduce):
                 return jax.lax.psum(total / dp, BATCH_AXES)
             return jax.lax.psum(total, BATCH_AXES) / jax.lax.psum(weight, BATCH_AXES)
 
-        return jax.shard_map(
-            local, mesh=layout.mesh, in_specs=(_specs(layout, True), P(), P(BATCH_AXES)), out_specs=P(), check_vma=False
-        )(state.params, state.model_state or {}, batch)
+        return _manual(local, layout, in_specs=(_specs(layout, True), P(), P(BATCH_AXES)), out_specs=P())(
+            state.params, state.model_state or {}, batch
+        )
 
     return evaluate
 
@@ -294,12 +313,11 @@ def _grads(layout: StateLayout, grads_fn):
 def _update(layout: StateLayout, tx, options: EngineOptions, reduce: Reduce, order_moments: bool):
     """The sharded update and, where the state keeps a replicated compute copy beside a sharded
     master, the new copy gathered from the cast shards."""
-    gather_compute = jax.shard_map(
+    gather_compute = _manual(
         lambda params: jax.tree.map(lambda l, x: reduce.cast_gather(x, l), layout.leaves, params, is_leaf=is_layout),
-        mesh=layout.mesh,
+        layout,
         in_specs=(_specs(layout, True),),
         out_specs=_specs(layout, False),
-        check_vma=False,
     )
 
     def update(state, loss, grads, model_state):

@@ -84,8 +84,18 @@ def gpt_config(preset: str, **overrides) -> GPTConfig:
     return dataclasses.replace(PRESETS[preset], **overrides)
 
 
-def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> nnx.Param:
-    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32))
+def _param(value: jax.Array, names: tuple[str, ...]) -> nnx.Param:
+    """A parameter with its logical axis names (`zerojax.axis_rules`: Megatron's split of heads, mlp
+    and vocab over `tensor`), created unsharded: zerojax lays it out on the mesh itself."""
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, names: tuple[str, ...]) -> nnx.Param:
+    return _param(std * jax.random.normal(rngs.params(), shape, jnp.float32), names)
+
+
+def _ones(size: int) -> nnx.Param:
+    return _param(jnp.ones((size,), jnp.float32), ("embed",))
 
 
 def _rms_norm(x_BxLxD: jax.Array, scale_D: jax.Array) -> jax.Array:
@@ -116,15 +126,17 @@ class Block(nnx.Module):
         d, f = cfg.d_model, cfg.d_ff
         out_std = 0.02 / (2 * cfg.n_layers) ** 0.5  # GPT-2: residual writes shrink with depth
         self.n_heads = cfg.n_heads
-        self.attn_norm = nnx.Param(jnp.ones((d,), jnp.float32))
-        self.wq = _normal(rngs, (d, d), 0.02)
-        self.wk = _normal(rngs, (d, d), 0.02)
-        self.wv = _normal(rngs, (d, d), 0.02)
-        self.wo = _normal(rngs, (d, d), out_std)
-        self.mlp_norm = nnx.Param(jnp.ones((d,), jnp.float32))
-        self.w_gate = _normal(rngs, (d, f), 0.02)
-        self.w_up = _normal(rngs, (d, f), 0.02)
-        self.w_down = _normal(rngs, (f, d), out_std)
+        # Megatron: q/k/v and gate/up split their outputs (heads, mlp) over `tensor`, o and down their
+        # inputs, so each block's forward needs one all-reduce after attention and one after the MLP.
+        self.attn_norm = _ones(d)
+        self.wq = _normal(rngs, (d, d), 0.02, ("embed", "heads"))
+        self.wk = _normal(rngs, (d, d), 0.02, ("embed", "heads"))
+        self.wv = _normal(rngs, (d, d), 0.02, ("embed", "heads"))
+        self.wo = _normal(rngs, (d, d), out_std, ("heads", "embed"))
+        self.mlp_norm = _ones(d)
+        self.w_gate = _normal(rngs, (d, f), 0.02, ("embed", "mlp"))
+        self.w_up = _normal(rngs, (d, f), 0.02, ("embed", "mlp"))
+        self.w_down = _normal(rngs, (f, d), out_std, ("mlp", "embed"))
 
     def _attention(self, x_BxLxD: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         B, L, D = x_BxLxD.shape
@@ -154,7 +166,7 @@ class GPT(nnx.Module):
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embed = _normal(rngs, (cfg.vocab_size, cfg.d_model), 0.02)
+        self.embed = _normal(rngs, (cfg.vocab_size, cfg.d_model), 0.02, ("vocab", "embed"))
 
         # One vmapped construction: every leaf under `blocks` gets a leading n_layers axis.
         @nnx.split_rngs(splits=cfg.n_layers)
@@ -163,8 +175,8 @@ class GPT(nnx.Module):
             return Block(cfg, rngs)
 
         self.blocks = make_blocks(rngs)
-        self.final_norm = nnx.Param(jnp.ones((cfg.d_model,), jnp.float32))
-        self.head = _normal(rngs, (cfg.d_model, cfg.vocab_size), 0.02)
+        self.final_norm = _ones(cfg.d_model)
+        self.head = _normal(rngs, (cfg.d_model, cfg.vocab_size), 0.02, ("embed", "vocab"))
 
     def __call__(
         self, tokens_BxL: jax.Array, *, layer_hook: LayerHook | None = None, layer_loop: LayerLoop | None = None

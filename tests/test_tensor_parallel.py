@@ -1,0 +1,233 @@
+"""FSDP x tensor parallelism on one mesh: a model names its parameters' dimensions the Flax way, the
+axis rules put heads, mlp and vocab on `tensor`, and every stage shards the rest over `fsdp`. The
+loss equals stage 0 on an fsdp-only mesh, each device keeps 1/(fsdp x tensor) of the state, the
+tensor axis moves the activation all-reduces Megatron's split needs, and checkpoints move between
+meshes with and without a tensor axis."""
+
+from __future__ import annotations
+
+import functools
+import json
+import tempfile
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+
+import zerojax as zj
+from tests.cli_helpers import assert_one_line_error, cli_in_process
+from zerojax.accounting import hlo
+from zerojax.accounting.params import tensor_local_params
+from zerojax.accounting.placed_bytes import split_bytes
+from zerojax.checkpoint import CheckpointWriter, restore, run_metadata
+from zerojax.models.gpt import GPT, gpt_config
+
+D, F, ROWS, CLASSES = 16, 64, 16, 8
+STEPS = 3
+MESHES = {
+    "fsdp8": {"fsdp": 8},
+    "fsdp4_tensor2": {"fsdp": 4, "tensor": 2},
+    "dp2_fsdp2_tensor2": {"data": 2, "fsdp": 2, "tensor": 2},
+}
+_init = nnx.initializers.lecun_normal()
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        up, down = nnx.with_partitioning(_init, ("embed", "mlp")), nnx.with_partitioning(_init, ("mlp", "embed"))
+        self.up = nnx.Linear(D, F, use_bias=False, kernel_init=up, rngs=rngs)
+        self.down = nnx.Linear(F, D, use_bias=False, kernel_init=down, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jax.nn.gelu(self.up(x)))
+
+
+class BlocksNNX(nnx.Module):
+    """A list of annotated blocks and an unannotated head (free for FSDP, whole over `tensor`)."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.blocks = nnx.List([Block(rngs) for _ in range(2)])
+        self.head = nnx.Linear(D, CLASSES, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class BlocksLinen(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        for _ in range(2):
+            h = nn.Dense(F, use_bias=False, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")))(x)
+            x = x + nn.Dense(D, use_bias=False, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")))(
+                nn.gelu(h)
+            )
+        return nn.Dense(CLASSES, use_bias=False, kernel_init=nn.with_logical_partitioning(init, ("embed", "vocab")))(x)
+
+
+GPT_CFG = gpt_config("tiny", d_model=32, n_heads=4, d_ff=64, n_layers=1, seq_len=8)
+
+
+def _model(kind: str):
+    return {"nnx": BlocksNNX, "linen": BlocksLinen(), "gpt": functools.partial(GPT, GPT_CFG)}[kind]
+
+
+def _batch(kind: str) -> dict:
+    rng = np.random.default_rng(0)
+    if kind == "gpt":
+        tokens = rng.integers(0, 256, (8, GPT_CFG.seq_len + 1)).astype(np.int32)
+        return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    return {
+        "inputs": rng.normal(size=(ROWS, D)).astype(np.float32),
+        "targets": rng.integers(0, CLASSES, ROWS).astype(np.int32),
+    }
+
+
+def _trainer(kind: str, mesh: str, stage: int, engine: str = "gspmd") -> zj.Trainer:
+    return zj.Trainer(_model(kind), optax.adamw(1e-2), mesh=zj.make_mesh(**MESHES[mesh]), stage=stage, engine=engine)
+
+
+def _losses(kind: str, mesh: str, stage: int, engine: str) -> np.ndarray:
+    trainer, batch = _trainer(kind, mesh, stage, engine), _batch(kind)
+    state, losses = trainer.init(jax.random.key(0), batch), []
+    for _ in range(STEPS):
+        state, metrics = trainer.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return np.array(losses)
+
+
+@functools.cache
+def _reference(kind: str) -> np.ndarray:
+    return _losses(kind, "fsdp8", 0, "gspmd")
+
+
+FAST = [("nnx", "fsdp4_tensor2", 3, "gspmd"), ("linen", "dp2_fsdp2_tensor2", 3, "shard_map")]
+FAST += [("gpt", "fsdp4_tensor2", 3, "gspmd")]
+SLOW = [
+    (kind, mesh, stage, engine)
+    for kind in ("nnx", "linen", "gpt")
+    for mesh in ("fsdp4_tensor2", "dp2_fsdp2_tensor2")
+    for stage in range(4)
+    for engine in ("gspmd", "shard_map")
+    if (kind, mesh, stage, engine) not in FAST
+]
+
+
+@pytest.mark.parametrize(
+    "kind, mesh, stage, engine", FAST + [pytest.param(*case, marks=pytest.mark.slow) for case in SLOW]
+)
+def test_loss_on_a_tensor_mesh_equals_stage_0_on_fsdp_alone(kind, mesh, stage, engine):
+    reference = _reference(kind)
+    np.testing.assert_allclose(_losses(kind, mesh, stage, engine), reference, rtol=1e-5, atol=0)
+    assert reference[-1] < reference[0]
+
+
+def _slice_params(layout) -> int:
+    """One tensor-parallel slice: the tensor-split leaves count 1/tensor (the unannotated head whole)."""
+    return tensor_local_params(layout.leaves)
+
+
+@pytest.mark.parametrize("kind", ["nnx", "linen"])
+def test_each_device_keeps_its_fsdp_x_tensor_share_of_the_state(kind):
+    """fp32 + Adam at stage 3: 12 bytes a parameter over fsdp x tensor, the tensor-split dims too."""
+    trainer = _trainer(kind, "fsdp4_tensor2", 3)
+    prepared = trainer.prepare(jax.random.key(0), _batch(kind))
+    abstract, layout = prepared.abstract, prepared.layout
+    kept = split_bytes((abstract.params, abstract.opt_state), jax.devices()[0])["device"]
+    ideal = 12 * _slice_params(layout) / 4
+    whole = sum(int(np.prod(l.shape)) for l in jax.tree.leaves(layout.leaves, is_leaf=lambda x: hasattr(x, "spec")))
+    assert _slice_params(layout) < 0.6 * whole  # most of the model is split over tensor
+    assert abs(kept / ideal - 1) < 0.01, (kept, ideal)
+    up = layout.leaves["blocks"][0]["up"]["kernel"] if kind == "nnx" else None
+    if up is not None:
+        assert tuple(up.spec(True)) == ("fsdp", "tensor") and tuple(up.spec(False)) == (None, "tensor")
+
+
+def test_the_tensor_axis_moves_megatrons_activation_all_reduces():
+    """Per block, the partial sums of `down`'s output (forward) and of `up`'s input gradient
+    (backward; none for the first block, whose input is data) are all-reduced over `tensor`: rows x D
+    compute-dtype bytes each, sending 2(t-1)/t of it; the FSDP gathers move one tensor slice of the
+    model over fsdp (counted on the partitioned HLO)."""
+    trainer, batch = _trainer("nnx", "fsdp4_tensor2", 3), _batch("nnx")
+    state = trainer.init(jax.random.key(0), batch)
+    with tempfile.TemporaryDirectory() as tmp:
+        _, text = hlo.compile_partitioned(trainer.lower(state, batch), tmp)
+    by = hlo.collective_bytes(text, mesh=trainer.mesh)["by_kind_axis"]
+    layout = trainer.layout
+    rows, t, blocks = ROWS // 4, 2, 2
+    tensor_ideal = (2 * blocks - 1) * (rows * D * 4) * 2 * (t - 1) / t
+    assert abs(by["all-reduce"]["tensor"] / tensor_ideal - 1) < 0.05, by
+    gather_ideal = 2 * 4 * _slice_params(layout) * 3 / 4  # forward and backward gathers, fp32, fsdp=4
+    assert abs(by["all-gather"]["fsdp"] / gather_ideal - 1) < 0.05, by
+    assert "tensor" not in by.get("all-gather", {})  # nothing is gathered over tensor
+
+
+def _logical_params(trainer, state) -> dict:
+    """Host copies of the master params, padding cropped."""
+    return jax.tree.map(
+        lambda l, x: np.asarray(x)[tuple(slice(0, s) for s in l.shape)],
+        trainer.layout.leaves,
+        state.params,
+        is_leaf=lambda x: hasattr(x, "padded_shape"),
+    )
+
+
+def test_a_checkpoint_restores_across_tensor_meshes_exactly(tmp_path):
+    kind, batch = "gpt", _batch("gpt")
+    source = _trainer(kind, "fsdp8", 3)
+    state = source.init(jax.random.key(0), batch)
+    state, _ = source.step(state, batch)
+    writer = CheckpointWriter(str(tmp_path), keep=1, run_meta=run_metadata(source, seed=0))
+    writer.save(1, state)
+    writer.close()
+    want = _logical_params(source, state)
+    _, expected = source.step(state, batch)
+    for mesh, stage in (("fsdp4_tensor2", 3), ("dp2_fsdp2_tensor2", 1)):
+        target = _trainer(kind, mesh, stage)
+        restored, _ = restore(target, str(tmp_path / "1"), jax.random.key(0), batch)
+        jax.tree.map(np.testing.assert_array_equal, _logical_params(target, restored), want)
+        _, metrics = target.step(restored, batch)
+        np.testing.assert_allclose(float(metrics["loss"]), float(expected["loss"]), rtol=1e-6)
+
+
+def test_a_model_with_nothing_on_the_tensor_axis_is_refused_in_one_line():
+    class Plain(nnx.Module):
+        def __init__(self, *, rngs):
+            self.dense = nnx.Linear(D, CLASSES, rngs=rngs)
+
+        def __call__(self, x):
+            return self.dense(x)
+
+    trainer = zj.Trainer(Plain, optax.adamw(1e-2), mesh=zj.make_mesh(fsdp=4, tensor=2), stage=3)
+    with pytest.raises(zj.UserError, match="no parameter of this model is mapped to it.*repeat each other's work"):
+        trainer.init(jax.random.key(0), _batch("nnx"))
+
+
+def test_bad_axis_rules_and_indivisible_dims_are_one_line():
+    with pytest.raises(zj.UserError, match="a rule maps to one of fsdp, tensor or None"):
+        zj.Trainer(BlocksNNX, optax.adamw(1e-2), axis_rules={"mlp": "data"})
+    three = zj.make_mesh(fsdp=2, tensor=3, devices=jax.devices()[:6])
+    trainer = zj.Trainer(BlocksNNX, optax.adamw(1e-2), mesh=three, stage=3)
+    with pytest.raises(zj.UserError, match="'blocks/0/down/kernel' splits axis 0 \\(64\\) over the tensor axis"):
+        trainer.init(jax.random.key(0), _batch("nnx"))
+
+
+def test_inspect_shows_the_tensor_axis_and_why():
+    r = cli_in_process(
+        "inspect", "configs/tiny.yaml", "--json", "--devices", "8", "--stage", "3", "--set", "mesh.tensor=2"
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(r.stdout)
+    leaves = {l["path"]: l for l in report["leaves"]}
+    assert report["tensor"] == 2 and report["fsdp"] == 4 and report["unmapped_axis_names"] == []
+    wq = leaves["blocks/wq"]
+    assert wq["tensor_axis"] == 2 and wq["reason"] == "sharded on axis 1; tensor on axis 2"
+    assert wq["spec"]["master"] == "(None, 'fsdp', 'tensor')"
+    assert leaves["final_norm"]["tensor_axis"] is None
+    bad = cli_in_process("inspect", "configs/tiny.yaml", "--devices", "8", "--set", "mesh.rules={mlp: data}")
+    assert_one_line_error(bad, "axis rule 'mlp' -> 'data'")
