@@ -89,6 +89,7 @@ class TrainConfig(_Section):
     eval_batches: PositiveInt = 2
     max_bad_steps: PositiveInt = 3
     tensorboard: StrictBool | None = None  # event files beside metrics.jsonl; None: when tensorboard is installed
+    init_from: str | None = None  # params (.npz of zerojax export or import) a fresh run starts from, not random
 
 
 class DataConfig(_Section):

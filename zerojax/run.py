@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from zerojax import checkpoint, sources, tensorboard
+from zerojax import checkpoint, init_from, sources, tensorboard
 from zerojax.errors import Diverged, Preempted, UserError
 from zerojax.log import warn
 from zerojax.preempt import Preemption
@@ -48,6 +48,7 @@ class FitOptions:
     config: dict | None = None  # recorded in checkpoints; a resume that changes the trajectory is refused
     model: dict | None = field(default=None, compare=False)  # the model's description, for checkpoints
     tensorboard: bool | None = None  # event files beside metrics.jsonl; None: when tensorboard is installed
+    init_from: str | None = None  # a params .npz a fresh run starts from (zerojax.init_from)
 
     @classmethod
     def from_config(cls, c, model: dict | None = None) -> FitOptions:
@@ -64,6 +65,7 @@ class FitOptions:
             config=c.to_dict(),
             model=model,
             tensorboard=t.tensorboard,
+            init_from=t.init_from,
         )
 
 
@@ -96,7 +98,9 @@ def _start(trainer, source, o: FitOptions, ckpt_dir: str, resume: bool, state=No
         return trainer.restore_state(state.saved(), key, sources.global_batch(source, step, sharding)), step
     step = step_to_resume(ckpt_dir, resume=resume, writes_checkpoints=bool(o.checkpoint_every))
     if step is None:
-        return trainer.init(key, sources.global_batch(source, 0, sharding)), 0
+        batch = sources.global_batch(source, 0, sharding)
+        params = None if o.init_from is None else init_from.initial_params(o.init_from, trainer, key, batch)
+        return trainer.init(key, batch, params=params), 0
     step_dir = os.path.join(ckpt_dir, str(step))
     meta = checkpoint.read_meta(step_dir)
     check_checkpoint_matches(
