@@ -91,6 +91,8 @@ class TrainConfig(_Section):
     eval_every: NonNegativeInt = 0  # 0: evaluate only at the end
     eval_batches: PositiveInt = 2
     max_bad_steps: PositiveInt = 3
+    tensorboard: StrictBool | None = None  # event files beside metrics.jsonl; None: when tensorboard is installed
+    init_from: str | None = None  # params (.npz of zerojax export or import) a fresh run starts from, not random
 
 
 class DataConfig(_Section):
@@ -242,6 +244,9 @@ def validate(c: Config) -> None:
     check_mode(c.zero.offload)
     check_name(c.zero.engine, ENGINES)  # a config names a built-in engine
     get_optimizer(c.optimizer.name)
+    from zerojax.tensorboard import check_setting
+
+    check_setting(c.train.tensorboard)
     check_sizes(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
     as_rules(c.mesh.rules)
     if c.model.kwargs and not c.model.target:

@@ -25,6 +25,7 @@ SAFE_ON_RESUME = (
     "train.eval_every",
     "train.eval_batches",
     "train.max_bad_steps",
+    "train.tensorboard",
 )
 
 

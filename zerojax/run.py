@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from zerojax import checkpoint, sources
+from zerojax import checkpoint, init_from, sources, tensorboard
 from zerojax.errors import Diverged, Preempted, UserError
 from zerojax.log import warn
 from zerojax.preempt import Preemption
@@ -47,6 +47,8 @@ class FitOptions:
     checkpoint_dir: str | None = None  # default OUT/checkpoints
     config: dict | None = None  # recorded in checkpoints; a resume that changes the trajectory is refused
     model: dict | None = field(default=None, compare=False)  # the model's description, for checkpoints
+    tensorboard: bool | None = None  # event files beside metrics.jsonl; None: when tensorboard is installed
+    init_from: str | None = None  # a params .npz a fresh run starts from (zerojax.init_from)
 
     @classmethod
     def from_config(cls, c, model: dict | None = None) -> FitOptions:
@@ -62,6 +64,8 @@ class FitOptions:
             checkpoint_dir=k.dir,
             config=c.to_dict(),
             model=model,
+            tensorboard=t.tensorboard,
+            init_from=t.init_from,
         )
 
 
@@ -94,7 +98,9 @@ def _start(trainer, source, o: FitOptions, ckpt_dir: str, resume: bool, state=No
         return trainer.restore_state(state.saved(), key, sources.global_batch(source, step, sharding)), step
     step = step_to_resume(ckpt_dir, resume=resume, writes_checkpoints=bool(o.checkpoint_every))
     if step is None:
-        return trainer.init(key, sources.global_batch(source, 0, sharding)), 0
+        batch = sources.global_batch(source, 0, sharding)
+        params = None if o.init_from is None else init_from.initial_params(o.init_from, trainer, key, batch)
+        return trainer.init(key, batch, params=params), 0
     step_dir = os.path.join(ckpt_dir, str(step))
     meta = checkpoint.read_meta(step_dir)
     check_checkpoint_matches(
@@ -125,16 +131,18 @@ def prepare(trainer, source, out_dir: str, options: FitOptions, *, resume: bool 
 
 
 class _Outputs:
-    """metrics.jsonl (process 0 only: continued on resume) and the checkpoint writer."""
+    """metrics.jsonl (process 0 only: continued on resume), its TensorBoard events and the checkpoint
+    writer."""
 
     def __init__(self, trainer, o: FitOptions, out_dir: str, start: int):
         self.history: list[dict] = []
-        self.metrics_file = None
+        self.metrics_file = self.events = None
         if _is_main_process():
             os.makedirs(out_dir, exist_ok=True)
             path = os.path.join(out_dir, "metrics.jsonl")
             self.history = continue_metrics(path, start) if start else []
             self.metrics_file = open(path, "a" if start else "w")
+            self.events = tensorboard.open_writer(out_dir, o.tensorboard)
         self.writer = None
         self._trainer, self._o, self._out_dir = trainer, o, out_dir
         if o.checkpoint_every:
@@ -154,10 +162,14 @@ class _Outputs:
         if self.metrics_file:
             self.metrics_file.write(json.dumps(record) + "\n")
             self.metrics_file.flush()
+        if self.events:
+            self.events.write(record)
 
     def close(self) -> None:
         if self.metrics_file:
             self.metrics_file.close()
+        if self.events:
+            self.events.close()
         if self.writer:
             self.writer.close()  # waits for the save in flight: it is complete on disk before we return
 
