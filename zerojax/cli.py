@@ -12,7 +12,7 @@ import sys
 
 from zerojax.errors import Preempted, UserError
 
-COMMANDS = ("train", "plan", "compare", "inspect", "verify", "export", "launch", "tokenize")
+COMMANDS = ("train", "plan", "compare", "inspect", "verify", "export", "launch", "tokenize", "sample")
 
 
 def _available_commands() -> list:

@@ -152,7 +152,7 @@ def _damaged(folder: str, what: str) -> UserError:
     return UserError(f"{os.path.join(folder, INDEX)!r} is damaged ({what}); run zerojax tokenize again.")
 
 
-def _load_index(folder: str) -> dict:
+def load_index(folder: str) -> dict:
     path = os.path.join(folder, INDEX)
     if not os.path.isfile(path):
         raise UserError(f"data.tokens={folder!r} is not a folder written by zerojax tokenize (it has no {INDEX}).")
@@ -208,7 +208,7 @@ def index_tokenizer(folder: str, index: dict) -> TextTokenizer:
 def read_index(folder: str) -> dict:
     """`index.json` of a token folder, after checking every shard against it (one UserError if not)."""
     folder = os.path.abspath(folder)
-    index = _load_index(folder)
+    index = load_index(folder)
     if not index["shards"]:
         raise _damaged(folder, "no shards")
     for shard in index["shards"]:
