@@ -102,6 +102,17 @@ def test_a_tokenizer_json_without_an_end_of_document_token_gets_one(tmp_path):
     assert tok.encode("dog fox") == [1, 0]
 
 
+def test_a_bpe_without_tokenizers_installed_is_one_sentence(monkeypatch, corpus, tmp_path):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # makes `import tokenizers` fail
+    done = cli_in_process("tokenize", corpus, str(tmp_path / "out"), "--train-vocab", "300")
+    assert_one_line_error(
+        done, "BPE tokenizers need the Hugging Face `tokenizers` package; install it with pip install zerojax[text]."
+    )
+    assert not os.listdir(tmp_path)
+
+
 # ---- the token source -----------------------------------------------------------------------------
 
 
@@ -192,6 +203,8 @@ def test_a_model_vocabulary_smaller_than_the_tokenizer_is_one_sentence(bpe):
     )
     with pytest.raises(UserError, match="data.tokens replaces data.path and data.target"):
         load_config(TINY, [f"data.tokens={bpe}", "data.path=/tmp"])
+    with pytest.raises(UserError, match="is not a folder written by zerojax tokenize"):
+        load_config(TINY, [f"data.tokens={os.path.dirname(bpe)}"])
 
 
 # ---- a run on token files, then sampled -------------------------------------------------------------
