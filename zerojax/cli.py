@@ -12,7 +12,7 @@ import sys
 
 from zerojax.errors import Preempted, UserError
 
-COMMANDS = ("train", "plan", "compare", "inspect", "verify", "export", "import_hf", "launch")
+COMMANDS = ("train", "plan", "compare", "inspect", "verify", "export", "import_hf", "launch", "tokenize", "sample")
 
 
 def _available_commands() -> list:

@@ -48,6 +48,7 @@ class ModelConfig(_Section):
     n_heads: Int | None = None
     d_ff: Int | None = None
     seq_len: Int | None = None
+    vocab_size: Int | None = None  # default: 256 bytes, or the vocabulary of data.tokens
     remat: str | None = None  # the GPT config owns the valid policies and checks them
 
 
@@ -100,6 +101,7 @@ class DataConfig(_Section):
     kwargs: dict = Field(default_factory=dict)
     eval_kwargs: dict | None = None  # with data.target: an eval source from seed + 1 and kwargs | eval_kwargs
     path: str | None = None  # None: the Python standard library's own sources
+    tokens: str | None = None  # a `zerojax tokenize` OUT folder: train on its token files instead of data.path
     max_bytes: Annotated[Int, Field(gt=0)] = 16 * 2**20
     eval_fraction: Annotated[Float, Field(ge=0, lt=1)] = 0.05
 
@@ -256,7 +258,7 @@ def validate(c: Config) -> None:
         )
     gpt_only = [
         k
-        for k in ("d_model", "n_layers", "n_heads", "d_ff", "seq_len", "remat")
+        for k in ("d_model", "n_layers", "n_heads", "d_ff", "seq_len", "vocab_size", "remat")
         if c.model.target and getattr(c.model, k) is not None
     ]
     if gpt_only:
@@ -266,6 +268,12 @@ def validate(c: Config) -> None:
         )
     if (c.data.kwargs or c.data.eval_kwargs is not None) and not c.data.target:
         raise UserError("data.kwargs and data.eval_kwargs need a data.target to pass them to.")
+    if c.data.tokens is not None and (c.data.target or c.data.path is not None):
+        raise UserError("data.tokens replaces data.path and data.target; set only one of them.")
+    if not c.model.target and not c.data.target:
+        from zerojax.tokens import model_vocab
+
+        model_vocab(c.data.tokens, c.model.vocab_size)  # the token files are sound and fit the model
     from zerojax.targets import import_target
 
     for key, text in (("model.target", c.model.target), ("data.target", c.data.target), ("loss.target", c.loss.target)):

@@ -34,7 +34,7 @@ def _sorted_files(root: str, *, suffix: str = "", skip_dirs: frozenset[str] = fr
     return [os.path.join(root, rel) for rel in sorted(found)]
 
 
-def _text_bytes(path: str, budget: int) -> bytes | None:
+def text_bytes(path: str, budget: int) -> bytes | None:
     """Up to `budget` bytes of a file's text as UTF-8; None for a binary file."""
     with open(path, "rb") as f:
         head = f.read(_BINARY_PROBE)
@@ -53,26 +53,29 @@ def _read_until(files: list[str], max_bytes: int) -> bytes:
         if len(out) >= max_bytes:
             break
         try:
-            out += _text_bytes(path, max_bytes - len(out)) or b""
+            out += text_bytes(path, max_bytes - len(out)) or b""
         except OSError:
             continue  # unreadable files (permissions, races) are simply not part of the corpus
     return bytes(out[:max_bytes])
 
 
-def load_corpus(path: str | None, max_bytes: int = 16 * 2**20) -> np.ndarray:
-    """The corpus as uint8 tokens: a file, every text file under a folder, or (None) the stdlib's .py files."""
+def corpus_files(path: str | None) -> list[str]:
+    """The files of a corpus in a fixed order: a file, every file under a folder, or (None) the stdlib's .py files."""
     if path is None:
         stdlib = sysconfig.get_paths()["stdlib"]
-        files = _sorted_files(stdlib, suffix=".py", skip_dirs=frozenset(_SKIP_DIRS))
-    elif os.path.isdir(path):
-        files = _sorted_files(path, skip_dirs=frozenset({"__pycache__"}))
-    elif os.path.isfile(path):
-        files = [path]
-    else:
-        raise UserError(
-            f"data.path={path!r} does not exist; give an existing text file or folder, or null for the built-in corpus."
-        )
-    data = _read_until(files, max_bytes)
+        return _sorted_files(stdlib, suffix=".py", skip_dirs=frozenset(_SKIP_DIRS))
+    if os.path.isdir(path):
+        return _sorted_files(path, skip_dirs=frozenset({"__pycache__"}))
+    if os.path.isfile(path):
+        return [path]
+    raise UserError(
+        f"data.path={path!r} does not exist; give an existing text file or folder, or null for the built-in corpus."
+    )
+
+
+def load_corpus(path: str | None, max_bytes: int = 16 * 2**20) -> np.ndarray:
+    """The corpus as uint8 tokens: a file, every text file under a folder, or (None) the stdlib's .py files."""
+    data = _read_until(corpus_files(path), max_bytes)
     if not data:
         raise UserError(
             f"data.path={path!r} holds no usable bytes (empty, unreadable, or only files with NUL "

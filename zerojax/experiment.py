@@ -1,8 +1,8 @@
 """From a validated `Config` to the pieces of a run: mesh, model, optimizer, data and `Trainer`.
 
 The model is the shipped GPT (`model.preset` ...) or the user's `model.target`; the data is the byte
-corpus (`data.path`) or the user's `data.target`; the loss is cross entropy or `loss.target`
-(see `zerojax.targets`).
+corpus (`data.path`), token files (`data.tokens`) or the user's `data.target`; the loss is cross
+entropy or `loss.target` (see `zerojax.targets`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,10 @@ def model_config(c: Config) -> GPTConfig:
     overrides = {
         k: v for k, v in c.model.model_dump().items() if k not in ("preset", "target", "kwargs") and v is not None
     }
+    if c.data.tokens:
+        from zerojax.tokens import model_vocab
+
+        overrides["vocab_size"] = model_vocab(c.data.tokens, c.model.vocab_size)
     return gpt_config(c.model.preset, **overrides)
 
 
@@ -65,6 +69,16 @@ def build_data(c: Config, gpt: GPTConfig | None) -> tuple[Any, Any | None]:
             )
         return train, evals
     seq_len = (gpt or model_config(c)).seq_len
+    if c.data.tokens:
+        from zerojax.tokens import token_sources
+
+        return token_sources(
+            c.data.tokens,
+            seq_len=seq_len,
+            global_batch=c.train.batch_size,
+            seed=c.train.seed,
+            eval_fraction=c.data.eval_fraction,
+        )
     tokens = load_corpus(c.data.path, c.data.max_bytes)
     train_tokens, eval_tokens = split_corpus(tokens, c.data.eval_fraction)
     stream = functools.partial(BatchStream, seq_len=seq_len, global_batch=c.train.batch_size, path=c.data.path)
