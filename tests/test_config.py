@@ -31,8 +31,12 @@ def _error(*overrides: str) -> str:
             "checked_update.",
         ),
         ("train.log_every=10", "unknown config key 'train.log_every'"),
-        ("mesh.tensors=1", "unknown config key 'mesh.tensors'; valid keys here are: data, fsdp, tensor, rules."),
+        (
+            "mesh.tensors=1",
+            "unknown config key 'mesh.tensors'; valid keys here are: data, fsdp, tensor, rules, sequence_parallel.",
+        ),
         ("mesh.tensor=0", "mesh.tensor must be a positive integer, got 0."),
+        ("mesh.sequence_parallel=true", "mesh.sequence_parallel splits the sequence over the tensor axis; it needs"),
         ("train.steps=many", "train.steps must be a valid integer, got 'many'."),
         ("train.steps=true", "train.steps must be a valid integer, got True."),
         ("train.steps=2.5", "train.steps must be a valid integer, got 2.5."),

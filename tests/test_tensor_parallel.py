@@ -88,12 +88,16 @@ def _batch(kind: str) -> dict:
     }
 
 
-def _trainer(kind: str, mesh: str, stage: int, engine: str = "gspmd") -> zj.Trainer:
-    return zj.Trainer(_model(kind), optax.adamw(1e-2), mesh=zj.make_mesh(**MESHES[mesh]), stage=stage, engine=engine)
+def _trainer(kind: str, mesh: str, stage: int, engine: str = "gspmd", sequence_parallel=False) -> zj.Trainer:
+    rules = {**zj.DEFAULT_AXIS_RULES, **(zj.SEQUENCE_PARALLEL_RULES if sequence_parallel else {})}
+    mesh = zj.make_mesh(**MESHES[mesh])
+    return zj.Trainer(_model(kind), optax.adamw(1e-2), mesh=mesh, stage=stage, engine=engine, axis_rules=rules)
 
 
 def _losses(kind: str, mesh: str, stage: int, engine: str) -> np.ndarray:
-    trainer, batch = _trainer(kind, mesh, stage, engine), _batch(kind)
+    sequence_parallel = kind == "gpt-sp"
+    kind = "gpt" if sequence_parallel else kind
+    trainer, batch = _trainer(kind, mesh, stage, engine, sequence_parallel), _batch(kind)
     state, losses = trainer.init(jax.random.key(0), batch), []
     for _ in range(STEPS):
         state, metrics = trainer.step(state, batch)
@@ -103,14 +107,15 @@ def _losses(kind: str, mesh: str, stage: int, engine: str) -> np.ndarray:
 
 @functools.cache
 def _reference(kind: str) -> np.ndarray:
-    return _losses(kind, "fsdp8", 0, "gspmd")
+    return _losses("gpt" if kind == "gpt-sp" else kind, "fsdp8", 0, "gspmd")
 
 
+# "gpt-sp": the shipped GPT with sequence parallelism (the rule seq -> tensor)
 FAST = [("nnx", "fsdp4_tensor2", 3, "gspmd"), ("linen", "dp2_fsdp2_tensor2", 3, "shard_map")]
-FAST += [("gpt", "fsdp4_tensor2", 3, "gspmd")]
+FAST += [("gpt-sp", "fsdp4_tensor2", 3, "gspmd")]
 SLOW = [
     (kind, mesh, stage, engine)
-    for kind in ("nnx", "linen", "gpt")
+    for kind in ("nnx", "linen", "gpt", "gpt-sp")
     for mesh in ("fsdp4_tensor2", "dp2_fsdp2_tensor2")
     for stage in range(4)
     for engine in ("gspmd", "shard_map")
@@ -175,6 +180,26 @@ def _logical_params(trainer, state) -> dict:
         state.params,
         is_leaf=lambda x: hasattr(x, "padded_shape"),
     )
+
+
+@pytest.mark.slow
+def test_sequence_parallelism_gathers_the_sequence_over_tensor():
+    """With seq -> tensor the residual stream between blocks is a sequence slice: each block's
+    matmuls all-gather it over `tensor` (B x L x D compute bytes, sending (t-1)/t), twice a block
+    forward, and the state per device is unchanged."""
+    batch, counted, kept = _batch("gpt"), {}, {}
+    for sp in (False, True):
+        trainer = _trainer("gpt", "fsdp4_tensor2", 3, sequence_parallel=sp)
+        state = trainer.init(jax.random.key(0), batch)
+        with tempfile.TemporaryDirectory() as tmp:
+            _, text = hlo.compile_partitioned(trainer.lower(state, batch), tmp)
+        counted[sp] = hlo.collective_bytes(text, mesh=trainer.mesh)["by_kind_axis"]
+        kept[sp] = split_bytes((state.params, state.opt_state), jax.devices()[0])["device"]
+    assert "tensor" not in counted[False].get("all-gather", {})
+    rows = 8 // 4
+    one = rows * GPT_CFG.seq_len * GPT_CFG.d_model * 4 / 2  # fp32, (t-1)/t with t = 2
+    assert counted[True]["all-gather"]["tensor"] >= 2 * GPT_CFG.n_layers * one
+    assert kept[True] == kept[False]
 
 
 def test_a_checkpoint_restores_across_tensor_meshes_exactly(tmp_path):

@@ -72,6 +72,8 @@ class MeshConfig(_Section):
     tensor: Int = 1  # tensor parallelism: the parameter dimensions `rules` map to it (docs/parallelism.md)
     # logical axis name -> "tensor", "fsdp" or null; default: vocab, heads, kv_heads and mlp on tensor
     rules: dict[str, str | None] | None = None
+    # the residual stream between blocks split over `tensor` along the sequence (the rule seq -> tensor)
+    sequence_parallel: StrictBool = False
 
 
 class OptimizerConfig(_Section):
@@ -251,6 +253,8 @@ def validate(c: Config) -> None:
     check_setting(c.train.tensorboard)
     check_sizes(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
     as_rules(c.mesh.rules)
+    if c.mesh.sequence_parallel and c.mesh.tensor == 1:
+        raise UserError("mesh.sequence_parallel splits the sequence over the tensor axis; it needs mesh.tensor > 1.")
     if c.model.kwargs and not c.model.target:
         raise UserError(
             "model.kwargs needs a model.target to pass them to; the shipped GPT takes model.preset, "

@@ -87,6 +87,15 @@ def build_data(c: Config, gpt: GPTConfig | None) -> tuple[Any, Any | None]:
     )
 
 
+def axis_rules(c: Config) -> dict:
+    """The config's axis rules (`mesh.rules`, else the defaults), with seq -> tensor under
+    `mesh.sequence_parallel`."""
+    from zerojax.activations import SEQUENCE_PARALLEL_RULES
+    from zerojax.axis_rules import as_rules
+
+    return {**as_rules(c.mesh.rules), **(SEQUENCE_PARALLEL_RULES if c.mesh.sequence_parallel else {})}
+
+
 def build_experiment(c: Config, devices=None) -> Experiment:
     model, gpt, meta = build_model(c)
     mesh = make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor, devices=devices)
@@ -118,6 +127,6 @@ def build_experiment(c: Config, devices=None) -> Experiment:
         ),
         grad_accum=c.train.grad_accum,
         offload=c.zero.offload,
-        axis_rules=c.mesh.rules,
+        axis_rules=axis_rules(c),
     )
     return Experiment(c, gpt, trainer, train_data, eval_data, meta)

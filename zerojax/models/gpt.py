@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zerojax import remat as remat_lib
+from zerojax.activations import with_logical_constraint
 from zerojax.errors import UserError
 from zerojax.remat_policies import check as check_remat
 
@@ -119,6 +120,13 @@ def _apply_rope(x_BxLxHxK: jax.Array, cos_LxK2: jax.Array, sin_LxK2: jax.Array) 
     return rotated.astype(x_BxLxHxK.dtype)
 
 
+def _residual(x_BxLxD: jax.Array) -> jax.Array:
+    """The residual stream between blocks: split over the sequence where the axis rules map `seq`
+    (sequence parallelism), so the norms run on a slice and each block's tensor all-reduce becomes a
+    reduce-scatter here and an all-gather before its matmuls."""
+    return with_logical_constraint(x_BxLxD, ("batch", "seq", "embed"))
+
+
 class Block(nnx.Module):
     """Pre-norm transformer block: causal multi-head attention, then a SwiGLU MLP; no biases."""
 
@@ -142,9 +150,13 @@ class Block(nnx.Module):
         B, L, D = x_BxLxD.shape
         H = self.n_heads
         K = D // H
-        q_BxLxHxK = _apply_rope((x_BxLxD @ self.wq[...]).reshape(B, L, H, K), cos, sin)
-        k_BxLxHxK = _apply_rope((x_BxLxD @ self.wk[...]).reshape(B, L, H, K), cos, sin)
-        v_BxLxHxK = (x_BxLxD @ self.wv[...]).reshape(B, L, H, K)
+        # One contraction for q, k and v: with heads split over `tensor`, the backward's three partial
+        # input gradients are summed before their one all-reduce (three separate matmuls: three).
+        w_3xDxD = jnp.stack([self.wq[...], self.wk[...], self.wv[...]])
+        qkv_3xBxLxD = jnp.einsum("bld,tde->tble", x_BxLxD, w_3xDxD)
+        q_BxLxHxK = _apply_rope(qkv_3xBxLxD[0].reshape(B, L, H, K), cos, sin)
+        k_BxLxHxK = _apply_rope(qkv_3xBxLxD[1].reshape(B, L, H, K), cos, sin)
+        v_BxLxHxK = qkv_3xBxLxD[2].reshape(B, L, H, K)
         s_BxHxLxL = jnp.einsum("bqhk,bshk->bhqs", q_BxLxHxK, k_BxLxHxK, preferred_element_type=jnp.float32) * (K**-0.5)
         causal_LxL = jnp.tril(jnp.ones((L, L), dtype=bool))
         s_BxHxLxL = jnp.where(causal_LxL, s_BxHxLxL, jnp.finfo(jnp.float32).min)
@@ -155,8 +167,8 @@ class Block(nnx.Module):
     def __call__(self, x_BxLxD: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         x_BxLxD = x_BxLxD + self._attention(_rms_norm(x_BxLxD, self.attn_norm[...]), cos, sin)
         h_BxLxD = _rms_norm(x_BxLxD, self.mlp_norm[...])
-        gate_BxLxF = jax.nn.silu(h_BxLxD @ self.w_gate[...])
-        return x_BxLxD + (gate_BxLxF * (h_BxLxD @ self.w_up[...])) @ self.w_down[...]
+        gate_up_2xBxLxF = jnp.einsum("bld,tdf->tblf", h_BxLxD, jnp.stack([self.w_gate[...], self.w_up[...]]))
+        return x_BxLxD + (jax.nn.silu(gate_up_2xBxLxF[0]) * gate_up_2xBxLxF[1]) @ self.w_down[...]
 
 
 class GPT(nnx.Module):
@@ -185,7 +197,7 @@ class GPT(nnx.Module):
         L = tokens_BxL.shape[1]
         if L > cfg.seq_len:
             raise UserError(f"sequence length {L} exceeds model.seq_len={cfg.seq_len}.")
-        x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0)  # activations in param dtype
+        x_BxLxD = _residual(jnp.take(self.embed[...], tokens_BxL, axis=0))  # activations in param dtype
         cos, sin = _rope_tables(L, cfg.head_dim, cfg.rope_base)
         graphdef, stacked = nnx.split(self.blocks)
 
@@ -194,10 +206,12 @@ class GPT(nnx.Module):
             # backward pass re-gathers them and the gather's transpose reduce-scatters the grads.
             if layer_hook is not None:
                 layer_state = layer_hook(layer_state)
-            return nnx.merge(graphdef, layer_state)(x_BxLxD, cos, sin), None
+            return _residual(nnx.merge(graphdef, layer_state)(x_BxLxD, cos, sin)), None
 
         if layer_loop is not None:  # it materialises each layer's params itself
-            x_BxLxD = layer_loop(lambda x, layer_state: nnx.merge(graphdef, layer_state)(x, cos, sin), x_BxLxD, stacked)
+            x_BxLxD = layer_loop(
+                lambda x, layer_state: _residual(nnx.merge(graphdef, layer_state)(x, cos, sin)), x_BxLxD, stacked
+            )
         else:
             x_BxLxD, _ = jax.lax.scan(remat_lib.remat(body, cfg.remat), x_BxLxD, stacked)
         h_BxLxD = _rms_norm(x_BxLxD, self.final_norm[...])
