@@ -30,6 +30,7 @@ PODS = {
     "gpu-1b-8xh100.yaml": ("h100", 8, 1, (0.9e9, 1.2e9)),
     "gpu-7b-64xh100.yaml": ("h100", 64, 8, (6e9, 8e9)),
     "tpu-7b-v5p-128.yaml": ("tpu-v5p", 64, 16, (6e9, 8e9)),
+    "gpu-70b-64xh100.yaml": ("h100", 64, 8, (6.5e10, 7.5e10)),
 }
 
 
@@ -48,9 +49,11 @@ def test_pod_config_validates_and_its_stage_fits(name, capsys):
     c = load_config(_path(name))  # full validation, as `zerojax train` does before starting JAX
     params = model_config(c).num_params()
     assert low <= params <= high
-    assert c.mesh.fsdp is not None and c.mesh.data * c.mesh.fsdp == devices
+    assert c.mesh.fsdp is not None and c.mesh.data * c.mesh.fsdp * c.mesh.tensor == devices
     assert devices % hosts == 0
-    dp = c.mesh.data * c.mesh.fsdp
+    # With a tensor axis, each device keeps 1/(fsdp x tensor) of the state and 1/tensor of its group's
+    # rows' work: planned as fsdp x tensor shards of one row each.
+    shards, dp = c.mesh.fsdp * c.mesh.tensor, c.mesh.data * c.mesh.fsdp * c.mesh.tensor
     assert c.train.batch_size % dp == 0
     micro_batch = c.train.batch_size // dp
     gpt = model_config(c)
@@ -63,7 +66,7 @@ def test_pod_config_validates_and_its_stage_fits(name, capsys):
                 "--params",
                 str(params),
                 "--devices",
-                str(c.mesh.fsdp),
+                str(shards),
                 "--hardware",
                 hardware,
                 "--seq",
@@ -85,7 +88,7 @@ def test_pod_config_validates_and_its_stage_fits(name, capsys):
     # Stricter: with this model's activations at this micro-batch and remat policy.
     plan = planning.plan(
         params,
-        c.mesh.fsdp,
+        shards,
         get_hardware(hardware),
         gpt.seq_len,
         micro_batch,

@@ -19,7 +19,7 @@ import argparse
 import json
 import math
 
-from zerojax.commands import add_overrides
+from zerojax.commands import add_overrides, plan_tensor
 from zerojax.commands.plan_inputs import inputs_from_config, inputs_from_flags
 from zerojax.errors import UserError
 
@@ -62,7 +62,12 @@ def add_step_arguments(p) -> None:
     p.add_argument(
         "--precision", help=f"{' or '.join(DTYPES)}, bf16 with an fp32 master (default: CONFIG's, else bf16)"
     )
-    p.add_argument("--mfu", type=float, default=1.0, help="assumed fraction of peak FLOP/s (default 1.0)")
+    p.add_argument(
+        "--mfu",
+        type=float,
+        default=None,
+        help="assumed fraction of peak FLOP/s (default 1.0 in the stage tables, 0.45 in the FSDP x tensor search)",
+    )
 
 
 def add_budget_arguments(p) -> None:
@@ -103,9 +108,11 @@ def _run(args: argparse.Namespace) -> int:
     result = _plan(args, inputs, hardware)
     ranked = _rank(args, result, inputs, hardware, host_memory)
     by_axis = _by_axis(result, inputs)
+    tensor = plan_tensor.section(inputs, hardware, args.mfu)
     if args.json:
         out = _json_out(args, result, ranked, inputs, hardware, host_memory)
         out["stage_3_traffic_by_axis"] = by_axis
+        out["tensor_parallel"] = tensor
         print(json.dumps(out, indent=2))
         return 0
     from zerojax.commands.plan_tables import print_by_axis, print_picks, print_stage_table
@@ -114,6 +121,8 @@ def _run(args: argparse.Namespace) -> int:
     if by_axis is not None:
         print_by_axis(by_axis)
     print_picks(ranked, args.top, hardware, inputs["rows_per_device"], result.seq_len, args.headroom)
+    if tensor is not None:
+        plan_tensor.print_section(tensor)
     return 0
 
 
@@ -147,7 +156,7 @@ def _plan(args: argparse.Namespace, inputs: dict, hardware):
         optimizer=get_optimizer(inputs["optimizer"], "--optimizer" if args.optimizer else "optimizer.name"),
         shape=inputs["shape"],
         remat=inputs["remat"],
-        mfu=args.mfu,
+        mfu=1.0 if args.mfu is None else args.mfu,
         grad_accum=inputs["grad_accum"],
         reshard_after_forward=inputs["reshard_after_forward"],
     )
@@ -166,7 +175,7 @@ def _rank(args: argparse.Namespace, result, inputs: dict, hardware, host_memory:
         precision=result.precision,
         optimizer=result.optimizer,
         shape=result.shape,
-        mfu=args.mfu,
+        mfu=1.0 if args.mfu is None else args.mfu,
         reshard_after_forward=result.reshard_after_forward,
         memory=hardware.hbm_bytes * (1 - args.headroom),
         host_memory=host_memory,

@@ -63,19 +63,15 @@ def counted_model(c, args: argparse.Namespace) -> dict:
 
 
 def sharding_devices(c, args: argparse.Namespace) -> int:
-    """The devices the state is sharded over: `--devices` less the config's replicas, else mesh.fsdp."""
+    """The devices the state is sharded over: `--devices` less the config's replicas, else mesh.fsdp
+    (x mesh.tensor: at stage 3 each device keeps 1/(fsdp x tensor) of the state either way)."""
     replicas = c.mesh.data
-    if c.mesh.tensor > 1:
-        raise UserError(
-            f"the planner models data x fsdp meshes only; mesh.tensor={c.mesh.tensor} is not planned "
-            "(docs/parallelism.md measures what tensor parallelism moves)."
-        )
     if args.devices is not None:
         if args.devices % replicas:
             raise UserError(f"--devices {args.devices} is not divisible by mesh.data = {replicas}.")
         return args.devices // replicas
     if c.mesh.fsdp is not None:
-        return c.mesh.fsdp
+        return c.mesh.fsdp * c.mesh.tensor
     raise UserError(f"--devices is required: {args.config} leaves mesh.fsdp to the device count.")
 
 
@@ -107,6 +103,7 @@ def inputs_from_config(args: argparse.Namespace) -> dict:
         "shape": counted["shape"],
         "remat": counted["remat"],
         "replicas": c.mesh.data,
+        "tensor": c.mesh.tensor,
         "zeropp": {
             "quantize_weights": c.zero.quantize_weights,
             "quantize_grads": c.zero.quantize_grads,

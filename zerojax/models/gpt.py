@@ -76,6 +76,7 @@ PRESETS: dict[str, GPTConfig] = {
     "124m": GPTConfig(d_model=768, n_layers=12, n_heads=12, d_ff=3456, seq_len=1024),  # ~124.3M
     "1b": GPTConfig(d_model=2048, n_layers=20, n_heads=16, d_ff=5632, seq_len=2048),  # ~1.03B
     "7b": GPTConfig(d_model=4096, n_layers=32, n_heads=32, d_ff=11008, seq_len=2048),  # ~6.48B
+    "70b": GPTConfig(d_model=8192, n_layers=80, n_heads=64, d_ff=24576, seq_len=4096),  # ~69.8B
 }
 
 
