@@ -77,6 +77,10 @@ def measure(mesh_name: str, engine: str, sequence_parallel: bool, stage: int = 3
     }
 
 
+def _axis_bytes(by: dict, name: str) -> float:
+    return sum(v for k in by for a, v in by[k].items() if a == name)
+
+
 def table(rows: list[dict], reference: list[float]) -> str:
     kinds = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
     lines = [
@@ -86,14 +90,13 @@ def table(rows: list[dict], reference: list[float]) -> str:
     ]
     for r in rows:
         by = r["bytes_by_kind_axis"]
-        axis = lambda name: sum(v for k in by for a, v in by[k].items() if a == name)  # noqa: E731
         tensor_kinds = ", ".join(f"{k} {by[k]['tensor']:,.0f}" for k in kinds if by.get(k, {}).get("tensor"))
         rel = max(abs(a / b - 1) for a, b in zip(r["losses"], reference))
         lower = " (lower bound)" if r["unknown_trip_counts"] else ""
         lines.append(
             f"| {r['mesh']} | {r['engine']} | {'yes' if r['sequence_parallel'] else 'no'} "
-            f"| {r['state_bytes_per_device']:,} | {r['temp_bytes']:,} | {axis('fsdp'):,.0f}{lower} "
-            f"| {axis('tensor'):,.0f}{lower} | {tensor_kinds or '-'} | {rel:.1e} |"
+            f"| {r['state_bytes_per_device']:,} | {r['temp_bytes']:,} | {_axis_bytes(by, 'fsdp'):,.0f}{lower} "
+            f"| {_axis_bytes(by, 'tensor'):,.0f}{lower} | {tensor_kinds or '-'} | {rel:.1e} |"
         )
     return "\n".join(lines)
 

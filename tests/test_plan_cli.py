@@ -28,13 +28,15 @@ def test_json_7b_on_8_matches_the_zero_paper():
     assert traffic == pytest.approx([24.5e9, 24.5e9, 24.5e9, 36.75e9])
     assert [s["fits"] for s in stages] == [False, True, True, True]
     assert all(s["compute_time_s"] > 0 and s["comm_time_s"] > 0 for s in stages)
-    assert out["recommendation"]["stage"] == 1
+    assert out["state_alone"]["stage"] == 1
+    assert out["recommendation"] == out["best"]  # one recommendation: the best combination that fits
 
 
 def test_table_output_names_the_recommendation():
     r = _plan("--params", "125M", "--devices", "4", "--hardware", "tpu-v5e")
     assert r.returncode == 0, r.stderr
-    assert "Recommendation:" in r.stdout and "stage 0" in r.stdout  # 2 GB fits everywhere
+    assert r.stdout.count("Recommendation:") == 1 and "--set zero.stage=" in r.stdout.split("Recommendation:")[1]
+    assert "State alone (no activations): stage 0" in r.stdout  # 2 GB fits everywhere
 
 
 def test_a_small_model_is_shown_in_units_it_can_be_read_in():

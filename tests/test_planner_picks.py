@@ -162,7 +162,7 @@ def test_plan_cli_ranks_and_prints_the_overrides_of_the_best():
             ranked[0]["remat"],
         )
     table = cli_in_process("plan", "configs/tiny.yaml", "--devices", "8", "--memory", "2MB")
-    assert "Best combination: --set zero.stage=" in table.stdout, table.stdout[-2000:]
+    assert "Recommendation: --set zero.stage=" in table.stdout, table.stdout[-2000:]
     assert "less 10% headroom" in table.stdout
 
 

@@ -26,7 +26,10 @@ def _fit(out: str) -> None:
     mesh = zj.make_mesh(devices=jax.devices()[:1])
     trainer = zj.Trainer(lambda rngs: MLP(rngs=rngs), optax.adam(1e-2), mesh=mesh, stage=0)
     data = blobs(seed=0, batch_size=8)
-    zj.fit(trainer, data, out, steps=STEPS, eval_source=blobs(seed=1, batch_size=8), eval_every=2)
+    schedule = optax.linear_schedule(1e-2, 1e-3, STEPS)  # what the optimizer would use, recorded per step
+    zj.fit(
+        trainer, data, out, steps=STEPS, eval_source=blobs(seed=1, batch_size=8), eval_every=2, learning_rate=schedule
+    )
 
 
 def _records(out: str) -> list[dict]:
@@ -40,7 +43,8 @@ def test_every_scalar_of_every_step_equals_metrics_jsonl(tmp_path):
     events.Reload()
     records = _records(str(tmp_path))
     tags = {key for r in records for key in r if key != "step"}
-    assert {"loss", "grad_norm", "step_time_s", "tokens_per_s", "eval_loss", "bad_step"} <= tags
+    assert {"loss", "grad_norm", "step_time_s", "tokens_per_s", "eval_loss", "bad_step", "learning_rate"} <= tags
+    assert [r["learning_rate"] for r in records] == pytest.approx([1e-2 - 9e-3 * s / STEPS for s in range(STEPS)])
     assert set(events.Tags()["scalars"]) == tags
     for tag in tags:
         want = {r["step"]: r[tag] for r in records if tag in r}

@@ -46,8 +46,11 @@ def _records(out) -> list[dict]:
     return read_records(out)
 
 
+LR = 1e-2
+
+
 def _trainer(stage=3):
-    return zj.Trainer(lambda rngs: MLP(rngs=rngs), optax.adam(1e-2), mesh=zj.make_mesh(), stage=stage)
+    return zj.Trainer(lambda rngs: MLP(rngs=rngs), optax.adam(LR), mesh=zj.make_mesh(), stage=stage)
 
 
 # ---- sources --------------------------------------------------------------------------------------
@@ -128,6 +131,7 @@ def test_summary_and_metrics_have_the_gpt_fields(tmp_path):
         steps=2,
         eval_source=blobs(seed=1, batch_size=16),
         eval_batches=1,
+        learning_rate=LR,  # a config run knows its optimizer's rate; a user's fit is told it
     )
     assert set(mine) == set(gpt)
     assert set(_records(tmp_path / "m")[0]) == set(_records(tmp_path / "g")[0])

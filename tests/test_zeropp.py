@@ -130,6 +130,7 @@ def _hpz_checks(traffic, run):
     assert traffic["by_kind_axis"]["reduce-scatter"]["data"] == pytest.approx(model, rel=0.02)
 
 
+@pytest.mark.slow  # each option alone is a default test
 def test_hpz_with_qwz_and_qgz_on_data_fsdp_mesh():
     """data=2 x fsdp=4, all three together: the quantized gathers and all-to-alls span fsdp only,
     data carries only the copy's gather and the layers' reduce-scatters, and the state is sharded over

@@ -69,16 +69,22 @@ def get_optimizer(name: str, key: str = "optimizer.name") -> Optimizer:
     return OPTIMIZERS[name]
 
 
-def build_optimizer(c, total_steps: int):
-    """The optax transformation an `optimizer` config section names: warm-up then cosine decay, and
-    global-norm clipping when `grad_clip` is set."""
+def learning_rate(c, total_steps: int):
+    """An `optimizer` config section's learning rate: warm-up then cosine decay (an optax schedule,
+    step -> rate), or the constant `lr`."""
     import optax
 
     if c.warmup_steps:
-        lr = optax.warmup_cosine_decay_schedule(0.0, c.lr, c.warmup_steps, max(total_steps, c.warmup_steps + 1))
-    else:
-        lr = c.lr
-    base = get_optimizer(c.name).make(lr, c)
+        return optax.warmup_cosine_decay_schedule(0.0, c.lr, c.warmup_steps, max(total_steps, c.warmup_steps + 1))
+    return c.lr
+
+
+def build_optimizer(c, total_steps: int):
+    """The optax transformation an `optimizer` config section names (`learning_rate`), with global-norm
+    clipping when `grad_clip` is set."""
+    import optax
+
+    base = get_optimizer(c.name).make(learning_rate(c, total_steps), c)
     return optax.chain(optax.clip_by_global_norm(c.grad_clip), base) if c.grad_clip else base
 
 

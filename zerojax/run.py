@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import jax
 import numpy as np
@@ -24,6 +25,7 @@ import numpy as np
 from zerojax import checkpoint, init_from, sources, tensorboard
 from zerojax.errors import Diverged, Preempted, UserError
 from zerojax.log import warn
+from zerojax.optim import learning_rate
 from zerojax.preempt import Preemption
 from zerojax.resume import check_checkpoint_matches, continue_metrics, step_to_resume
 from zerojax.state import TrainState
@@ -49,6 +51,8 @@ class FitOptions:
     model: dict | None = field(default=None, compare=False)  # the model's description, for checkpoints
     tensorboard: bool | None = None  # event files beside metrics.jsonl; None: when tensorboard is installed
     init_from: str | None = None  # a params .npz a fresh run starts from (zerojax.init_from)
+    # the optimizer's learning rate, a number or an optax schedule (step -> rate): recorded per step
+    learning_rate: Any = field(default=None, compare=False)
 
     @classmethod
     def from_config(cls, c, model: dict | None = None) -> FitOptions:
@@ -66,6 +70,7 @@ class FitOptions:
             model=model,
             tensorboard=t.tensorboard,
             init_from=t.init_from,
+            learning_rate=learning_rate(c.optimizer, t.steps),
         )
 
 
@@ -188,6 +193,19 @@ class _Run:
     last_saved: int = 0
 
 
+def _rate_and_memory(o: FitOptions, step: int) -> dict:
+    """The learning rate the step used (where known) and the device's peak memory so far (where the
+    backend reports it: GPU and TPU, not CPU)."""
+    out = {}
+    if o.learning_rate is not None:
+        rate = o.learning_rate(step) if callable(o.learning_rate) else o.learning_rate
+        out["learning_rate"] = float(rate)
+    stats = jax.local_devices()[0].memory_stats()
+    if stats and "peak_bytes_in_use" in stats:
+        out["device_peak_bytes"] = int(stats["peak_bytes_in_use"])
+    return out
+
+
 def _train_step(trainer, eval_source, o: FitOptions, run: _Run, step: int, batch) -> dict:
     """One step: the state advances, and its metrics.jsonl record is returned."""
     t = time.perf_counter()
@@ -205,6 +223,7 @@ def _train_step(trainer, eval_source, o: FitOptions, run: _Run, step: int, batch
         "step_time_s": dt,
         "tokens_per_s": run.items_per_step / dt,
     }
+    record.update(_rate_and_memory(o, step))
     if o.eval_every and (step + 1) % o.eval_every == 0:
         run.eval_loss = record["eval_loss"] = evaluate(trainer, eval_source, run.state, o.eval_batches)
     run.records.append(record)

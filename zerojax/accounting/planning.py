@@ -234,7 +234,9 @@ def plan_dict(p: Plan) -> dict:
             }
             for r in p.stages
         ],
-        "recommendation": {
+        # the lowest-traffic stage whose state alone fits; `zerojax plan`'s one recommendation is the
+        # best combination with activations (its JSON "recommendation")
+        "state_alone": {
             "stage": p.recommendation.stage,
             "reason": p.recommendation.reason,
             "comm_bound_below_tokens_per_device": p.recommendation.comm_bound_below_tokens,

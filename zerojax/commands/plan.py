@@ -113,6 +113,7 @@ def _run(args: argparse.Namespace) -> int:
         out = _json_out(args, result, ranked, inputs, hardware, host_memory)
         out["stage_3_traffic_by_axis"] = by_axis
         out["tensor_parallel"] = tensor
+        out["recommendation"] = out["best"]  # the one recommendation: the best combination that fits
         print(json.dumps(out, indent=2))
         return 0
     from zerojax.commands.plan_tables import print_by_axis, print_picks, print_stage_table

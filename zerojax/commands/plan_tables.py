@@ -112,10 +112,10 @@ def stage_cells(r, kept: float, scale: float) -> list[str]:
 def print_recommendation(out, p) -> None:
     rec = p.recommendation
     if rec.stage is None:
-        out.print(f"[bold red]Recommendation:[/bold red] {rec.reason}.")
+        out.print(f"[bold red]State alone:[/bold red] {rec.reason}.")
         return
     out.print(
-        f"[bold]Recommendation:[/bold] {rec.reason}. Communication stops dominating at "
+        f"State alone (no activations): {rec.reason}. Communication stops dominating at "
         f"{rec.comm_bound_below_tokens:,.0f} tokens per device per step "
         f"(micro-batch >= {rec.min_micro_batch} at seq {p.seq_len})."
     )
@@ -236,4 +236,4 @@ def print_picks(ranked, top: int, hw, rows: int, seq_len: int, headroom: float) 
             "per device: shard over more devices (mesh.fsdp) or shorten the sequences."
         )
         return
-    out.print("[bold]Best combination:[/bold] " + " ".join(f"--set {o}" for o in best.overrides()))
+    out.print("[bold]Recommendation:[/bold] " + " ".join(f"--set {o}" for o in best.overrides()))
