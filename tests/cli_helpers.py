@@ -14,6 +14,10 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# `zerojax launch` of two processes with four devices each, before the command it launches
+LAUNCH_2X4 = ("launch", "--processes", "2", "--devices-per-process", "4", "--")
+
+
 def without_device_count(flags: str) -> str:
     """The session's XLA flags (tests/conftest.py) less the device count: each command sets its own
     with --devices."""

@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 from tests.cli_helpers import dir_digest
+from tests.host_copies import logical_params
 from tests.models import train_on_stream
 from zerojax import Trainer, load_params, make_mesh
 from zerojax.checkpoint import CheckpointWriter, restore, run_metadata
@@ -39,16 +40,6 @@ def _trainer(stage: int, devices: int, model_cfg=CFG) -> Trainer:
     return Trainer(functools.partial(GPT, model_cfg), _tx(), mesh=mesh, stage=stage)
 
 
-def _logical_params(trainer, state) -> dict:
-    """Host copies of the master params in their logical shapes (a test-only gather)."""
-    return jax.tree.map(
-        lambda l, x: np.asarray(x)[tuple(slice(0, s) for s in l.shape)],
-        trainer.layout.leaves,
-        state.params,
-        is_leaf=lambda x: hasattr(x, "padded_shape"),
-    )
-
-
 @dataclass
 class Source:
     trainer: Trainer
@@ -71,7 +62,7 @@ def sources(tmp_path_factory, stream) -> dict[int, Source]:
         trainer = _trainer(stage, 8)
         state = trainer.init(KEY, stream.host_batch(0))
         state, _ = train_on_stream(trainer, state, stream, range(SAVE_AT))
-        params = _logical_params(trainer, state)
+        params = logical_params(trainer, state)
         writer = CheckpointWriter(str(root / f"stage{stage}"), keep=1, run_meta=run_metadata(trainer, seed=0))
         writer.save(SAVE_AT, state)  # the next step donates `state` while the files are still written
         _, losses = train_on_stream(trainer, state, stream, range(SAVE_AT, SAVE_AT + MORE))
@@ -103,7 +94,7 @@ def test_reshard_matrix_across_stages_and_device_counts(sources, stream):
         eight = {s: sources[s].trainer for s in ((saved + 1) % 4,)}
         for target in (_pick(eight, saved), _pick(four, saved), _pick(one, saved)):
             state, _ = restore(target, src.step_dir, KEY, stream.host_batch(SAVE_AT))
-            got = _logical_params(target, state)
+            got = logical_params(target, state)
             jax.tree.map(np.testing.assert_array_equal, got, src.params)  # resharding is lossless
             _, losses = train_on_stream(target, state, stream, range(SAVE_AT, SAVE_AT + MORE))
             rel = np.abs(np.array(losses) / np.array(src.losses) - 1)
@@ -121,7 +112,7 @@ def test_restore_and_load_params_accept_relative_paths(sources, stream, tmp_path
     assert not os.path.isabs(relative)
     state, meta = restore(src.trainer, relative, KEY, stream.host_batch(SAVE_AT))
     assert meta["step"] == SAVE_AT
-    jax.tree.map(np.testing.assert_array_equal, _logical_params(src.trainer, state), src.params)
+    jax.tree.map(np.testing.assert_array_equal, logical_params(src.trainer, state), src.params)
     export_params(os.path.dirname(relative), str(tmp_path / "params.npz"))
     monkeypatch.chdir(tmp_path)
     loaded = load_params("params.npz")
@@ -147,7 +138,7 @@ def test_export_round_trip_equals_live_master_params(sources, tmp_path):
 
     tuner = _trainer(1, 4)  # fine-tuning starts from the exported weights, sharded
     state = tuner.init(KEY, {"inputs": np.zeros((8, CFG.seq_len), np.int32)}, params=loaded)
-    jax.tree.map(np.testing.assert_array_equal, _logical_params(tuner, state), src.params)
+    jax.tree.map(np.testing.assert_array_equal, logical_params(tuner, state), src.params)
 
 
 def test_export_streams_leaf_by_leaf(tmp_path):

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from tests.cli_helpers import cli_in_process
+from tests.cli_helpers import LAUNCH_2X4, cli_in_process
 from zerojax import cli, distributed
 from zerojax.commands import launch
 from zerojax.errors import UserError
@@ -397,22 +397,7 @@ LONG = ["--set", "train.steps=100000", *FAST[2:]]
 
 def test_killing_a_process_stops_the_launcher_and_its_peer(tmp_path):
     p = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "zerojax.cli",
-            "launch",
-            "--processes",
-            "2",
-            "--devices-per-process",
-            "4",
-            "--",
-            "train",
-            TINY,
-            *LONG,
-            "--out",
-            str(tmp_path),
-        ],
+        [sys.executable, "-m", "zerojax.cli", *LAUNCH_2X4, "train", TINY, *LONG, "--out", str(tmp_path)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from tests.cli_helpers import (
+    LAUNCH_2X4,
     RECORDS_POLL_S,
     assert_one_line_error,
     cli_env,
@@ -186,12 +187,7 @@ def _launch(out, steps: int, *extra) -> list[str]:
         sys.executable,
         "-m",
         "zerojax.cli",
-        "launch",
-        "--processes",
-        "2",
-        "--devices-per-process",
-        "4",
-        "--",
+        *LAUNCH_2X4,
         "train",
         CONFIG,
         "--out",

@@ -19,6 +19,7 @@ from flax import nnx
 
 import zerojax as zj
 from tests.cli_helpers import assert_one_line_error, cli_in_process
+from tests.host_copies import logical_params
 from zerojax.accounting import hlo
 from zerojax.accounting.params import tensor_local_params
 from zerojax.accounting.placed_bytes import split_bytes
@@ -173,16 +174,6 @@ def test_the_tensor_axis_moves_megatrons_activation_all_reduces():
     assert "tensor" not in by.get("all-gather", {})  # nothing is gathered over tensor
 
 
-def _logical_params(trainer, state) -> dict:
-    """Host copies of the master params, padding cropped."""
-    return jax.tree.map(
-        lambda l, x: np.asarray(x)[tuple(slice(0, s) for s in l.shape)],
-        trainer.layout.leaves,
-        state.params,
-        is_leaf=lambda x: hasattr(x, "padded_shape"),
-    )
-
-
 @pytest.mark.slow
 def test_sequence_parallelism_gathers_the_sequence_over_tensor():
     """With seq -> tensor the residual stream between blocks is a sequence slice: each block's
@@ -225,16 +216,16 @@ def test_a_checkpoint_restores_across_tensor_meshes_exactly(tmp_path):
     state = source.init(jax.random.key(0), batch)
     state, _ = source.step(state, batch)
     saved = _save(source, state, tmp_path / "fsdp8")
-    want, exported = _logical_params(source, state), _exported(saved, tmp_path / "fsdp8.npz")
+    want, exported = logical_params(source, state), _exported(saved, tmp_path / "fsdp8.npz")
     for mesh, stage in (("fsdp4_tensor2", 3), ("dp2_fsdp2_tensor2", 1)):
         target = _trainer(kind, mesh, stage)
         restored, _ = restore(target, saved, jax.random.key(0), batch)
-        jax.tree.map(np.testing.assert_array_equal, _logical_params(target, restored), want)
+        jax.tree.map(np.testing.assert_array_equal, logical_params(target, restored), want)
         saved = _save(target, restored, tmp_path / mesh)
         jax.tree.map(np.testing.assert_array_equal, _exported(saved, tmp_path / f"{mesh}.npz"), exported)
     back = _trainer(kind, "fsdp8", 2)
     restored, _ = restore(back, saved, jax.random.key(0), batch)
-    jax.tree.map(np.testing.assert_array_equal, _logical_params(back, restored), want)
+    jax.tree.map(np.testing.assert_array_equal, logical_params(back, restored), want)
 
 
 def test_a_model_with_nothing_on_the_tensor_axis_is_refused_in_one_line():

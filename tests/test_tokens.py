@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tests.cli_helpers import REPO, assert_one_line_error, cli_in_process, dir_digest, read_records, run_cli
+from tests.cli_helpers import LAUNCH_2X4, REPO, assert_one_line_error, cli_in_process, dir_digest, read_records, run_cli
 from zerojax import sources
 from zerojax.config import load_config
 from zerojax.errors import UserError
@@ -302,17 +302,7 @@ def test_two_processes_read_disjoint_rows_of_token_files(bpe, tmp_path):
     import re
 
     (tmp_path / "probe.py").write_text(PROBE)
-    done = run_cli(
-        "launch",
-        "--processes",
-        "2",
-        "--devices-per-process",
-        "4",
-        "--",
-        str(tmp_path / "probe.py"),
-        bpe,
-        env={"PYTHONPATH": REPO},
-    )
+    done = run_cli(*LAUNCH_2X4, str(tmp_path / "probe.py"), bpe, env={"PYTHONPATH": REPO})
     assert done.returncode == 0, done.stderr[-3000:]
     probes = {p["process"]: p for p in (json.loads(m) for m in re.findall(r"^\[\d\] PROBE (.*)$", done.stdout, re.M))}
     assert probes[0]["read"] == [[0, 4]] and probes[1]["read"] == [[4, 8]]

@@ -14,7 +14,15 @@ import optax
 import pytest
 
 import zerojax as zj
-from tests.cli_helpers import RECORDS_POLL_S, assert_one_line_error, cli_env, cli_in_process, read_records, run_cli
+from tests.cli_helpers import (
+    LAUNCH_2X4,
+    RECORDS_POLL_S,
+    assert_one_line_error,
+    cli_env,
+    cli_in_process,
+    read_records,
+    run_cli,
+)
 from tests.user_code import MLP, blobs
 from zerojax.sources import ArraySource, IterableSource, global_batch
 
@@ -299,12 +307,7 @@ def test_launch_two_processes_match_one_with_targets(env, tmp_path):
             sys.executable,
             "-m",
             "zerojax.cli",
-            "launch",
-            "--processes",
-            "2",
-            "--devices-per-process",
-            "4",
-            "--",
+            *LAUNCH_2X4,
             "train",
             "configs/tiny.yaml",
             "--out",

@@ -1,0 +1,16 @@
+"""Host copies of a trainer's state, for tests that compare states across layouts."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+
+def logical_params(trainer, state) -> dict:
+    """The master params on the host in their logical shapes: each leaf gathered, its padding cropped."""
+    return jax.tree.map(
+        lambda l, x: np.asarray(x)[tuple(slice(0, s) for s in l.shape)],
+        trainer.layout.leaves,
+        state.params,
+        is_leaf=lambda x: hasattr(x, "padded_shape"),
+    )
