@@ -4,7 +4,7 @@ Stage 3, fp32, Adam, 8 simulated CPU devices, the tiny GPT (2 layers, d_model 64
 sequences of 64 tokens: for each mesh (fsdp=8, fsdp=4 x tensor=2, data=2 x fsdp=2 x tensor=2),
 engine and sequence parallelism on/off, one compile whose partitioned HLO is counted (bytes each
 device sends, by collective kind and by the mesh axes its groups span), the state's bytes on one
-device, the compiled temporaries, and 3 steps' losses against stage 0 on fsdp=8. Writes
+device, the compiled temporaries, and 5 steps' losses against stage 0 on fsdp=8. Writes
 experiments/results/tensor_parallel.{json,md}.
 
     python experiments/tensor_parallel.py        # 10 runs, ~3 min here
@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 MESHES = {"fsdp=8": {"fsdp": 8}, "fsdp=4 x tensor=2": {"fsdp": 4, "tensor": 2}}
 MESHES["data=2 x fsdp=2 x tensor=2"] = {"data": 2, "fsdp": 2, "tensor": 2}
-STEPS = 3
+STEPS = 5
 
 
 def _runs():

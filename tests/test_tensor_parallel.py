@@ -28,7 +28,7 @@ from zerojax.export import export_params
 from zerojax.models.gpt import GPT, gpt_config
 
 D, F, ROWS, CLASSES = 16, 64, 16, 8
-STEPS = 3
+STEPS = 5  # fp32 steps compared with stage 0, within 1e-5
 MESHES = {
     "fsdp8": {"fsdp": 8},
     "fsdp4_tensor2": {"fsdp": 4, "tensor": 2},
@@ -211,7 +211,7 @@ def test_a_checkpoint_restores_across_tensor_meshes_exactly(tmp_path):
     """fsdp=8 -> fsdp=4 x tensor=2 and data=2 x fsdp=2 x tensor=2 -> back to fsdp=8, the params equal
     bit for bit (the losses that follow are the parity tests'); each mesh's checkpoint exports the
     same file."""
-    kind, batch = "gpt", _batch("gpt")
+    kind, batch = "nnx", _batch("nnx")
     source = _trainer(kind, "fsdp8", 3)
     state = source.init(jax.random.key(0), batch)
     state, _ = source.step(state, batch)
