@@ -233,7 +233,7 @@ def _reshaped(t: dict) -> dict:
 BAD_FOLDERS = {
     "gqa": ({"num_key_value_heads": 2}, None, "uses grouped-query attention (num_key_value_heads=2 < "),
     "not-llama": ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, None, "is not a Llama config"),
-    "vocab": ({"vocab_size": 32000}, None, "vocab_size=32000 does not map to the shipped GPT"),
+    "vocab": ({"vocab_size": 32000}, None, "tensor 'lm_head.weight' of "),  # the sizes come from config.json
     "eps": ({"rms_norm_eps": 1e-5}, None, "rms_norm_eps=1e-05 does not map"),
     "bias": ({"attention_bias": True}, None, "attention_bias=True does not map"),
     "size": ({"hidden_size": "big"}, None, "hidden_size must be a positive integer, got 'big'"),
