@@ -25,6 +25,10 @@ from zerojax.errors import UserError
 GB = 1e9
 GIB = 2**30
 
+# `zerojax plan`'s compute at a stated fraction of peak: published MFU of FSDP training on H100 and
+# TPU is ~40-50% (MaxText's and Levanter's reported runs); `--mfu` overrides it.
+DEFAULT_MFU = 0.45
+
 
 @dataclass(frozen=True)
 class Hardware:

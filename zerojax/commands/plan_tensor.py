@@ -3,12 +3,8 @@ per device below which tensor parallelism pays (`zerojax.accounting.tensor_plan`
 
 from __future__ import annotations
 
-# Compute at a stated fraction of peak: published MFU of FSDP training on H100 and TPU is ~40-50%
-# (MaxText's and Levanter's reported runs); `--mfu` overrides it.
-DEFAULT_EFFICIENCY = 0.45
 
-
-def section(inputs: dict, hardware, mfu: float | None) -> dict | None:
+def section(inputs: dict, hardware, mfu: float) -> dict | None:
     """The section for a GPT-shaped plan (None without a model shape)."""
     from zerojax.accounting import tensor_plan
 
@@ -17,7 +13,7 @@ def section(inputs: dict, hardware, mfu: float | None) -> dict | None:
         return None
     devices = inputs["devices"] * inputs["replicas"]
     tokens = inputs["rows_per_device"] * inputs["seq_len"]
-    efficiency = DEFAULT_EFFICIENCY if mfu is None else mfu
+    efficiency = mfu
     args = (inputs["params"], devices, hardware, shape)
     opts = tensor_plan.options(*args, tokens, efficiency, inputs["remat"])
     pick = tensor_plan.best(opts)
