@@ -85,22 +85,16 @@ def check_trainable(mesh, supports=("tensor",)) -> None:
 def check_tensor_used(layout) -> None:
     """A `tensor` axis over which some parameter is split: otherwise its devices would repeat each
     other's work (a model without axis names, or names no rule maps to `tensor`)."""
+    import jax
+
     tensor = dict(layout.mesh.shape).get("tensor", 1)
-    leaves = [l for l in jax_leaves(layout.leaves) if l.tensor_axis is not None]
-    if tensor > 1 and not leaves:
+    leaves = jax.tree.leaves(layout.leaves, is_leaf=lambda x: hasattr(x, "tensor_axis"))
+    if tensor > 1 and all(l.tensor_axis is None for l in leaves):
         raise UserError(
             f"the mesh's tensor axis has {tensor} devices, but no parameter of this model is mapped to it "
             "(name its dimensions with nnx.with_partitioning / nn.with_logical_partitioning and map a name "
             "to tensor in the axis rules), so they would repeat each other's work; use tensor=1."
         )
-
-
-def jax_leaves(layouts) -> list:
-    import jax
-
-    from zerojax.stages import LeafLayout
-
-    return jax.tree.leaves(layouts, is_leaf=lambda x: isinstance(x, LeafLayout))
 
 
 def data_parallel_size(mesh) -> int:
