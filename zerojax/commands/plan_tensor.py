@@ -4,8 +4,8 @@ per device below which tensor parallelism pays (`zerojax.accounting.tensor_plan`
 from __future__ import annotations
 
 
-def section(inputs: dict, hardware, mfu: float) -> dict | None:
-    """The section for a GPT-shaped plan (None without a model shape)."""
+def section(inputs: dict, hardware, efficiency: float) -> dict | None:
+    """The section for a GPT-shaped plan (None without a model shape); compute at `efficiency` x peak."""
     from zerojax.accounting import tensor_plan
 
     shape = inputs["shape"]
@@ -13,7 +13,6 @@ def section(inputs: dict, hardware, mfu: float) -> dict | None:
         return None
     devices = inputs["devices"] * inputs["replicas"]
     tokens = inputs["rows_per_device"] * inputs["seq_len"]
-    efficiency = mfu
     args = (inputs["params"], devices, hardware, shape)
     opts = tensor_plan.options(*args, tokens, efficiency, inputs["remat"])
     pick = tensor_plan.best(opts)

@@ -13,6 +13,7 @@ from zerojax import units as units_lib
 from zerojax.layout import StateLayout
 from zerojax.precision import cast_tree
 from zerojax.stacked import under
+from zerojax.stages import LeafLayout
 from zerojax.state import TrainState
 
 
@@ -193,13 +194,9 @@ def unit_around(
     A lifted layer stack (Linen `nn.scan` / `nn.vmap` over the params, `layout.stacks`) is a unit
     itself, called inside the transform on one layer's params: each leaf it reads there has lost its
     layer axis, and is gathered as that one layer (`LeafLayout.one_layer`)."""
-    from zerojax.stages import LeafLayout
-
-    leaves = jax.tree.leaves(layout.leaves, is_leaf=lambda x: isinstance(x, LeafLayout))
+    leaves = jax.tree.leaves(layout.leaves, is_leaf=is_layout)
     dtype = layout.precision.compute_dtype
-    logical = jax.tree.map(
-        lambda l: jax.ShapeDtypeStruct(l.shape, dtype), layout.leaves, is_leaf=lambda x: isinstance(x, LeafLayout)
-    )
+    logical = jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape, dtype), layout.leaves, is_leaf=is_layout)
     modules = model.modules(logical, model_state, inputs)
     module_paths = {p for p, _, n in modules if n}
     units = sorted(set(units_lib.choose_units(modules, rule)) | {s for s in layout.stacks if s in module_paths})
@@ -279,12 +276,25 @@ def stack_paths(model, leaves, options) -> tuple[tuple, ...]:
 
 def outside_stacks(fn, stacks, layouts, values):
     """`fn(leaf layout, value)` on every leaf outside the `stacks` paths; stacked leaves unchanged."""
-    from zerojax.stages import LeafLayout
 
     def one(path, leaf, value):
         return value if under(tuple(getattr(k, "key", k) for k in path), stacks) else fn(leaf, value)
 
-    return jax.tree_util.tree_map_with_path(one, layouts, values, is_leaf=lambda x: isinstance(x, LeafLayout))
+    return jax.tree_util.tree_map_with_path(one, layouts, values, is_leaf=is_layout)
+
+
+def is_layout(x) -> bool:
+    return isinstance(x, LeafLayout)
+
+
+def materialize_tree(layouts, tree, materialize_group):
+    """`materialize_group(leaf layouts, stored values)` over the leaves of `tree`, laid out as `layouts`
+    (a params dict, or one layer's `nnx.State`, read as its pure dict); the result as a nested dict."""
+    from flax import nnx
+
+    leaves, treedef = jax.tree.flatten(layouts, is_leaf=is_layout)
+    values = treedef.flatten_up_to(nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree)
+    return treedef.unflatten(materialize_group(leaves, values))
 
 
 def describe_stacks(stacks) -> str:

@@ -19,7 +19,9 @@ from zerojax.engines.common import (
     constrain,
     describe_stacks,
     global_loss,
+    is_layout,
     keep_model_state,
+    materialize_tree,
     outside_stacks,
     stack_paths,
     step_key,
@@ -30,19 +32,16 @@ from zerojax.errors import UserError
 from zerojax.stacked import at
 from zerojax.stages import LeafLayout
 
-is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
-
 SUPPORTS = ("layer_stacks", "prefetch", "wrap", "reshard_after_forward", "grad_accum", "checked_update", "tensor")
 
 
 def _whole(layout, layouts, tree):
     """`tree` (params laid out as `layouts`, or one layer's `nnx.State`) gathered over FSDP: each leaf
     whole but for its tensor-parallel split, which every stage keeps."""
-    state = isinstance(tree, nnx.State)
-    leaves, treedef = jax.tree.flatten(layouts, is_leaf=lambda x: isinstance(x, LeafLayout))
-    values = treedef.flatten_up_to(nnx.to_pure_dict(tree) if state else tree)
-    out = treedef.unflatten([_whole_leaf(layout, l, v) for l, v in zip(leaves, values)])
-    return nnx.State(out) if state else out
+    out = materialize_tree(
+        layouts, tree, lambda leaves, values: list(map(functools.partial(_whole_leaf, layout), leaves, values))
+    )
+    return nnx.State(out) if isinstance(tree, nnx.State) else out
 
 
 def _whole_leaf(layout, leaf: LeafLayout, value):

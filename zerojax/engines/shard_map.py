@@ -22,9 +22,9 @@ from jax.sharding import PartitionSpec as P
 from zerojax import activations
 from zerojax.engines import BuiltStep, EngineOptions, GatherReport, accum, kept_whole_report
 from zerojax.engines.collectives import Reduce, Resident
-from zerojax.engines.common import apply_update, compute_params, keep_model_state, loss_parts, step_key
+from zerojax.engines.common import apply_update, compute_params, is_layout, keep_model_state, loss_parts, step_key
 from zerojax.engines.quantize import Quantizer
-from zerojax.engines.shard_map_routes import RunModel, is_layout, route
+from zerojax.engines.shard_map_routes import RunModel, route
 from zerojax.errors import UserError
 from zerojax.layout import StateLayout
 from zerojax.mesh import BATCH_AXES, data_parallel_size

@@ -19,7 +19,14 @@ from flax import nnx
 from zerojax import units as units_lib
 from zerojax.engines import EngineOptions, GatherReport, replicated_report
 from zerojax.engines.collectives import Reduce
-from zerojax.engines.common import describe_stacks, outside_stacks, stack_paths, unit_around
+from zerojax.engines.common import (
+    describe_stacks,
+    is_layout,
+    materialize_tree,
+    outside_stacks,
+    stack_paths,
+    unit_around,
+)
 from zerojax.layout import StateLayout
 from zerojax.mesh import BATCH_AXES
 from zerojax.stacked import at
@@ -28,10 +35,6 @@ from zerojax.stages import LeafLayout
 # (stored values, model state, inputs, key, train=True) -> (model outputs, new model state); per device, with
 # BatchNorm statistics averaged over the batch axes (global-batch statistics, as under GSPMD)
 RunModel = Callable[[Any, Any, jax.Array, Any], Any]
-
-
-def is_layout(x) -> bool:
-    return isinstance(x, LeafLayout)
 
 
 class LayerHook:
@@ -43,9 +46,7 @@ class LayerHook:
         self.materialize_group = materialize_group
 
     def __call__(self, layer_state: nnx.State) -> nnx.State:
-        leaves, treedef = jax.tree.flatten(self.layouts, is_leaf=is_layout)
-        values = treedef.flatten_up_to(nnx.to_pure_dict(layer_state))
-        return nnx.State(treedef.unflatten(self.materialize_group(leaves, values)))
+        return nnx.State(materialize_tree(self.layouts, layer_state, self.materialize_group))
 
 
 class _PrefetchLoop:
