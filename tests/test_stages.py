@@ -59,7 +59,7 @@ def test_optimizer_moments_follow_params_and_counters_replicate():
     opt_shapes = jax.eval_shape(
         tx.init, {k: jax.ShapeDtypeStruct(v, jnp.float32) for k, v in layout.shapes(True).items()}
     )
-    shardings = layout.opt_state_shardings(tx, opt_shapes)
+    shardings = layout.opt_state_shardings(opt_shapes)
     adam = shardings[0]
     assert adam.mu["w"].spec == jax.sharding.PartitionSpec(None, "fsdp")
     assert adam.nu["b"].spec == jax.sharding.PartitionSpec("fsdp")

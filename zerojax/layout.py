@@ -19,13 +19,16 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax import axis_rules as axis_rules_lib
 from zerojax import offload as offload_lib
-from zerojax import offload_modes
+from zerojax import offload_modes, optim
 from zerojax.precision import Precision, cast_tree
 from zerojax.stacked import under
 from zerojax.stages import FSDP_AXIS, TENSOR_AXIS, LeafLayout, Stage, fit_to, leaf_layout, path_str
 from zerojax.state import TrainState
 
 _is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
+# A storage shape: a plain tuple of ints. Not any tuple: optax's `MaskedNode` (a masked-out leaf of
+# `optax.masked` / `multi_transform` state) is an empty NamedTuple, a pytree node with no leaves.
+_is_shape = lambda x: type(x) is tuple and all(isinstance(i, int) for i in x)  # noqa: E731
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,7 @@ class StateLayout:
     def to_layout(self, tree, sharded: bool, leaves=None):
         """Pad (or crop) every leaf to the storage shape of a sharded (or replicated) group."""
         shapes = self.shapes(sharded, leaves)
-        return jax.tree.map(lambda x, shape: fit_to(x, shape), tree, shapes, is_leaf=lambda x: isinstance(x, tuple))
+        return jax.tree.map(lambda x, shape: fit_to(x, shape), tree, shapes, is_leaf=_is_shape)
 
     # The optimizer group: `leaves` at `optimizer_sharded`, or `opt_leaves` where those are set.
     @property
@@ -112,24 +115,29 @@ class StateLayout:
         """`tree` (any layout) in the optimizer group's storage shapes."""
         return self.to_layout(tree, self.optimizer_sharded, self._opt)
 
-    def opt_state_shardings(self, tx: optax.GradientTransformation, opt_state_shapes):
-        """Moment leaves follow their parameter; scalars and other shapes replicate or shard by rule."""
-        shapes = self.opt_shapes()
+    def opt_state_shardings(self, opt_state_shapes):
+        """A sharding per leaf of whatever pytree the optimizer's `init` returned: a leaf inside a copy of
+        the params tree (Adam's moments; `masked` / `multi_transform` copies, where masked-out leaves are
+        `MaskedNode`s holding nothing) and shaped like its parameter's storage shards like it; every
+        other leaf (counters, Adafactor's factored statistics, hyperparameters) by its own rule."""
+        by_path = {}
+        for (path, layout), shape in zip(
+            jax.tree_util.tree_flatten_with_path(self._opt, is_leaf=_is_layout)[0],
+            jax.tree.leaves(self.opt_shapes(), is_leaf=_is_shape),
+        ):
+            by_path[tuple(path)] = (layout, shape)
 
-        def follow_param(state_leaf, layout: LeafLayout, shape):
-            if tuple(state_leaf.shape) == tuple(shape):
-                return NamedSharding(self.mesh, layout.spec(self.optimizer_sharded))
-            return self._own_rule(state_leaf)
+        def one(path, leaf):
+            for cut in range(len(path) + 1):  # the longest param path the leaf's path ends with
+                found = by_path.get(tuple(path[cut:]))
+                if found is not None:
+                    layout, shape = found
+                    if tuple(leaf.shape) == tuple(shape):
+                        return NamedSharding(self.mesh, layout.spec(self.optimizer_sharded))
+                    break
+            return self._own_rule(leaf)
 
-        return optax.tree_map_params(
-            tx,
-            follow_param,
-            opt_state_shapes,
-            self._opt,
-            shapes,
-            transform_non_params=self._own_rule,
-            is_leaf=lambda x: _is_layout(x) or isinstance(x, tuple) and all(isinstance(i, int) for i in x),
-        )
+        return jax.tree_util.tree_map_with_path(one, opt_state_shapes)
 
     def _own_rule(self, leaf) -> NamedSharding:
         """Leaves that are not param-shaped (factored statistics, counters) shard only when even."""
@@ -142,18 +150,16 @@ class StateLayout:
     def opt_state_shapes(self, tx: optax.GradientTransformation):
         """The optimizer state's abstract leaves, from the optimizer group's storage shapes."""
         params = jax.tree.map(
-            lambda s: jax.ShapeDtypeStruct(s, self.precision.master_dtype),
-            self.opt_shapes(),
-            is_leaf=lambda x: isinstance(x, tuple),
+            lambda s: jax.ShapeDtypeStruct(s, self.precision.master_dtype), self.opt_shapes(), is_leaf=_is_shape
         )
-        return jax.eval_shape(tx.init, params)
+        return optim.state_shapes(tx, params)
 
     def state_shardings(self, tx, opt_state_shapes) -> TrainState:
         """Each group's shardings; the `host_groups` in memory kind "pinned_host"."""
         shardings = TrainState(
             step=self.replicated,
             params=self.shardings(self.master_sharded),
-            opt_state=self.opt_state_shardings(tx, opt_state_shapes),
+            opt_state=self.opt_state_shardings(opt_state_shapes),
             compute=self.shardings(False) if self.keeps_compute_copy else None,
         )
         host = {g: jax.tree.map(offload_lib.to_host, getattr(shardings, g)) for g in self.host_groups}
@@ -168,7 +174,7 @@ class StateLayout:
                 lambda shape, sh: jax.ShapeDtypeStruct(shape, dtype, sharding=sh),
                 self.shapes(sharded),
                 placed,
-                is_leaf=lambda x: isinstance(x, tuple),
+                is_leaf=_is_shape,
             )
 
         opt_state = jax.tree.map(

@@ -116,3 +116,28 @@ def pads_exactly(tx, shape: tuple[int, int] = (129, 131), padded: tuple[int, int
         return True
     except Exception:  # noqa: BLE001 - any failure on the probe: be exact
         return False
+
+
+def check_transformation(tx) -> None:
+    """`tx` is an optax transformation: its `init` and `update` callable (a factory such as `optax.adam`
+    passed uncalled, or a bare function, is one `UserError`)."""
+    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+        raise UserError(
+            f"the optimizer must be an optax GradientTransformation (with init and update), got {tx!r}; "
+            "call the factory, e.g. optax.adamw(3e-4)."
+        )
+
+
+def state_shapes(tx, params):
+    """The abstract state `tx.init` returns for `params` (abstract too), whatever pytree it is; an `init`
+    that fails on the model's parameters is one `UserError` naming the failure."""
+    import jax
+
+    try:
+        return jax.eval_shape(tx.init, params)
+    except Exception as error:  # noqa: BLE001 - any failure of a user's init: one sentence
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise UserError(
+            f"the optimizer's init failed on the model's parameters ({type(error).__name__}: {first[:200]}); "
+            "its masks or labels must match the params tree (zerojax inspect lists the parameter names)."
+        ) from error
