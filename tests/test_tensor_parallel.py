@@ -242,8 +242,11 @@ def test_a_model_with_nothing_on_the_tensor_axis_is_refused_in_one_line():
 
 
 def test_bad_axis_rules_and_indivisible_dims_are_one_line():
-    with pytest.raises(zj.UserError, match="a rule maps to one of fsdp, tensor or None"):
-        zj.Trainer(BlocksNNX, optax.adamw(1e-2), axis_rules={"mlp": "data"})
+    with pytest.raises(zj.UserError, match="a rule maps to one of data, fsdp, tensor, a list of them, or None"):
+        zj.Trainer(BlocksNNX, optax.adamw(1e-2), axis_rules={"mlp": "pipeline"})
+    on_data = zj.Trainer(BlocksNNX, optax.adamw(1e-2), axis_rules={"mlp": "data"})
+    with pytest.raises(zj.UserError, match="maps axis \\d \\('mlp'\\) to \\('data',\\).*whole replicas"):
+        on_data.init(jax.random.key(0), _batch("nnx"))
     three = zj.make_mesh(fsdp=2, tensor=3, devices=jax.devices()[:6])
     trainer = zj.Trainer(BlocksNNX, optax.adamw(1e-2), mesh=three, stage=3)
     with pytest.raises(zj.UserError, match="'blocks/0/down/kernel' splits axis 0 \\(64\\) over the tensor axis"):
@@ -262,8 +265,8 @@ def test_inspect_shows_the_tensor_axis_and_why():
     assert wq["tensor_axis"] == 2 and wq["reason"] == "sharded on axis 1; tensor on axis 2"
     assert wq["spec"]["master"] == "(None, 'fsdp', 'tensor')"
     assert leaves["final_norm"]["tensor_axis"] is None
-    bad = cli_in_process("inspect", "configs/tiny.yaml", "--devices", "8", "--set", "mesh.rules={mlp: data}")
-    assert_one_line_error(bad, "axis rule 'mlp' -> 'data'")
+    bad = cli_in_process("inspect", "configs/tiny.yaml", "--devices", "8", "--set", "mesh.rules={mlp: pipeline}")
+    assert_one_line_error(bad, "axis rule 'mlp' -> 'pipeline'")
 
 
 OPTIONS = {

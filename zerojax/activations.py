@@ -23,7 +23,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zerojax.axis_rules import mesh_axis
+from zerojax.axis_rules import mesh_axes
 from zerojax.mesh import BATCH_AXES
 from zerojax.stages import TENSOR_AXIS
 
@@ -37,7 +37,12 @@ class _Active:
 
     def spec(self, names: tuple) -> P:
         batch = BATCH_AXES if self.mesh is not None else None  # manual inside a shard_map: already local
-        return P(*(batch if n == "batch" else mesh_axis(n, self.rules) for n in names))
+        return P(*(batch if n == "batch" else _entry(mesh_axes(n, self.rules)) for n in names))
+
+
+def _entry(axes: tuple[str, ...]):
+    """One PartitionSpec entry for a dimension split over `axes`."""
+    return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("zerojax_activation_rules", default=None)

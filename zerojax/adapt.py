@@ -14,6 +14,7 @@ the chosen ones FSDP units, the same way for both (see `zerojax.units`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
@@ -56,6 +57,24 @@ class FunctionalModel:
     # (key, abstract inputs) -> {param path "a/b/kernel": its logical axis names} for the leaves the
     # model annotates (`nnx.with_partitioning`, `nn.with_logical_partitioning`; see `zerojax.axis_rules`)
     axis_names: Callable[[Any, Any], dict] | None = None
+
+    def on_mesh(self, context: Callable[[], Any]) -> FunctionalModel:
+        """This model with every function that traces the user's code run inside `context()` (a
+        `zerojax.user_shardings.ModelMesh`'s `active`: the mesh the model's own shardings mean)."""
+        traced = ("init", "apply", "modules", "lifted_stacks", "axis_names")
+        return dataclasses.replace(self, **{n: _within(context, getattr(self, n)) for n in traced})
+
+
+def _within(context, fn):
+    if fn is None:
+        return None
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with context():
+            return fn(*args, **kwargs)
+
+    return run
 
 
 # The metadata key under which each Flax version keeps an NNX variable's axis names.

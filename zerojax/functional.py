@@ -14,6 +14,7 @@ of any shape work: their padding stays inside the state. `Trainer` is built on t
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,10 +36,11 @@ from zerojax.engines.common import compute_params, cross_entropy, global_loss, s
 from zerojax.errors import UserError
 from zerojax.layout import StateLayout, make_layout
 from zerojax.mesh import BATCH_AXES, check_batch, check_tensor_used, check_trainable, data_parallel_size, make_mesh
-from zerojax.optim import pads_exactly
+from zerojax.optim import check_transformation, pads_exactly
 from zerojax.precision import Precision, get_precision
 from zerojax.stages import Stage, get_stage
 from zerojax.state import TrainState, run_key
+from zerojax.user_shardings import ModelMesh
 
 _KEY_SHAPE = (2,)  # the raw data of a threefry key: the state's `rng`
 
@@ -59,6 +61,7 @@ class Setup:
     offload: str
     replicate_below_bytes: int
     axis_rules: dict  # logical axis name -> mesh axis (`zerojax.axis_rules`)
+    model_mesh: ModelMesh  # the mesh the model's own shardings mean while it is traced
 
     @classmethod
     def of(
@@ -79,6 +82,7 @@ class Setup:
         offload: str = "none",
         axis_rules=None,
     ) -> Setup:
+        check_transformation(optimizer)
         built, options = get_engine(engine), EngineOptions.of(engine_options)
         built.check(options)
         grad_accum = check_grad_accum(grad_accum)
@@ -88,8 +92,10 @@ class Setup:
         mesh = mesh if mesh is not None else make_mesh()
         check_trainable(mesh, built.supports)
         offload_lib.check_backend(offload, mesh.devices.flat)
+        rules = axis_rules_lib.as_rules(axis_rules)
+        model_mesh = ModelMesh.of(mesh, rules)
         return cls(
-            functional(model, rng_streams),
+            functional(model, rng_streams).on_mesh(model_mesh.active),
             optimizer,
             mesh,
             get_stage(stage),
@@ -100,7 +106,8 @@ class Setup:
             grad_accum,
             offload,
             replicate_below_bytes,
-            axis_rules_lib.as_rules(axis_rules),
+            rules,
+            model_mesh,
         )
 
     @property
@@ -157,6 +164,11 @@ class Sharded:
                 raise UserError("the given params do not match the model's parameter names and shapes.")
         inputs = jnp.zeros(self.inputs.shape, self.inputs.dtype)
         return jax.jit(self.make_state, out_shardings=self.state_shardings)(key, inputs, params)
+
+    def gather_report(self) -> GatherReport:
+        """How the step materialises the compute params, with what the model's traces so far dropped
+        from its own shardings (`zerojax.user_shardings`)."""
+        return dataclasses.replace(self.report, notes=tuple(sorted(self.setup.model_mesh.notes)))
 
     def shard_batch(self, batch: dict) -> dict:
         """A global batch as `jax.Array`s split over the batch axes; device arrays already so are kept.

@@ -14,8 +14,9 @@ import numpy as np
 
 from zerojax.errors import UserError
 
-AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")  # the global batch is split over every data-parallel axis
+DATA_AXIS = "data"  # whole replicas: parameters are never split over it (but hpZ's state)
+AXES = (DATA_AXIS, "fsdp", "tensor")
+BATCH_AXES = (DATA_AXIS, "fsdp")  # the global batch is split over every data-parallel axis
 
 
 def simulate_cpu_devices(count: int) -> None:

@@ -157,8 +157,9 @@ class Trainer:
         return self.prepared.state_shardings
 
     def gather_report(self) -> GatherReport:
-        """How the current step materialises the compute params."""
-        return self.prepared.report
+        """How the current step materialises the compute params (`notes`: what the model's traces
+        dropped from its own shardings, `zerojax.user_shardings`)."""
+        return self.prepared.gather_report()
 
     def _activate(self, prep: Sharded) -> None:
         if self._active is not prep:

@@ -101,6 +101,8 @@ def layout_report(c) -> dict:
         "persistent_bytes_per_device": totals,
         "host_groups": list(layout.host_groups),  # zero.offload: these groups' bytes are in host memory
         "gathers": prepared.report.description,  # how the step materialises the params, and any exceptions
+        # what the model's traces dropped from its own shardings (`zerojax.user_shardings`)
+        "sharding_notes": list(prepared.gather_report().notes),
     }
 
 
@@ -212,6 +214,8 @@ def print_report(r: dict) -> None:
     console.print(f"replicated leaves: {len(replicated)}" + (f" ({', '.join(replicated)})" if replicated else ""))
     console.print(f"padded leaves: {len(padded)}" + (f" ({', '.join(padded)})" if padded else ""))
     console.print(f"gathers: {r['gathers']}")
+    for note in r["sharding_notes"]:
+        console.print(f"model sharding: {note}")
     if r["unmapped_axis_names"]:
         names = ", ".join(r["unmapped_axis_names"])
         console.print(f"axis names no rule maps (free for FSDP): {names}")

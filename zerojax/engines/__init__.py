@@ -75,6 +75,8 @@ class GatherReport:
 
     route: str
     description: str
+    # what the model's traces dropped from its own shardings (`zerojax.user_shardings`), once traced
+    notes: tuple[str, ...] = ()
 
 
 def replicated_report(stage) -> GatherReport:
