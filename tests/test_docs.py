@@ -100,3 +100,89 @@ def test_the_readme_is_short_and_keeps_the_two_set_up_commands():
     assert len(text.splitlines()) < 200
     assert TRAIN_COMMAND in text
     assert TEST_COMMAND in text
+
+
+# ---- the docs say what the code does -------------------------------------------------------------
+
+PACKAGE = ROOT / "zerojax"
+# a placeholder in a quoted message: "...", a number, an upper-case name (N, DIR, SIGKILL)
+PLACEHOLDER = r"\.\.\.|\d+|\b[A-Z][A-Z_]*\b"
+
+
+def quoted_errors(text: str) -> list[str]:
+    """The error messages a page quotes: `error: ...` spans, and the span in parentheses after `UserError`."""
+    text = re.sub(r"\s+", " ", text)
+    spans = re.findall(r"`((?:[a-z]+: )?error: [^`]+)`", text) + re.findall(r"UserError` \(`([^`]+)`", text)
+    return [re.sub(r"^(?:[a-z]+: )?error: ", "", s) for s in spans if s.strip() not in ("error: ...", "error:")]
+
+
+def message_fragments(message: str) -> list[str]:
+    """The literal parts of a quoted message between its placeholders and punctuation (where the code
+    may join pieces it composes), three words or more: long enough to be telling."""
+    pieces = [p.strip() for f in re.split(PLACEHOLDER, message) for p in re.split(r"[;:(),]", f)]
+    return [p for p in pieces if len(_words(p)) >= 3]
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[\w=.'-]+|\0", text)
+
+
+def _strings(path: pathlib.Path) -> list[list[str]]:
+    """Every string in a module as words, each field of an f-string one wildcard word (a NUL)."""
+    import ast
+
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.JoinedStr):
+            out.append("".join(v.value if isinstance(v, ast.Constant) else " \0 " for v in node.values))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            out.append(node.value)
+    return [_words(s) for s in out]
+
+
+def said_in(fragment: str, strings: list[list[str]]) -> bool:
+    """Whether some string of the code reads `fragment`, a field standing for any one word."""
+    want = _words(fragment)
+    return any(
+        all(w == h or h == "\0" for w, h in zip(want, have[i : i + len(want)]))
+        for have in strings
+        for i in range(len(have) - len(want) + 1)
+    )
+
+
+@pytest.fixture(scope="module")
+def source_strings() -> list[list[str]]:
+    return [s for path in sorted(PACKAGE.rglob("*.py")) for s in _strings(path)]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_every_error_message_a_page_quotes_is_still_in_the_code(page, source_strings):
+    missing = [
+        fragment
+        for message in quoted_errors(page.read_text(encoding="utf-8"))
+        for fragment in message_fragments(message)
+        if not said_in(fragment, source_strings)
+    ]
+    assert not missing
+
+
+def test_the_quoted_message_check_reads_both_forms_and_finds_a_changed_message(source_strings):
+    text = "one `error: training stopped at step N: ...` line\nor a `UserError` (`a rule maps to nowhere at\nall`)."
+    assert quoted_errors(text) == ["training stopped at step N: ...", "a rule maps to nowhere at all"]
+    assert message_fragments("training stopped at step N: ...") == ["training stopped at step"]
+    assert said_in("training stopped at step", source_strings)
+    assert said_in("which the tpu backend cannot place", source_strings)  # a field stands for one word
+    assert not said_in("a rule maps to nowhere at all", source_strings)
+
+
+def test_every_module_the_map_of_the_code_names_exists():
+    """docs/architecture.md names modules by their path in zerojax/ or, under a heading, by file name."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    names = set(re.findall(r"`((?:zerojax/)?[\w/]+\.py)`", text))
+    files = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")}
+    missing = [
+        n
+        for n in sorted(names)
+        if n.removeprefix("zerojax/") not in files and not any(f.endswith("/" + n) for f in files)
+    ]
+    assert not missing

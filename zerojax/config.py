@@ -70,9 +70,8 @@ class MeshConfig(_Section):
     data: Int = 1
     fsdp: Int | None = None  # default: every device not on `data` or `tensor`
     tensor: Int = 1  # tensor parallelism: the parameter dimensions `rules` map to it (docs/parallelism.md)
-    # logical or foreign mesh-axis name -> "data", "fsdp", "tensor", a list of them, or null (default:
-    # vocab, heads, kv_heads and mlp on tensor)
-    rules: dict[str, str | list[str] | None] | None = None
+    # default: vocab, heads, kv_heads and mlp on tensor
+    rules: dict[str, str | list[str] | None] | None = None  # a name -> a mesh axis, a list of them, or null
     # the residual stream between blocks split over `tensor` along the sequence (the rule seq -> tensor)
     sequence_parallel: StrictBool = False
 
