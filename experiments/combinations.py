@@ -32,10 +32,10 @@ import zerojax as zj  # noqa: E402
 from zerojax.accounting import measure, picks  # noqa: E402
 from zerojax.accounting.activations import GPTShape  # noqa: E402
 from zerojax.accounting.hardware import get_hardware  # noqa: E402
+from zerojax.core.optim import get_optimizer  # noqa: E402
+from zerojax.core.precision import get_precision  # noqa: E402
 from zerojax.errors import UserError  # noqa: E402
 from zerojax.models.gpt import GPT, gpt_config  # noqa: E402
-from zerojax.optim import get_optimizer  # noqa: E402
-from zerojax.precision import get_precision  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")

@@ -22,7 +22,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     args = ap.parse_args()
 
-    from zerojax.mesh import simulate_cpu_devices
+    from zerojax.core.mesh import simulate_cpu_devices
 
     simulate_cpu_devices(8)
     import jax

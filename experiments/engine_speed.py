@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "engines.md"))
     args = ap.parse_args()
 
-    from zerojax.mesh import simulate_cpu_devices
+    from zerojax.core.mesh import simulate_cpu_devices
 
     simulate_cpu_devices(args.devices)
     from zerojax.models import gpt_config

@@ -41,8 +41,8 @@ def bench(stage: int, micro_batch: int, steps: int, warmup: int) -> dict:
     import jax
 
     from zerojax.accounting.analytic import flops_per_step
-    from zerojax.config import load_config
-    from zerojax.experiment import build_experiment
+    from zerojax.cli.config import load_config
+    from zerojax.cli.experiment import build_experiment
 
     c = load_config(
         CONFIG,

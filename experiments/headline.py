@@ -107,7 +107,7 @@ def params(layers: int, a) -> int:
 def attempt(stage: int, layers: int, a, budget: int) -> dict:
     cmd = command(stage, layers, a)
     with tempfile.TemporaryDirectory() as out:
-        argv = [sys.executable, "-m", "zerojax.cli", *[out if c == "OUT" else c for c in cmd[1:]]]
+        argv = [sys.executable, "-m", "zerojax.cli.main", *[out if c == "OUT" else c for c in cmd[1:]]]
         t0 = time.time()
         proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         killed, reaped = {"at": 0}, threading.Event()

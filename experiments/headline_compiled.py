@@ -33,10 +33,10 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 import headline  # noqa: E402
 import jax  # noqa: E402
 
-from zerojax import sources  # noqa: E402
 from zerojax.accounting import peak_bytes  # noqa: E402
-from zerojax.config import load_config  # noqa: E402
-from zerojax.experiment import build_experiment  # noqa: E402
+from zerojax.cli.config import load_config  # noqa: E402
+from zerojax.cli.experiment import build_experiment  # noqa: E402
+from zerojax.data import sources  # noqa: E402
 
 MIB = 2**20
 NAME = "headline-user-compiled"

@@ -15,9 +15,9 @@ import datetime
 import json
 import os
 
-from zerojax.optim import get_optimizer
-from zerojax.precision import get_precision
-from zerojax.stages import STAGE_INDICES
+from zerojax.core.optim import get_optimizer
+from zerojax.core.precision import get_precision
+from zerojax.core.stages import STAGE_INDICES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -32,13 +32,13 @@ def main() -> int:
     p.add_argument("--precision", default="fp32")
     p.add_argument("--engine", default="shard_map")
     a = p.parse_args()
-    from zerojax.mesh import simulate_cpu_devices
+    from zerojax.core.mesh import simulate_cpu_devices
 
     simulate_cpu_devices(max(COUNTS))
     import jax
 
-    from zerojax.config import load_config
-    from zerojax.experiment import model_config
+    from zerojax.cli.config import load_config
+    from zerojax.cli.experiment import model_config
 
     started = datetime.datetime.now().isoformat(timespec="seconds")
     rows = _measure(a)
@@ -56,8 +56,8 @@ def _measure(a) -> list[dict]:
     """One row per stage x device count: the first `count` simulated devices."""
     import jax
 
-    from zerojax.commands.compare_run import run_row
-    from zerojax.config import load_config
+    from zerojax.cli.commands.compare_run import run_row
+    from zerojax.cli.config import load_config
 
     rows = []
     for stage in STAGES:

@@ -37,9 +37,9 @@ def train_rows(preset: str, stages, precision: str, batch: int, steps: int) -> l
     import optax
 
     from zerojax import Trainer
-    from zerojax.accounting.params import count_params
     from zerojax.accounting.placed_bytes import compiled_argument_bytes
-    from zerojax.data import BatchStream, load_corpus
+    from zerojax.core.trees import count_params
+    from zerojax.data.corpus import BatchStream, load_corpus
     from zerojax.models.gpt import GPT, gpt_config
 
     cfg = gpt_config(preset)

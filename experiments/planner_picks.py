@@ -94,7 +94,7 @@ TOP = 8
 
 def plan(args: list[str]) -> dict:
     r = subprocess.run(
-        [sys.executable, "-m", "zerojax.cli", "plan", *args, "--json"],
+        [sys.executable, "-m", "zerojax.cli.main", "plan", *args, "--json"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -87,7 +87,7 @@ def main() -> int:
     for title, args in CASES:
         t = time.time()
         r = subprocess.run(
-            [sys.executable, "-m", "zerojax.cli", "plan", *args],
+            [sys.executable, "-m", "zerojax.cli.main", "plan", *args],
             cwd=REPO,
             capture_output=True,
             text=True,

@@ -3,7 +3,7 @@ compiled step's temp bytes, the forward + backward's own temp bytes (stage 0, th
 beside the planner's estimate, and step time as a paired ratio to `full` (policies interleaved
 round by round in one process, so machine load affects them alike).
 
-`offload` is not run: XLA:CPU places no host memory (see zerojax/remat.py); its device side is
+`offload` is not run: XLA:CPU places no host memory (see zerojax/core/remat.py); its device side is
 `full`'s, its host side is in tests/test_remat.py.
 
     python experiments/remat_policies.py      # a few minutes on 2 cores

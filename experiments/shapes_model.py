@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from zerojax.sources import ArraySource
+from zerojax.data.sources import ArraySource
 
 SIZE, CLASSES = 16, 4
 

@@ -20,9 +20,9 @@ import json
 import os
 import sys
 
-from zerojax.optim import get_optimizer
-from zerojax.precision import get_precision
-from zerojax.stages import STAGE_INDICES
+from zerojax.core.optim import get_optimizer
+from zerojax.core.precision import get_precision
+from zerojax.core.stages import STAGE_INDICES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -31,8 +31,8 @@ STAGES = STAGE_INDICES
 
 
 def sweep(models, precisions, engines, steps: int) -> list[dict]:
-    from zerojax.commands.compare_run import run_row
-    from zerojax.config import load_config
+    from zerojax.cli.commands.compare_run import run_row
+    from zerojax.cli.config import load_config
 
     rows = []
     for model in models:
@@ -228,7 +228,7 @@ def main() -> int:
         rows = saved["rows"]
         render(rows, saved["header"], sorted({r["model"] for r in rows}))
         return 0
-    from zerojax.mesh import simulate_cpu_devices
+    from zerojax.core.mesh import simulate_cpu_devices
 
     simulate_cpu_devices(8)
     import jax

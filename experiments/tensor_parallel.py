@@ -43,7 +43,7 @@ def measure(mesh_name: str, engine: str, sequence_parallel: bool, stage: int = 3
     import zerojax as zj
     from zerojax.accounting import hlo
     from zerojax.accounting.params import tensor_local_params
-    from zerojax.accounting.placed_bytes import split_bytes
+    from zerojax.core.offload import split_bytes
     from zerojax.models.gpt import GPT, gpt_config
 
     cfg = gpt_config("tiny")

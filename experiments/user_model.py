@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from zerojax.sources import ArraySource
+from zerojax.data.sources import ArraySource
 
 
 class Classifier(nnx.Module):

@@ -35,8 +35,8 @@ TAIL = 50  # the acceptance compares the mean of the last 50 losses
 
 
 def run(steps: int, precision: str, names) -> list[dict]:
-    from zerojax.commands.compare_run import run_row
-    from zerojax.config import load_config
+    from zerojax.cli.commands.compare_run import run_row
+    from zerojax.cli.config import load_config
 
     rows = []
     for name in names:
@@ -178,7 +178,7 @@ def main() -> None:
         help="comma-separated run names; the others are kept from an earlier zeropp.json",
     )
     args = p.parse_args()
-    from zerojax.mesh import simulate_cpu_devices
+    from zerojax.core.mesh import simulate_cpu_devices
 
     simulate_cpu_devices(8)
     names = [n.strip() for n in args.runs.split(",") if n.strip()]

@@ -28,7 +28,7 @@ def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subpro
     full_env = {**os.environ, **(env or {})}
     full_env["XLA_FLAGS"] = without_device_count(full_env.get("XLA_FLAGS", ""))
     return subprocess.run(
-        [sys.executable, "-m", "zerojax.cli", *args],
+        [sys.executable, "-m", "zerojax.cli.main", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -45,7 +45,7 @@ def cli_in_process(*args: str) -> subprocess.CompletedProcess:
     import contextlib
     import io
 
-    from zerojax import cli
+    from zerojax.cli import main as cli
 
     devices = [args[i + 1] for i, a in enumerate(args) if a == "--devices"]
     assert all(int(d) == 8 or int(d) < 1 for d in devices), "a command on another device count needs run_cli"

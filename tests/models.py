@@ -81,7 +81,7 @@ def tiny_gpt(**overrides):
 
 @functools.lru_cache(maxsize=1)
 def _corpus_stream(rows: int, seq_len: int):
-    from zerojax.data import BatchStream, load_corpus
+    from zerojax.data.corpus import BatchStream, load_corpus
 
     return BatchStream(load_corpus(None, max_bytes=2**20), seq_len=seq_len, global_batch=rows, seed=7)
 

@@ -37,7 +37,7 @@ def _plan_with_rss(*args) -> tuple[dict, int]:
     """`zerojax plan ... --json` in a fresh process: (its JSON, its peak resident set in bytes)."""
     # VmHWM, not ru_maxrss: the latter keeps the forking parent's (this test process's) peak across exec.
     code = (
-        "import re, sys; from zerojax.cli import main; rc = main(sys.argv[1:]); "
+        "import re, sys; from zerojax.cli.main import main; rc = main(sys.argv[1:]); "
         "hwm = re.search(r'VmHWM:\\s*(\\d+)', open('/proc/self/status').read()).group(1); "
         "sys.stderr.write(f'RSS {hwm}\\n'); sys.exit(rc)"
     )

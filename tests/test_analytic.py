@@ -8,9 +8,9 @@ from zerojax.accounting import analytic as A
 from zerojax.accounting import planning
 from zerojax.accounting.activations import GPTShape, activation_bytes_gpt
 from zerojax.accounting.hardware import HARDWARE, get_hardware
+from zerojax.core.optim import OPTIMIZERS, get_optimizer
+from zerojax.core.precision import PRECISIONS
 from zerojax.errors import UserError
-from zerojax.optim import OPTIMIZERS, get_optimizer
-from zerojax.precision import PRECISIONS
 
 PSI, P = 7e9, 8
 BF16, FP32 = PRECISIONS["bf16"], PRECISIONS["fp32"]

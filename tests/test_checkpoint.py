@@ -17,12 +17,12 @@ from tests.cli_helpers import dir_digest
 from tests.host_copies import logical_params
 from tests.models import train_on_stream
 from zerojax import Trainer, load_params, make_mesh
-from zerojax.checkpoint import CheckpointWriter, restore, run_metadata
-from zerojax.data import BatchStream, load_corpus
+from zerojax.core.state import TrainState
+from zerojax.data.corpus import BatchStream, load_corpus
 from zerojax.errors import UserError
-from zerojax.export import export_params
+from zerojax.interop.params import export_params
 from zerojax.models.gpt import GPT, gpt_config
-from zerojax.state import TrainState
+from zerojax.train.checkpoint import CheckpointWriter, restore, run_metadata
 
 # d_model 36 and d_ff 100 divide 4 but not 8: on 8 devices wq and w_down are stored padded, on 4
 # and 1 device not, so restoring across device counts must crop and pad.

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from tests.cli_helpers import assert_one_line_error, cli_in_process
-from zerojax.commands.compare import engine_available
+from zerojax.cli.commands.compare import engine_available
 
 TINY = "configs/tiny.yaml"
 FIELDS = {

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import pytest
 
 from zerojax.accounting import analytic as A
-from zerojax.config import OptimizerConfig, load_config
+from zerojax.cli.config import OptimizerConfig, load_config
+from zerojax.core.optim import OPTIMIZERS, build_optimizer, get_optimizer
+from zerojax.core.precision import PRECISIONS, get_precision
 from zerojax.errors import UserError
-from zerojax.optim import OPTIMIZERS, build_optimizer, get_optimizer
-from zerojax.precision import PRECISIONS, get_precision
 
 TINY = "configs/tiny.yaml"
 

@@ -1,4 +1,4 @@
-"""docs/config.md is `zerojax.config_reference`'s output, and it lists every key of every config section."""
+"""docs/config.md is `zerojax.cli.config_reference`'s output, and it lists every key of every config section."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
-from zerojax.config import Config
-from zerojax.config_reference import reference, section_text, type_name
+from zerojax.cli.config import Config
+from zerojax.cli.config_reference import reference, section_text, type_name
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "config.md"
-REGENERATE = "python3 -m zerojax.config_reference > docs/config.md"
+REGENERATE = "python3 -m zerojax.cli.config_reference > docs/config.md"
 
 
 def _config_keys() -> set[str]:

@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zerojax.data import BatchStream, load_corpus, split_corpus
+from zerojax.data.corpus import BatchStream, load_corpus, split_corpus
 from zerojax.errors import UserError
 
 

@@ -19,8 +19,9 @@ import time
 import pytest
 
 from tests.cli_helpers import LAUNCH_2X4, cli_in_process
-from zerojax import cli, distributed
-from zerojax.commands import launch
+from zerojax.cli import distributed
+from zerojax.cli import main as cli
+from zerojax.cli.commands import launch
 from zerojax.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -119,7 +120,7 @@ def test_distributed_without_a_cluster_is_one_clear_error():
         if not k.startswith(("ZEROJAX_", "SLURM_", "OMPI_", "JAX_COORDINATOR", "KUBERNETES_", "TPU_"))
     }
     done = subprocess.run(
-        [sys.executable, "-m", "zerojax.cli", "train", TINY, "--distributed"],
+        [sys.executable, "-m", "zerojax.cli.main", "train", TINY, "--distributed"],
         capture_output=True,
         text=True,
         timeout=RUN_TIMEOUT_S,
@@ -144,7 +145,7 @@ def test_child_command_and_environment():
         sys.executable,
         "-u",
         "-m",
-        "zerojax.cli",
+        "zerojax.cli.main",
         "train",
         "a.yaml",
     ]
@@ -196,7 +197,7 @@ if sys.argv[1] == "fail":
 
 def _launch(args: list[str], **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "zerojax.cli", "launch", *args],
+        [sys.executable, "-m", "zerojax.cli.main", "launch", *args],
         capture_output=True,
         text=True,
         timeout=RUN_TIMEOUT_S,
@@ -321,13 +322,13 @@ def test_a_two_process_checkpoint_resumes_in_one_process(launched, tmp_path):
 
 _PROBE = """
 import json
-from zerojax import distributed
+from zerojax.cli import distributed
 distributed.initialize(distributed.resolve())  # ZEROJAX_* from the launcher
 import jax, numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
-from zerojax.data import BatchStream
-from zerojax.mesh import BATCH_AXES, make_mesh
+from zerojax.data.corpus import BatchStream
+from zerojax.core.mesh import BATCH_AXES, make_mesh
 
 tokens = (np.arange(5000) * 7 % 256).astype(np.uint8)
 stream = BatchStream(tokens, seq_len=16, global_batch=8, seed=0)
@@ -397,7 +398,7 @@ LONG = ["--set", "train.steps=100000", *FAST[2:]]
 
 def test_killing_a_process_stops_the_launcher_and_its_peer(tmp_path):
     p = subprocess.Popen(
-        [sys.executable, "-m", "zerojax.cli", *LAUNCH_2X4, "train", TINY, *LONG, "--out", str(tmp_path)],
+        [sys.executable, "-m", "zerojax.cli.main", *LAUNCH_2X4, "train", TINY, *LONG, "--out", str(tmp_path)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -433,7 +434,7 @@ def test_survivor_exits_on_its_own_when_its_peer_dies(tmp_path):
                     sys.executable,
                     "-u",
                     "-m",
-                    "zerojax.cli",
+                    "zerojax.cli.main",
                     "train",
                     TINY,
                     *LONG,

@@ -52,7 +52,7 @@ def _train_args(out, *sets, resume=True) -> list[str]:
 
 
 def _cmd(out, *sets, resume=True) -> list[str]:
-    return [sys.executable, "-m", "zerojax.cli", *_train_args(out, *sets, resume=resume)]
+    return [sys.executable, "-m", "zerojax.cli.main", *_train_args(out, *sets, resume=resume)]
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +186,7 @@ def _launch(out, steps: int, *extra) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "zerojax.cli",
+        "zerojax.cli.main",
         *LAUNCH_2X4,
         "train",
         CONFIG,
@@ -291,9 +291,9 @@ TRAJECTORY = {
 
 
 def test_each_trajectory_key_changed_on_resume_is_named(tmp_path):
-    from zerojax.config import load_config
+    from zerojax.cli.config import load_config
     from zerojax.errors import UserError
-    from zerojax.resume import check_resume_config
+    from zerojax.train.resume import check_resume_config
 
     saved = load_config(CONFIG, SETS).to_dict()
     for key, override in TRAJECTORY.items():

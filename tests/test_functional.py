@@ -97,8 +97,8 @@ def test_misuse_is_one_user_error():
 def test_checkpoints_and_load_params_take_the_functional_state(tmp_path):
     """A `zj.shard` state saves like `Trainer`'s and restores into another stage's `Sharded`, each
     device reading its own slice; exported, its logical weights are what `init` starts from."""
-    from zerojax.checkpoint import CheckpointWriter, restore, run_metadata
-    from zerojax.export import export_params
+    from zerojax.interop.params import export_params
+    from zerojax.train.checkpoint import CheckpointWriter, restore, run_metadata
 
     data, mesh = own_loop.batches(2), zj.make_mesh(fsdp=8)
     core = zj.shard(own_loop.Uneven, optax.adamw(1e-2), data[0], mesh=mesh, stage=3)

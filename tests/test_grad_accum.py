@@ -274,7 +274,7 @@ def test_bad_grad_accum_is_one_clear_error():
 
 
 def test_config_rejects_an_indivisible_batch():
-    from zerojax.config import load_config
+    from zerojax.cli.config import load_config
 
     assert load_config(None, ["train.grad_accum=4", "mesh.fsdp=8", "train.batch_size=32"]).train.grad_accum == 4
     with pytest.raises(UserError, match="multiple of 24"):
@@ -303,13 +303,13 @@ def test_planner_counts_stage_3_traffic_per_micro_batch():
 
 
 def test_resume_checks_grad_accum_and_accepts_checkpoints_from_before_it():
-    from zerojax.config import Config
-    from zerojax.resume import check_resume_config
+    from zerojax.cli.config import Config
+    from zerojax.train.resume import check_resume_config
 
     before = Config().to_dict()
     del before["train"]["grad_accum"], before["zero"]["reshard_after_forward"]  # a checkpoint's config from before
-    check_resume_config(before, Config().to_dict(), "ckpt")  # the defaults: nothing changed
+    check_resume_config(before, Config().to_dict(), "ckpt", defaults=Config().to_dict())  # nothing changed
     changed = Config().to_dict()
     changed["train"]["grad_accum"] = 2  # other micro-batches, other dropout keys: another trajectory
     with pytest.raises(UserError, match="train.grad_accum is 2 here but 1 in the checkpoint"):
-        check_resume_config(before, changed, "ckpt")
+        check_resume_config(before, changed, "ckpt", defaults=Config().to_dict())

@@ -18,13 +18,13 @@ from flax import nnx
 import zerojax as zj
 from tests.cli_helpers import assert_one_line_error, cli_in_process, dir_digest
 from tests.user_code import MLP
-from zerojax.checkpoint import CheckpointWriter, run_metadata
-from zerojax.config import load_config
-from zerojax.data import BatchStream, load_corpus
+from zerojax.cli.config import load_config
+from zerojax.cli.experiment import model_config
+from zerojax.data.corpus import BatchStream, load_corpus
 from zerojax.errors import UserError
-from zerojax.experiment import model_config
 from zerojax.models.gpt import GPT, gpt_config
-from zerojax.run import FitOptions, prepare
+from zerojax.train.checkpoint import CheckpointWriter, run_metadata
+from zerojax.train.fit import FitOptions, begin
 
 st = pytest.importorskip("safetensors.numpy", reason="the hf extra is not installed")
 
@@ -195,13 +195,13 @@ def test_transformers_llama_reads_the_export_and_gives_the_gpts_logits(run):
 def test_a_run_with_init_from_starts_from_the_imported_params(run, tmp_path):
     trainer = _trainer()
     options = FitOptions(steps=1, init_from=str(run["imported"] / "params.npz"))
-    start = prepare(trainer, _stream(), str(tmp_path), options)
+    start = begin(trainer, _stream(), str(tmp_path), options)
     assert start.step == 0
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(start.state.params), run["params"])
 
     other = _trainer(dataclasses.replace(CFG, n_layers=1))
     with pytest.raises(UserError, match=r"train.init_from .* does not fit the configured model: parameter 'blocks/"):
-        prepare(other, _stream(), str(tmp_path), options)
+        begin(other, _stream(), str(tmp_path), options)
 
 
 # ---- input that does not map: one sentence, exit 2, nothing written ------------------------------

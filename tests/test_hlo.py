@@ -307,7 +307,7 @@ def test_frozen_snapshots_per_axis(path):
 
 def test_live_data_fsdp_mesh_per_axis(tmp_path):
     """On a real data=2 x fsdp=4 mesh, in whichever form this jax prints the groups."""
-    from zerojax.mesh import make_mesh
+    from zerojax.core.mesh import make_mesh
 
     mesh = make_mesh(2, 4)
 

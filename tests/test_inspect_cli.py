@@ -6,8 +6,8 @@ import pytest
 
 from tests.cli_helpers import assert_one_line_error, cli_in_process, run_cli
 from zerojax.accounting import analytic as A
-from zerojax.optim import OPTIMIZERS
-from zerojax.precision import PRECISIONS
+from zerojax.core.optim import OPTIMIZERS
+from zerojax.core.precision import PRECISIONS
 
 TINY = "configs/tiny.yaml"
 PSI = 115008  # the tiny GPT
@@ -66,7 +66,7 @@ def test_bf16_stage_1_specs_per_group_and_total():
 
 
 def test_table_lists_replicated_and_padded_leaves(three_devices, capsys):
-    from zerojax.commands.inspect import print_report
+    from zerojax.cli.commands.inspect import print_report
 
     print_report(three_devices)
     out = capsys.readouterr().out

@@ -14,10 +14,11 @@ from tests.models import token_batch
 from zerojax.accounting import analytic as A
 from zerojax.accounting import measure
 from zerojax.accounting.activations import GPTShape
+from zerojax.core.optim import OPTIMIZERS
+from zerojax.core.precision import PRECISIONS
+from zerojax.core.stages import LeafLayout
+from zerojax.core.trees import path_str
 from zerojax.models.gpt import GPT, gpt_config
-from zerojax.optim import OPTIMIZERS
-from zerojax.precision import PRECISIONS
-from zerojax.stages import LeafLayout, path_str
 
 P = 8
 ENGINES = ["gspmd"] + (["shard_map"] if importlib.util.find_spec("zerojax.engines.shard_map") else [])

@@ -16,15 +16,15 @@ import pytest
 
 from tests.models import UnevenMLP, classification_batch, train_on_stream
 from zerojax import Trainer, load_params, make_mesh
-from zerojax import offload as offload_lib
-from zerojax.accounting.params import count_params
 from zerojax.accounting.placed_bytes import compiled_argument_bytes
-from zerojax.checkpoint import CheckpointWriter, restore, run_metadata
-from zerojax.config import load_config
-from zerojax.data import BatchStream, load_corpus
+from zerojax.cli.config import load_config
+from zerojax.core import offload as offload_lib
+from zerojax.core.trees import count_params
+from zerojax.data.corpus import BatchStream, load_corpus
 from zerojax.errors import UserError
-from zerojax.export import export_params
+from zerojax.interop.params import export_params
 from zerojax.models.gpt import GPT, gpt_config
+from zerojax.train.checkpoint import CheckpointWriter, restore, run_metadata
 
 KEY = jax.random.key(0)
 # Every dimension divides 8, so no leaf is padded; leaves under 2 KiB would stay replicated by
@@ -270,7 +270,7 @@ def test_backend_without_host_memory_is_a_user_error():
 
 def test_compare_row_reports_device_and_host_space():
     """`zerojax compare --set zero.offload=optimizer`: one row, as the command builds it."""
-    from zerojax.commands.compare_run import run_row
+    from zerojax.cli.commands.compare_run import run_row
 
     sets = [
         "zero.stage=3",

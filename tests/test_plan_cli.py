@@ -9,7 +9,7 @@ import pytest
 
 def _plan(*args):
     return subprocess.run(
-        [sys.executable, "-m", "zerojax.cli", "plan", *args], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "zerojax.cli.main", "plan", *args], capture_output=True, text=True, timeout=60
     )
 
 

@@ -21,11 +21,11 @@ from zerojax.accounting import analytic as A
 from zerojax.accounting import picks
 from zerojax.accounting.activations import GPTShape
 from zerojax.accounting.hardware import get_hardware
-from zerojax.config import load_config
+from zerojax.cli.config import load_config
+from zerojax.core.optim import get_optimizer
+from zerojax.core.precision import get_precision
+from zerojax.core.remat import REMAT_POLICIES
 from zerojax.models.gpt import GPT, gpt_config
-from zerojax.optim import get_optimizer
-from zerojax.precision import get_precision
-from zerojax.remat_policies import REMAT_POLICIES
 
 P = 8
 ADAMW = get_optimizer("adamw")

@@ -14,14 +14,14 @@ import sys
 
 import pytest
 
-from zerojax import cli
 from zerojax.accounting import planning
 from zerojax.accounting.activations import GPTShape
 from zerojax.accounting.hardware import get_hardware
-from zerojax.config import load_config
-from zerojax.experiment import model_config
-from zerojax.optim import get_optimizer
-from zerojax.precision import get_precision
+from zerojax.cli import main as cli
+from zerojax.cli.config import load_config
+from zerojax.cli.experiment import model_config
+from zerojax.core.optim import get_optimizer
+from zerojax.core.precision import get_precision
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -130,7 +130,7 @@ def test_gpu_flags_exist_in_this_xla():
     """XLA aborts on an unknown XLA_FLAGS entry (a typo, or a flag removed in this version)."""
     flags = sorted({f for name in PODS if name.startswith("gpu-") for f in load_config(_path(name)).xla.flags})
     code = (
-        "from zerojax import distributed\n"
+        "from zerojax.cli import distributed\n"
         f"distributed.apply_compiler_flags({flags!r}, [])\n"
         "import jax, jax.numpy as jnp\n"
         "print(float(jax.jit(lambda x: (x * 2).sum())(jnp.ones(4))))\n"

@@ -13,9 +13,10 @@ from flax import nnx
 
 import zerojax as zj
 from tests.models import UnevenMLP, classification_batch
-from zerojax.checkpoint import CheckpointWriter, restore, run_metadata
-from zerojax.export import export_params, load_model_state, load_params
-from zerojax.optim import pads_exactly
+from zerojax.core.optim import pads_exactly
+from zerojax.interop.params import export_params
+from zerojax.train.checkpoint import CheckpointWriter, restore, run_metadata
+from zerojax.train.params_file import load_model_state, load_params
 
 KEY = jax.random.key(0)
 ENGINES = ("gspmd", "shard_map")

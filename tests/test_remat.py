@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from zerojax import remat as remat_lib
 from zerojax.accounting.activations import host_activation_bytes_gpt
+from zerojax.core import remat as remat_lib
 from zerojax.errors import UserError
 from zerojax.models.gpt import GPT, gpt_config
 

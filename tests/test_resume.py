@@ -16,13 +16,12 @@ import numpy as np
 import pytest
 
 from tests.cli_helpers import RECORDS_POLL_S, dir_digest, read_records, wait_for
-from zerojax import cli
-from zerojax.checkpoint import complete_steps, restore
-from zerojax.config import load_config
-from zerojax.engines.common import cross_entropy
+from zerojax.cli import main as cli
+from zerojax.cli.config import load_config
+from zerojax.cli.experiment import build_experiment, fit_experiment
+from zerojax.core.loss import cross_entropy
 from zerojax.errors import UserError
-from zerojax.experiment import build_experiment
-from zerojax.run import fit
+from zerojax.train.checkpoint import complete_steps, restore
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "tiny.yaml")
@@ -39,7 +38,7 @@ def _records(out) -> list[dict]:
 
 
 def _train_cmd(out, *sets) -> list[str]:
-    cmd = [sys.executable, "-m", "zerojax.cli", "train", CONFIG, "--devices", "8", "--out", str(out), "--resume"]
+    cmd = [sys.executable, "-m", "zerojax.cli.main", "train", CONFIG, "--devices", "8", "--out", str(out), "--resume"]
     for s in (*SETS, *sets):
         cmd += ["--set", s]
     return cmd
@@ -172,7 +171,7 @@ def test_bad_checkpoints_exit_2_with_one_line_and_change_nothing(reference, env,
         [
             sys.executable,
             "-m",
-            "zerojax.cli",
+            "zerojax.cli.main",
             "export",
             str(run / "checkpoints" / str(STEPS - 2)),
             str(tmp_path / "p.npz"),
@@ -249,7 +248,7 @@ def _experiment(bad: set[int], *sets: str):
 def test_fit_resume_at_stage_0_is_bit_exact_and_a_nan_batch_is_skipped(compile_cache, tmp_path):
     a = tmp_path / "a"
     exp = _experiment({2})  # the batch of step 3 (index 2) is poisoned
-    summary = fit(exp, str(a))
+    summary = fit_experiment(exp, str(a))
     rec = _records(a)
     assert [r["bad_step"] for r in rec] == [0, 0, 1, 0, 0, 0] and summary["bad_steps"] == 1
     assert rec[2]["loss"] is None and all(np.isfinite(r["loss"]) for i, r in enumerate(rec) if i != 2)
@@ -272,7 +271,7 @@ def test_fit_resume_at_stage_0_is_bit_exact_and_a_nan_batch_is_skipped(compile_c
     with open(a / "metrics.jsonl") as f:
         lines = f.readlines()
     (b / "metrics.jsonl").write_text("".join(lines[:3]) + lines[3][:20])
-    summary = fit(_experiment({2}), str(b), resume=True)
+    summary = fit_experiment(_experiment({2}), str(b), resume=True)
     assert summary["resumed_from"] == 2 and summary["bad_steps"] == 1
     keys = ("step", "loss", "grad_norm", "bad_step")
     assert [{k: r[k] for k in keys} for r in _records(b)] == [{k: r[k] for k in keys} for r in rec]
@@ -285,12 +284,12 @@ def test_max_bad_steps_stops_the_run_and_keeps_the_last_good_checkpoint(compile_
         match=r"training stopped at step 6: 2 consecutive steps had a non-finite loss, "
         r"gradient norm or update \(train.max_bad_steps=2\); the last good checkpoint is step 4",
     ):
-        fit(exp, str(tmp_path))
+        fit_experiment(exp, str(tmp_path))
     assert complete_steps(str(tmp_path / "checkpoints")) == [2, 4]
     assert [r["bad_step"] for r in _records(tmp_path)] == [0, 0, 0, 0, 1, 1]
 
     # Once the data is fixed, the same run resumes from the last good checkpoint and finishes.
-    summary = fit(_experiment(set(), "train.steps=8", "train.max_bad_steps=2"), str(tmp_path), resume=True)
+    summary = fit_experiment(_experiment(set(), "train.steps=8", "train.max_bad_steps=2"), str(tmp_path), resume=True)
     assert summary["resumed_from"] == 4 and summary["bad_steps"] == 0
     assert [r["step"] for r in _records(tmp_path)] == list(range(1, 9))
     assert complete_steps(str(tmp_path / "checkpoints")) == [4, 6, 8]

@@ -20,8 +20,8 @@ from tests.models import LinenMLP, UnevenMLP, classification_batch, tiny_gpt, to
 from tests.programs import KEY, lower_abstract
 from zerojax.accounting.analytic import peak_bytes
 from zerojax.accounting.hlo import collective_bytes, compile_partitioned, partitioned_hlo_text
+from zerojax.adapt.units import WrapRule, as_rule, choose_units
 from zerojax.models import GPT, gpt_config
-from zerojax.units import WrapRule, as_rule, choose_units
 
 
 class _Block(nnx.Module):

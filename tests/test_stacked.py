@@ -22,8 +22,8 @@ from flax import nnx
 import zerojax as zj
 from tests.models import Block, unrolled_blocks
 from zerojax.accounting.hlo import collective_bytes, compile_partitioned
-from zerojax.adapt import functional
-from zerojax.engines.common import cross_entropy
+from zerojax.adapt.model import functional
+from zerojax.core.loss import cross_entropy
 from zerojax.errors import UserError
 
 DEVICES = 8

@@ -6,10 +6,10 @@ import optax
 import pytest
 
 import zerojax as zj
+from zerojax.core.layout import make_layout
+from zerojax.core.precision import get_precision
+from zerojax.core.stages import STAGES, get_stage, leaf_layout, shard_numel
 from zerojax.errors import UserError
-from zerojax.layout import make_layout
-from zerojax.precision import get_precision
-from zerojax.stages import STAGES, get_stage, leaf_layout, shard_numel
 
 
 def test_stage_table_shards_more_groups_each_stage():

@@ -22,10 +22,10 @@ from tests.cli_helpers import assert_one_line_error, cli_in_process
 from tests.host_copies import logical_params
 from zerojax.accounting import hlo
 from zerojax.accounting.params import tensor_local_params
-from zerojax.accounting.placed_bytes import split_bytes
-from zerojax.checkpoint import CheckpointWriter, restore, run_metadata
-from zerojax.export import export_params
+from zerojax.core.offload import split_bytes
+from zerojax.interop.params import export_params
 from zerojax.models.gpt import GPT, gpt_config
+from zerojax.train.checkpoint import CheckpointWriter, restore, run_metadata
 
 D, F, ROWS, CLASSES = 16, 64, 16, 8
 STEPS = 5  # fp32 steps compared with stage 0, within 1e-5

@@ -11,7 +11,7 @@ from tests.cli_helpers import cli_in_process
 from zerojax.accounting import analytic, tensor_plan
 from zerojax.accounting.activations import GPTShape
 from zerojax.accounting.hardware import get_hardware
-from zerojax.config import load_config
+from zerojax.cli.config import load_config
 
 SHAPE_70B = GPTShape(8192, 80, 64, 24576)
 PARAMS_70B = 69.8e9

@@ -14,7 +14,7 @@ import pytest
 import zerojax as zj
 from tests.cli_helpers import assert_one_line_error, cli_in_process
 from tests.user_code import MLP, blobs
-from zerojax import tensorboard
+from zerojax.train import tensorboard
 
 pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402

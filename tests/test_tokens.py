@@ -15,14 +15,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tests.cli_helpers import LAUNCH_2X4, REPO, assert_one_line_error, cli_in_process, dir_digest, read_records, run_cli
-from zerojax import sources
-from zerojax.config import load_config
+from zerojax.cli.config import load_config
+from zerojax.core.mesh import BATCH_AXES, make_mesh
+from zerojax.data import sources
+from zerojax.data.token_files import INDEX, documents, read_index, write_token_files
+from zerojax.data.tokenizer import byte_tokenizer, load_tokenizer, train_bpe
+from zerojax.data.tokens import TokenSource
 from zerojax.errors import UserError
-from zerojax.mesh import BATCH_AXES, make_mesh
-from zerojax.sampling import run_tokenizer
-from zerojax.token_files import INDEX, documents, read_index, write_token_files
-from zerojax.tokenizer import byte_tokenizer, load_tokenizer, train_bpe
-from zerojax.tokens import TokenSource
+from zerojax.interop.sampling import run_tokenizer
 
 TINY = os.path.join(REPO, "configs", "tiny.yaml")
 WORDS = "the quick brown fox jumps over a lazy dog while tokens pack into windows of text".split()
@@ -276,14 +276,14 @@ def test_a_run_on_a_2048_token_bpe_resumes_bit_exactly(tmp_path):
 
 PROBE = """
 import json, sys
-from zerojax import distributed
+from zerojax.cli import distributed
 distributed.initialize(distributed.resolve())
 import jax, numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
-from zerojax import sources
-from zerojax.mesh import BATCH_AXES, make_mesh
-from zerojax.tokens import TokenSource
+from zerojax.data import sources
+from zerojax.core.mesh import BATCH_AXES, make_mesh
+from zerojax.data.tokens import TokenSource
 
 source = TokenSource(sys.argv[1], seq_len=16, global_batch=8, seed=0)
 read = []

@@ -9,8 +9,8 @@ import pytest
 
 import zerojax as zj
 from tests.models import UnevenMLP, classification_batch, tiny_gpt, token_batch
+from zerojax.core.state import TrainState
 from zerojax.engines import EngineOptions, get_engine
-from zerojax.state import TrainState
 
 
 def _trainer(model=UnevenMLP, **kwargs):
@@ -129,7 +129,7 @@ def test_a_model_takes_rngs_by_keyword_or_position_as_flax_writes_it():
 
     from flax import nnx
 
-    from zerojax.adapt import functional
+    from zerojax.adapt.model import functional
 
     class ByKeyword(nnx.Module):
         def __init__(self, width: int = 8, *, rngs: nnx.Rngs):

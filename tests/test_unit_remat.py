@@ -21,8 +21,8 @@ import pytest
 import zerojax as zj
 from tests.models import unrolled_blocks
 from tests.unit_models import DEEP, SHALLOW, LinenDeep
+from zerojax.adapt.units import WrapRule
 from zerojax.errors import UserError
-from zerojax.units import WrapRule
 
 DEVICES, WIDTH, ROWS = 8, 128, 4096
 ACTIVATION = (ROWS // DEVICES) * WIDTH * 4

@@ -41,7 +41,7 @@ from tests.unit_models import (
 )
 from zerojax.accounting.analytic import peak_bytes
 from zerojax.accounting.hlo import collective_bytes, compile_partitioned, parse
-from zerojax.units import WrapRule
+from zerojax.adapt.units import WrapRule
 
 
 def _trainer(width, depth, stage, engine, optimizer=None, kind="nnx", precision="fp32", prefetch=False):
@@ -119,7 +119,7 @@ def test_clipped_gradients_wait_as_shards(engine):
     """Global-norm clipping makes every unit's reduced gradient wait for the whole backward pass, which
     it must do as its shard. XLA:CPU's GSPMD reduces with an all-reduce and a slice, and fused the slice
     into the update, so every unit's full gradient lived until then (`gspmd`, fp32: 1.13 blocks per
-    block; `zerojax.ordering.held_on_cpu`). With clipping, the growth stays within the allowance without it."""
+    block; `zerojax.adapt.ordering.held_on_cpu`). With clipping, the growth stays within the allowance without it."""
     grown, allowance = _grown_and_allowance("nnx", engine, "fp32", 256, optimizer="clipped_sgd")
     assert grown <= allowance, (grown, allowance)
 
@@ -210,7 +210,7 @@ def _losses(kind, engine, stage, prefetch=False, width=64, depth=4, steps=4):
     return np.array(out)
 
 
-# ---- prefetch: each unit's gathers one unit ahead (`zerojax.ordering.Prefetch`) -------------------------
+# ---- prefetch: each unit's gathers one unit ahead (`zerojax.adapt.ordering.Prefetch`) -------------------------
 
 
 def _gather_levels(hlo: str) -> list[tuple[int, str]]:

@@ -24,7 +24,7 @@ from tests.cli_helpers import (
     run_cli,
 )
 from tests.user_code import MLP, blobs
-from zerojax.sources import ArraySource, IterableSource, global_batch
+from zerojax.data.sources import ArraySource, IterableSource, global_batch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 8
@@ -123,10 +123,10 @@ def test_fit_trains_any_trainer_and_resume_is_bit_exact(tmp_path):
 
 
 def test_summary_and_metrics_have_the_gpt_fields(tmp_path):
-    from zerojax.config import load_config
-    from zerojax.experiment import build_experiment
+    from zerojax.cli.config import load_config
+    from zerojax.cli.experiment import build_experiment, fit_experiment
 
-    gpt = zj.fit(
+    gpt = fit_experiment(
         build_experiment(
             load_config("configs/tiny.yaml", ["train.steps=2", "data.max_bytes=100000", "train.eval_batches=1"])
         ),
@@ -157,7 +157,7 @@ def _cmd(out, *extra) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "zerojax.cli",
+        "zerojax.cli.main",
         "train",
         "configs/tiny.yaml",
         "--devices",
@@ -286,7 +286,7 @@ def test_launch_two_processes_match_one_with_targets(env, tmp_path):
         [
             sys.executable,
             "-m",
-            "zerojax.cli",
+            "zerojax.cli.main",
             "train",
             "configs/tiny.yaml",
             "--devices",
@@ -306,7 +306,7 @@ def test_launch_two_processes_match_one_with_targets(env, tmp_path):
         [
             sys.executable,
             "-m",
-            "zerojax.cli",
+            "zerojax.cli.main",
             *LAUNCH_2X4,
             "train",
             "configs/tiny.yaml",

@@ -13,8 +13,8 @@ from rich.console import Console
 import zerojax as zj
 from tests.cli_helpers import cli_in_process
 from tests.test_gather_on_read import MODELS, _batch
-from zerojax import report
 from zerojax.engines.collectives import Reduce
+from zerojax.train import progress as report
 
 BATCHES = [_batch(step) for step in range(3)]
 

@@ -20,10 +20,10 @@ from zerojax.accounting import measure
 from zerojax.accounting.analytic import GPTShape, peak_bytes
 from zerojax.accounting.hlo import axes_spanned, collective_bytes, collectives, compile_partitioned
 from zerojax.accounting.zeropp import ZeroPP, stage_3_traffic_by_axis, totals
-from zerojax.config import load_config
+from zerojax.cli.config import load_config
+from zerojax.core.stages import LeafLayout
 from zerojax.engines.quantize import Quantizer
 from zerojax.errors import UserError
-from zerojax.stages import LeafLayout
 
 STEPS = 4
 
@@ -211,7 +211,7 @@ def test_hpz_on_a_user_models_units():
     """hpZ on FSDP units (a user NNX model): the same loss as plain stage 3 on the mesh, and each
     added block grows temp by its secondary copy (a quarter of the fp32 block here) plus the units'
     own bound (0.15 of a block and its saved input): each unit's gathers stay tied to its input and
-    cotangent. Untied (the secondary copy skipped by `zerojax.ordering.tie`), every gathered block was kept:
+    cotangent. Untied (the secondary copy skipped by `zerojax.adapt.ordering.tie`), every gathered block was kept:
     1.0 block per block."""
     (shallow, loss), (deep, _) = _unit_route_temp(SHALLOW, hierarchical=True), _unit_route_temp(DEEP, hierarchical=True)
     assert loss == pytest.approx(_unit_route_temp(SHALLOW)[1], rel=1e-6)

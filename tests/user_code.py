@@ -8,7 +8,7 @@ import numpy as np
 from flax import linen as nn
 from flax import nnx
 
-from zerojax.sources import ArraySource
+from zerojax.data.sources import ArraySource
 
 
 class MLP(nnx.Module):

@@ -1,6 +1,6 @@
 """zerojax: ZeRO stages 0-3 and FSDP for JAX, expressed as NamedShardings on a device mesh.
 
-Attributes load lazily so that `zerojax.cli` can set `XLA_FLAGS` before JAX starts its backends.
+Attributes load lazily so that `zerojax.cli.main` can set `XLA_FLAGS` before JAX starts its backends.
 """
 
 from importlib import import_module
@@ -8,27 +8,27 @@ from importlib import import_module
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Trainer": "zerojax.trainer",
-    "shard": "zerojax.functional",
-    "Sharded": "zerojax.functional",
-    "TrainState": "zerojax.state",
+    "Trainer": "zerojax.train.trainer",
+    "shard": "zerojax.train.shard",
+    "Sharded": "zerojax.train.shard",
+    "TrainState": "zerojax.core.state",
     "EngineOptions": "zerojax.engines",
-    "make_mesh": "zerojax.mesh",
-    "simulate_cpu_devices": "zerojax.mesh",
-    "STAGES": "zerojax.stages",
-    "get_stage": "zerojax.stages",
-    "make_layout": "zerojax.layout",
+    "make_mesh": "zerojax.core.mesh",
+    "simulate_cpu_devices": "zerojax.core.mesh",
+    "STAGES": "zerojax.core.stages",
+    "get_stage": "zerojax.core.stages",
+    "make_layout": "zerojax.core.layout",
     "UserError": "zerojax.errors",
-    "load_params": "zerojax.export",
-    "load_model_state": "zerojax.export",
-    "fit": "zerojax.run",
-    "FitOptions": "zerojax.run",
-    "ArraySource": "zerojax.sources",
-    "IterableSource": "zerojax.sources",
-    "Stacked": "zerojax.stacked",
-    "DEFAULT_AXIS_RULES": "zerojax.axis_rules",
-    "SEQUENCE_PARALLEL_RULES": "zerojax.activations",
-    "with_logical_constraint": "zerojax.activations",
+    "load_params": "zerojax.train.params_file",
+    "load_model_state": "zerojax.train.params_file",
+    "fit": "zerojax.train.fit",
+    "FitOptions": "zerojax.train.fit",
+    "ArraySource": "zerojax.data.sources",
+    "IterableSource": "zerojax.data.sources",
+    "Stacked": "zerojax.adapt.stacked",
+    "DEFAULT_AXIS_RULES": "zerojax.core.axis_rules",
+    "SEQUENCE_PARALLEL_RULES": "zerojax.core.constraints",
+    "with_logical_constraint": "zerojax.core.constraints",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -4,7 +4,7 @@
 the one parameter count; `hlo` counts collective bytes in HLO text and compiles a lowered program to get the
 post-partitioning HLO; `placed_bytes` counts bytes by memory space (device or host); `measure` sets a built
 trainer beside the analytic model and `compare.measured_row` measures and times its step. Building the
-trainer from a config is the caller's (`zerojax.commands.compare_run`): accounting imports no experiment.
+trainer from a config is the caller's (`zerojax.cli.commands.compare_run`): accounting imports no experiment.
 """
 
 from zerojax.accounting.activations import ACTIVATION_MODEL, GPTShape, activation_bytes_gpt
@@ -20,8 +20,8 @@ from zerojax.accounting.analytic import (
 from zerojax.accounting.hardware import HARDWARE, Hardware, get_hardware
 from zerojax.accounting.hlo import collective_bytes, compile_partitioned, partitioned_hlo_text, shape_bytes
 from zerojax.accounting.planning import Plan, plan, plan_dict
-from zerojax.optim import get_optimizer
-from zerojax.precision import get_precision
+from zerojax.core.optim import get_optimizer
+from zerojax.core.precision import get_precision
 
 __all__ = [
     "ACTIVATION_MODEL",

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from zerojax.core.remat import REMAT_POLICIES
 from zerojax.errors import UserError
-from zerojax.remat_policies import REMAT_POLICIES
 
 
 @dataclass(frozen=True)
@@ -36,14 +36,14 @@ class LayerTerms:
 class ActivationModel:
     """Coefficients of `activation_bytes_gpt`, for the SwiGLU / RoPE decoder in `models/gpt.py`.
 
-    Saved per layer across the whole backward, by remat policy (`zerojax.remat`):
+    Saved per layer across the whole backward, by remat policy (`zerojax.core.remat`):
       full: the layer input only (B*L*D).
       dots: weight-matmul outputs; q, k, v, o, gate, up, down would be 5D + 2F, XLA keeps ~3D + 2F.
       none: every internal (norms, q/k/v, attention output, 3-4 SwiGLU tensors, fp32 softmax).
       offload: on the device what `full` keeps (the scan's saved layer inputs); in host memory the
         weight-matmul outputs (`host_saved`: 4D + 2F, counted on the program lowered for a GPU,
         tests/test_remat.py), copied out in the forward and back in the backward. Device side not
-        calibrated: XLA:CPU cannot place host memory (see `zerojax.remat`).
+        calibrated: XLA:CPU cannot place host memory (see `zerojax.core.remat`).
     Working set: one layer recomputed plus its cotangents during its backward (~2x its internals).
     Logits: B*L*V in fp32 kept for the softmax backward, their fp32 gradient largely written in
     place (6 bytes per element fits better than 4 + 4).

@@ -1,6 +1,6 @@
 """Analytic ZeRO model: the bytes each device holds, the bytes it moves per step, and their time.
 
-Pure arithmetic on parameter counts and the stage table in `zerojax.stages`; no JAX import, so
+Pure arithmetic on parameter counts and the stage table in `zerojax.core.stages`; no JAX import, so
 `zerojax plan` starts instantly and every number can be checked by hand against the ZeRO paper
 (Rajbhandari et al. 2020, table 1 and section 7). Bytes are per device; GB means 1e9 bytes.
 """
@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 from zerojax.accounting.activations import GPTShape
 from zerojax.accounting.hardware import Hardware
+from zerojax.core.optim import Optimizer
+from zerojax.core.precision import Precision
+from zerojax.core.stages import GROUPS, Stage, get_stage, sharded_groups
 from zerojax.errors import UserError
-from zerojax.optim import Optimizer
-from zerojax.precision import Precision
-from zerojax.stages import GROUPS, Stage, get_stage, sharded_groups
 
 # --- optimizer state: bytes per parameter -------------------------------------------------
-# Precision (`zerojax.precision`) and the optimizer registry (`zerojax.optim`) are the library's
+# Precision (`zerojax.core.precision`) and the optimizer registry (`zerojax.core.optim`) are the library's
 # own: the planner reads their bytes per parameter and state slots, it keeps no lists of its own.
 
 # Without leaf shapes, a factored second moment is approximated as 1% of a full fp32 one: an r x c
@@ -65,7 +65,7 @@ def model_state_bytes(
 ) -> dict[str, float]:
     """Persistent bytes one device holds, by group (and `total`), for a ZeRO stage.
 
-    Sharding is taken as exact 1/devices; `zerojax.stages` pads uneven leaves, which adds at most
+    Sharding is taken as exact 1/devices; `zerojax.core.stages` pads uneven leaves, which adds at most
     one row per leaf.
     """
     check_inputs(params, devices)

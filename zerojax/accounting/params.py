@@ -1,17 +1,11 @@
-"""The one parameter count: elements of a pytree's leaves, and of the shipped GPT's abstract init."""
+"""Parameter counts for the planner: one tensor-parallel slice, and the shipped GPT's abstract init
+(the one count of a tree is `zerojax.core.trees.count_params`)."""
 
 from __future__ import annotations
 
 import math
 
-
-def count_params(tree) -> int:
-    """Logical elements of every leaf with a shape: arrays, `ShapeDtypeStruct`s or `LeafLayout`s
-    (whose `shape` is the unpadded one)."""
-    import jax
-
-    leaves = jax.tree.leaves(tree, is_leaf=lambda x: hasattr(x, "shape") and not isinstance(x, dict))
-    return int(sum(math.prod(leaf.shape) for leaf in leaves))
+from zerojax.core.trees import count_params
 
 
 def tensor_local_params(layouts) -> int:
@@ -31,7 +25,7 @@ def gpt_params(gpt) -> int:
     import jax
     import jax.numpy as jnp
 
-    from zerojax.adapt import functional, param_shapes
+    from zerojax.adapt.model import functional, param_shapes
     from zerojax.models.gpt import GPT
 
     inputs = jax.ShapeDtypeStruct((1, gpt.seq_len), jnp.int32)

@@ -5,7 +5,7 @@ Pure arithmetic on the formulas of `analytic` (kept state, temporaries, traffic,
 `activations` (saved activations per remat policy); nothing here restates them. What this adds:
 
   offload   `zero.offload` moves kept groups to host memory (`host_groups`: those the trainer
-            places there, `zerojax.offload_modes`): "optimizer" the fp32 master and the optimizer
+            places there, `zerojax.core.offload`): "optimizer" the fp32 master and the optimizer
             state (the 12 bytes per parameter of Adam's master + moments: 12 psi / p from stage 1,
             12 psi at stage 0; with fp32 the params are the master, so they move too),
             "optimizer+params" also the bf16 compute copy stages 0-2 keep. Each step brings them in
@@ -36,12 +36,12 @@ from zerojax.accounting.activations import (
     gpt_host_activation_bytes,
 )
 from zerojax.accounting.hardware import Hardware
+from zerojax.core.offload import MODES, groups
+from zerojax.core.optim import Optimizer
+from zerojax.core.precision import Precision
+from zerojax.core.remat import REMAT_POLICIES, check
+from zerojax.core.stages import GROUP_OF_FIELD, STAGES, Stage
 from zerojax.errors import UserError
-from zerojax.offload_modes import MODES, groups
-from zerojax.optim import Optimizer
-from zerojax.precision import Precision
-from zerojax.remat_policies import REMAT_POLICIES, check
-from zerojax.stages import GROUP_OF_FIELD, STAGES, Stage
 
 
 def device_saved_terms(remat: str) -> tuple[float, float, float]:

@@ -1,34 +1,14 @@
-"""Bytes per device by memory space ("device" or "host", `zero.offload`): of a state's shards, and of
-a compiled step's arguments."""
+"""Bytes per device by memory space ("device" or "host", `zero.offload`) of a compiled step's
+arguments (a state's shards: `zerojax.core.offload.split_bytes`)."""
 
 from __future__ import annotations
 
-import math
 import re
 
-import jax
-
 from zerojax.accounting.hlo import shape_bytes
-from zerojax.offload_modes import is_host
 
 ARGUMENT = re.compile(r"\b([a-z][a-z0-9]*\[[\d,]*\])(?:\{([^}]*)\})?")  # dtype[dims]{layout}
 HOST_SPACE = "S(5)"  # the layout's memory space of an argument in host memory
-
-
-def split_bytes(tree, device=None) -> dict[str, int]:
-    """{"device": bytes, "host": bytes} of `tree`'s shards on `device` (default: the first shard's),
-    by each array's memory kind; for `jax.ShapeDtypeStruct`s, from their shardings."""
-    out = {"device": 0, "host": 0}
-    for leaf in jax.tree.leaves(tree):
-        where = "host" if is_host(leaf.sharding) else "device"
-        if isinstance(leaf, jax.ShapeDtypeStruct):
-            out[where] += math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
-            continue
-        for shard in leaf.addressable_shards:
-            device = shard.device if device is None else device
-            if shard.device == device:
-                out[where] += shard.data.nbytes
-    return out
 
 
 def compiled_argument_bytes(compiled) -> dict[str, int]:

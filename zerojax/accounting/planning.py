@@ -17,10 +17,10 @@ from zerojax.accounting.analytic import (
     traffic_bytes,
 )
 from zerojax.accounting.hardware import Hardware
+from zerojax.core.optim import OPTIMIZERS, Optimizer
+from zerojax.core.precision import PRECISIONS, Precision
+from zerojax.core.stages import GROUPS, STAGES
 from zerojax.errors import UserError
-from zerojax.optim import OPTIMIZERS, Optimizer
-from zerojax.precision import PRECISIONS, Precision
-from zerojax.stages import GROUPS, STAGES
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,7 @@ class GatherReport:
 
     route: str
     description: str
-    # what the model's traces dropped from its own shardings (`zerojax.user_shardings`), once traced
+    # what the model's traces dropped from its own shardings (`zerojax.core.model_mesh`), once traced
     notes: tuple[str, ...] = ()
 
 

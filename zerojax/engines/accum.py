@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from zerojax.engines.common import loss_parts
+from zerojax.core.loss import loss_parts
 from zerojax.errors import UserError
 
 

@@ -14,8 +14,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from zerojax.core.stages import FSDP_AXIS, LeafLayout, Stage, fit_to, join_shards
 from zerojax.engines import quantize
-from zerojax.stages import FSDP_AXIS, LeafLayout, Stage, fit_to, join_shards
 
 
 def keep_tensor_split(value, leaf: LeafLayout):
@@ -44,7 +44,7 @@ class Secondary(NamedTuple):
     primary: jax.Array
 
     def tied(self, token):
-        """The copy plus the exact zero `token` (`zerojax.ordering.tie`), computed after `token` exists."""
+        """The copy plus the exact zero `token` (`zerojax.adapt.ordering.tie`), computed after `token` exists."""
         return self._replace(copy=self.copy + token.astype(self.copy.dtype))
 
 

@@ -10,29 +10,25 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from zerojax import activations
-from zerojax import units as units_lib
+from zerojax.adapt import units as units_lib
+from zerojax.adapt.stacked import at
+from zerojax.core import constraints as activations
+from zerojax.core.loss import global_loss
+from zerojax.core.stages import LeafLayout
 from zerojax.engines import BuiltStep, EngineOptions, GatherReport, kept_whole_report, replicated_report
-from zerojax.engines.common import (
-    apply_update,
-    compute_params,
-    constrain,
+from zerojax.engines.gspmd_accum import accumulated_grads
+from zerojax.engines.unit_plan import (
     describe_stacks,
-    global_loss,
     is_layout,
-    keep_model_state,
     materialize_tree,
     outside_stacks,
     stack_paths,
-    step_key,
     unit_around,
 )
-from zerojax.engines.gspmd_accum import accumulated_grads
+from zerojax.engines.update import apply_update, compute_params, constrain, keep_model_state, step_key
 from zerojax.errors import UserError
-from zerojax.stacked import at
-from zerojax.stages import LeafLayout
 
-SUPPORTS = ("layer_stacks", "prefetch", "wrap", "reshard_after_forward", "grad_accum", "checked_update", "tensor")
+SUPPORTS = ("layer_stacks", "prefetch", "wrap", "reshard_after_forward", "checked_update")  # `EngineOptions` fields
 
 
 def _whole(layout, layouts, tree):
@@ -89,7 +85,7 @@ def _report(layout, model) -> GatherReport:
 
 def _units(layout, model, static, options, inputs, model_state):
     """Stage 3, a model without a layer hook: (report, around) making the wrap rule's submodules FSDP
-    units, each asking for its whole weights inside its own rematerialised call (see `zerojax.units`),
+    units, each asking for its whole weights inside its own rematerialised call (see `zerojax.adapt.units`),
     or None where no unit matches (the whole model is then gathered at once)."""
     rule = units_lib.as_rule(options.wrap)
     if not layout.compute_sharded or model.accepts_layer_hook or rule is None or model.unit_around is None:
@@ -143,7 +139,7 @@ def build(
     else:
         # The update may read the gradient shards twice (check, then write in place) where they are
         # buffers of their own: casts' outputs in the compute dtype, or held by each FSDP unit's
-        # backward (`zerojax.ordering.held_on_cpu`). An fp32 "shard" outside units is a slice of the
+        # backward (`zerojax.adapt.ordering.held_on_cpu`). An fp32 "shard" outside units is a slice of the
         # full all-reduced gradient on XLA:CPU, which a second reader would keep alive.
         shards_are_buffers = layout.precision.compute_dtype != jnp.float32 or around is not None
         grads, update = _grads(layout, loss_fn, run), _update(layout, tx, options, around, shards_are_buffers)

@@ -19,9 +19,9 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zerojax.core.mesh import BATCH_AXES, data_parallel_size
 from zerojax.engines import accum
-from zerojax.engines.common import compute_params, constrain
-from zerojax.mesh import BATCH_AXES, data_parallel_size
+from zerojax.engines.update import compute_params, constrain
 
 _GROUPS = "zerojax_groups"  # the vmapped axis of data-parallel groups
 

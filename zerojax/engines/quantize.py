@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from zerojax.core.stages import FSDP_AXIS, LeafLayout, join_shards
 from zerojax.errors import UserError
-from zerojax.stages import FSDP_AXIS, LeafLayout, join_shards
 
 # code dtype, largest code, whether the codes are rounded to integers
 _KINDS = {"int8": (jnp.int8, 127.0, True), "fp8": (jnp.float8_e4m3fn, 448.0, False)}

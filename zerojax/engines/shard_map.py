@@ -19,29 +19,29 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from zerojax import activations
+from zerojax.core import constraints as activations
+from zerojax.core.layout import StateLayout
+from zerojax.core.loss import loss_parts
+from zerojax.core.mesh import BATCH_AXES, data_parallel_size
+from zerojax.core.stages import FSDP_AXIS, TENSOR_AXIS, LeafLayout, Stage
 from zerojax.engines import BuiltStep, EngineOptions, GatherReport, accum, kept_whole_report
 from zerojax.engines.collectives import Reduce, Resident
-from zerojax.engines.common import apply_update, compute_params, is_layout, keep_model_state, loss_parts, step_key
 from zerojax.engines.quantize import Quantizer
 from zerojax.engines.shard_map_routes import RunModel, route
+from zerojax.engines.unit_plan import is_layout
+from zerojax.engines.update import apply_update, compute_params, keep_model_state, step_key
 from zerojax.errors import UserError
-from zerojax.layout import StateLayout
-from zerojax.mesh import BATCH_AXES, data_parallel_size
-from zerojax.stages import FSDP_AXIS, TENSOR_AXIS, LeafLayout, Stage
 
 SUPPORTS = (
     "layer_stacks",
     "prefetch",
     "wrap",
     "reshard_after_forward",
-    "grad_accum",
     "quantize_weights",
     "quantize_grads",
     "quantize_block",
     "hierarchical",
     "checked_update",
-    "tensor",
 )
 
 

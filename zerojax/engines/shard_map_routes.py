@@ -3,7 +3,7 @@
 "replicated"  stages 0-1: the compute params are whole on every device;
 "layers"      the model holds `zj.Stacked` stacks or takes a `layer_hook` (the shipped GPT): one layer
               per scan iteration (`LayerHook`), with prefetch the next layer's gather beside it;
-"units"       a wrap rule picks submodules that gather their own params (see `zerojax.units`);
+"units"       a wrap rule picks submodules that gather their own params (see `zerojax.adapt.units`);
 "whole"       no units: the whole model is gathered before it runs (correct, but no memory saving).
 """
 
@@ -16,10 +16,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zerojax import units as units_lib
+from zerojax.adapt import units as units_lib
+from zerojax.adapt.stacked import at
+from zerojax.core.layout import StateLayout
+from zerojax.core.mesh import BATCH_AXES
+from zerojax.core.stages import LeafLayout
 from zerojax.engines import EngineOptions, GatherReport, replicated_report
 from zerojax.engines.collectives import Reduce
-from zerojax.engines.common import (
+from zerojax.engines.unit_plan import (
     describe_stacks,
     is_layout,
     materialize_tree,
@@ -27,10 +31,6 @@ from zerojax.engines.common import (
     stack_paths,
     unit_around,
 )
-from zerojax.layout import StateLayout
-from zerojax.mesh import BATCH_AXES
-from zerojax.stacked import at
-from zerojax.stages import LeafLayout
 
 # (stored values, model state, inputs, key, train=True) -> (model outputs, new model state); per device, with
 # BatchNorm statistics averaged over the batch axes (global-batch statistics, as under GSPMD)
@@ -158,9 +158,9 @@ def _layer_route(layout, model, static, stacks, reduce: Reduce, prefetch: bool):
 
 
 def _unit_route(layout, model, static, rule, materialize, inputs, model_state, prefetch=False):
-    """Submodules chosen by the wrap rule gather their own params (see `zerojax.units`), each unit's
+    """Submodules chosen by the wrap rule gather their own params (see `zerojax.adapt.units`), each unit's
     leaves together (`materialize`: a `Reduce.group_materializer`); with `prefetch`, one unit ahead
-    (`zerojax.ordering.Prefetch`)."""
+    (`zerojax.adapt.ordering.Prefetch`)."""
     report, around = unit_around(layout, model, static, rule, materialize, inputs, model_state, prefetch=prefetch)
     return report, lambda raw, ms, x, key, train=True: model.apply(
         raw, ms, static, x, rng=key, train=train, around=around, sync=BATCH_AXES

@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zerojax import remat as remat_lib
-from zerojax.activations import with_logical_constraint
+from zerojax.core import remat as remat_lib
+from zerojax.core.constraints import with_logical_constraint
+from zerojax.core.remat import check as check_remat
 from zerojax.errors import UserError
-from zerojax.remat_policies import check as check_remat
 
 _NORM_EPS = 1e-6
 
@@ -43,7 +43,7 @@ class GPTConfig:
     d_ff: int
     seq_len: int  # longest sequence the model accepts
     vocab_size: int = 256
-    remat: str = "full"  # see `zerojax.remat`: full, dots, none, or offload (dots' residuals on the host)
+    remat: str = "full"  # see `zerojax.core.remat`: full, dots, none, or offload (dots' residuals on the host)
     rope_base: float = 10000.0
 
     def __post_init__(self) -> None:
@@ -87,7 +87,7 @@ def gpt_config(preset: str, **overrides) -> GPTConfig:
 
 
 def _param(value: jax.Array, names: tuple[str, ...]) -> nnx.Param:
-    """A parameter with its logical axis names (`zerojax.axis_rules`: Megatron's split of heads, mlp
+    """A parameter with its logical axis names (`zerojax.core.axis_rules`: Megatron's split of heads, mlp
     and vocab over `tensor`), created unsharded: zerojax lays it out on the mesh itself."""
     return nnx.Param(value, out_sharding=names, eager_sharding=False)
 

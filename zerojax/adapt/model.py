@@ -1,0 +1,376 @@
+"""Turn a user's model into two pure functions: `init(key, inputs) -> (params, static)` and
+`apply(params, static, inputs, layer_hook=None, around=None, layer_loop=None) -> outputs`.
+
+Accepted: a callable `rngs -> nnx.Module` (e.g. the module class), an existing `nnx.Module`, or a
+`flax.linen.Module`. Params are a pure nested dict of arrays; `static` holds the model's
+non-trainable state, which the train step carries unchanged.
+
+`around(module)`, when given, is called on the bound module right before it runs and returns the
+context manager the call runs in: the `shard_map` engine uses it to make submodules FSDP units.
+Only this module knows Linen from NNX: `modules` lists a model's submodules and `unit_around` makes
+the chosen ones FSDP units, the same way for both (see `zerojax.adapt.units`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax import nnx
+
+from zerojax.adapt import stacked as stacked_lib
+from zerojax.adapt import wrap_linen, wrap_nnx
+from zerojax.core.trees import path_str
+
+
+@dataclass(frozen=True)
+class FunctionalModel:
+    init: Callable  # (key, inputs) -> (params, model_state, static)
+    # (params, model_state, static, inputs, *, rng, train, layer_hook, around, layer_loop)
+    #   -> (outputs, new model_state)
+    apply: Callable
+    accepts_layer_hook: bool  # the model gathers per layer when given a hook (models/gpt.py, zerojax.adapt.stacked)
+    module_type: type | None = None  # the model's class
+    accepts_layer_loop: bool = False  # the model hands its layer loop to a `layer_loop` (prefetch)
+    # (logical params, static, abstract inputs) -> [(path, class, parameter leaves)] of its submodules
+    modules: Callable[[Any, Any, Any], list] | None = None
+    # (`zerojax.adapt.units.UnitPlan`) -> around(module): the plan's units gather their own params
+    unit_around: Callable[..., Callable] | None = None
+    # (module, axis names) -> context in which the model's BatchNorms average over those mesh axes
+    sync_batch_stats: Callable[..., Any] | None = None
+    # param paths of the model's `zj.Stacked` layer stacks (leaves keep axis 0 whole; one hook each)
+    stacks: tuple[tuple, ...] = ()
+    # a model taking `layer_hook`: the params it declares as its layer stack (its class's `layer_stacks`
+    # names, e.g. the shipped GPT's "blocks"); never found from a name alone
+    declared_stacks: tuple[tuple, ...] = ()
+    # (logical params, model state, static, abstract inputs) -> the param paths of its lifted layer
+    # stacks: Linen `nn.scan` / `nn.vmap`, NNX `nnx.vmap`-built modules run through `nnx.scan` or
+    # `nnx.vmap` (found by tracing: inside the transform, their modules see one layer's params)
+    lifted_stacks: Callable[[Any, Any, Any, Any], tuple] | None = None
+    # (key, abstract inputs) -> {param path "a/b/kernel": its logical axis names} for the leaves the
+    # model annotates (`nnx.with_partitioning`, `nn.with_logical_partitioning`; see `zerojax.core.axis_rules`)
+    axis_names: Callable[[Any, Any], dict] | None = None
+
+    def on_mesh(self, context: Callable[[], Any]) -> FunctionalModel:
+        """This model with every function that traces the user's code run inside `context()` (a
+        `zerojax.core.model_mesh.ModelMesh`'s `active`: the mesh the model's own shardings mean)."""
+        traced = ("init", "apply", "modules", "lifted_stacks", "axis_names")
+        return dataclasses.replace(self, **{n: _within(context, getattr(self, n)) for n in traced})
+
+
+def _within(context, fn):
+    if fn is None:
+        return None
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with context():
+            return fn(*args, **kwargs)
+
+    return run
+
+
+# The metadata key under which each Flax version keeps an NNX variable's axis names.
+_NNX_NAME_KEYS = ("out_sharding", "sharding_names", "sharding")
+
+
+def _nnx_axis_names(abstract: nnx.Module, key=None, inputs=None) -> dict:
+    del key, inputs  # an NNX module's variables carry their metadata from construction
+    names = {}
+    for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
+        meta = var.get_metadata()
+        found = next((meta[k] for k in _NNX_NAME_KEYS if meta.get(k)), None)
+        if found:
+            names[path_str(path)] = tuple(found)
+    return names
+
+
+def _linen_axis_names(module, rng_streams, mode, key, inputs) -> dict:
+    boxed = jax.eval_shape(
+        lambda k, x: module.init({"params": k, **{s: k for s in rng_streams}}, x, **mode(False)), key, inputs
+    )
+    flat = jax.tree_util.tree_flatten_with_path(
+        boxed.get("params", {}), is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata)
+    )[0]
+    return {
+        path_str(path): tuple(leaf.names)
+        for path, leaf in flat
+        if isinstance(leaf, nn.Partitioned)  # LogicallyPartitioned is one too
+    }
+
+
+def _takes(fn, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+# ---- NNX ------------------------------------------------------------------------------------------
+#
+# A module splits into three groups: `nnx.Param`s (the params), its RNG streams (`RngKey`/`RngCount`,
+# the "static" part: never trained, rewritten from the step's key each call) and every other
+# variable (BatchStat and user variables: the model state, grouped by collection name, carried and
+# updated by the step).
+
+_COLLECTION_NAMES = {"BatchStat": "batch_stats", "Cache": "cache", "Intermediate": "intermediates"}
+
+
+def _collection(var_type: type) -> str:
+    return _COLLECTION_NAMES.get(var_type.__name__, var_type.__name__)
+
+
+def _nnx_split(module: nnx.Module):
+    """(graphdef, params dict, rng State, model_state {collection: nested dict})."""
+    graphdef, params, rng_state, rest = nnx.split(module, nnx.Param, nnx.RngState, ...)
+    model_state: dict = {}
+    for path, var in nnx.to_flat_state(rest):
+        model_state.setdefault(_collection(type(var)), {})[path] = var.get_value()
+    model_state = {k: nnx.traversals.unflatten_mapping(v) for k, v in model_state.items()}
+    return graphdef, nnx.to_pure_dict(params), rng_state, model_state
+
+
+def _merge_state(model_state: dict) -> nnx.State:
+    flat = {}
+    for tree in model_state.values():
+        flat.update(nnx.traversals.flatten_mapping(tree))
+    return nnx.State(nnx.traversals.unflatten_mapping(flat))
+
+
+def _reseed(rng_state: nnx.State, key) -> nnx.State:
+    """Every RNG stream keyed from the step's `key` (the i-th `RngKey`, in path order, gets
+    `fold_in(key, i)`) with its counter at zero: a call's draws depend on (seed, step) only."""
+    flat = dict(nnx.to_flat_state(rng_state))
+    out, i = {}, 0
+    for path in sorted(flat, key=lambda p: tuple(str(k) for k in p)):
+        var = flat[path]
+        if isinstance(var, nnx.RngKey):  # a stack of keys (`zj.Stacked`) gets as many keys
+            shape = var.get_value().shape
+            out[path] = jax.random.fold_in(key, i) if not shape else jax.random.split(jax.random.fold_in(key, i), shape)
+            i += 1
+        else:
+            out[path] = jnp.zeros_like(var.get_value())
+    return nnx.State(nnx.traversals.unflatten_mapping(out))
+
+
+def _rngs_by_keyword(make) -> bool:
+    """Whether `make` (a Module class or a factory) takes `rngs` only by keyword, Flax-style
+    (`__init__(self, ..., *, rngs)`); otherwise it is passed positionally."""
+    while isinstance(make, functools.partial):  # functools.partial(MyModel, depth=4)
+        make = make.func
+    fn = make.__init__ if isinstance(make, type) else make
+    try:
+        param = inspect.signature(fn).parameters.get("rngs")
+    except (TypeError, ValueError):
+        return False
+    return param is not None and param.kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def _nnx_functions(make: Callable[[Any], nnx.Module] | None, concrete: nnx.Module | None) -> FunctionalModel:
+    if make is not None and _rngs_by_keyword(make):
+        make = (lambda build: lambda rngs: build(rngs=rngs))(make)
+    abstract = concrete if concrete is not None else nnx.eval_shape(lambda: _built(make, nnx.Rngs(0)))
+    graphdef = nnx.split(abstract, nnx.Param, nnx.RngState, ...)[0]
+    hooked = _takes(type(abstract).__call__, "layer_hook")
+    looped = hooked and _takes(type(abstract).__call__, "layer_loop")
+    stacks = () if hooked else stacked_lib.stack_paths(abstract)
+    declared = tuple((name,) for name in getattr(type(abstract), "layer_stacks", ())) if hooked else ()
+    apply = functools.partial(_nnx_apply, graphdef, hooked, looped, stacks)
+    return FunctionalModel(
+        functools.partial(_nnx_init, make, concrete),
+        apply,
+        hooked or bool(stacks),
+        type(abstract),
+        looped or bool(stacks),
+        modules=lambda params, static, inputs: wrap_nnx.nnx_modules(abstract),
+        unit_around=wrap_nnx.nnx_around,
+        sync_batch_stats=_nnx_sync_batch_stats,
+        stacks=stacks,
+        declared_stacks=declared,
+        lifted_stacks=None if hooked or stacks else functools.partial(_nnx_lifted_stacks, apply),
+        axis_names=functools.partial(_nnx_axis_names, abstract),
+    )
+
+
+def _built(make, rngs: nnx.Rngs) -> nnx.Module:
+    """The model, its variables created unsharded: zerojax lays them out itself, and a model annotated
+    for Flax's eager sharding (`nnx.with_partitioning`) would otherwise need a mesh context to build."""
+    with nnx.use_eager_sharding(False):
+        return make(rngs)
+
+
+def _nnx_init(make, concrete, key, inputs):
+    del inputs  # NNX modules know their shapes from their constructor
+    module = concrete if concrete is not None else _built(make, nnx.Rngs(key))
+    _, params, rng_state, model_state = _nnx_split(module)
+    return params, model_state, rng_state
+
+
+def _nnx_apply(
+    graphdef,
+    hooked: bool,
+    looped: bool,
+    stacks,
+    params,
+    model_state,
+    static,
+    inputs,
+    *,
+    rng=None,
+    train=True,
+    layer_hook=None,
+    around=None,
+    layer_loop=None,
+    sync=None,
+):
+    # Without a key: the stored streams, copied, so units may update them in any trace.
+    rng_state = jax.tree.map(lambda x: x, static) if rng is None else _reseed(static, rng)
+    module = nnx.merge(graphdef, nnx.State(params), rng_state, _merge_state(model_state))
+    module.train() if train else module.eval()
+    kwargs = {}
+    if layer_hook is not None and hooked:
+        kwargs["layer_hook"] = _single(layer_hook)
+    if layer_loop is not None and looped:
+        kwargs["layer_loop"] = _single(layer_loop)
+    if sync:
+        _nnx_sync_batch_stats(module, sync)
+    contexts = contextlib.ExitStack()
+    if stacks and (layer_hook or layer_loop):
+        contexts.enter_context(stacked_lib.hooks_installed(module, layer_hook, layer_loop))
+    if around:
+        contexts.enter_context(around(module))
+    with contexts:
+        out = module(inputs, **kwargs)
+    return out, _nnx_split(module)[3] if model_state else model_state
+
+
+def _nnx_sync_batch_stats(module, axes):
+    for _, node in nnx.iter_graph(module):
+        if isinstance(node, nnx.BatchNorm) and node.axis_name is None:
+            node.axis_name = axes
+
+
+def _nnx_lifted_stacks(apply, params, model_state, static, inputs) -> tuple:
+    """The paths of the model's lifted layer stacks, found by one abstract trace (`nnx_slice_recorder`)."""
+    ranks = {tuple(str(k) for k in p): len(v.shape) for p, v in nnx.traversals.flatten_mapping(params).items()}
+    sliced: set = set()
+    recorder = wrap_nnx.nnx_slice_recorder(ranks, sliced)
+    jax.eval_shape(lambda *a: apply(*a, rng=jax.random.key(0), around=recorder)[0], params, model_state, static, inputs)
+    return tuple(sorted(p for p in sliced if not any(q != p and p[: len(q)] == q for q in sliced)))
+
+
+def _single(hooks):
+    """A model's own `layer_hook` argument: engines pass {stack path: hook}; the model has one stack."""
+    if not isinstance(hooks, dict):
+        return hooks
+    if len(hooks) != 1:
+        raise ValueError(f"a model taking layer_hook has one layer stack, got hooks for {sorted(hooks)}")
+    return next(iter(hooks.values()))
+
+
+# ---- Linen ----------------------------------------------------------------------------------------
+#
+# Every collection besides "params" (batch_stats, any user collection) is model state, mutable in
+# the train step. `__call__(..., train)` gets `train=True/False`; each name in `rng_streams` gets a
+# key folded from the step's key.
+
+
+def _linen_functions(module: nn.Module, rng_streams: tuple[str, ...]) -> FunctionalModel:
+    mode = functools.partial(_linen_mode, _takes(type(module).__call__, "train"))
+    structure = functools.partial(_linen_structure, module, mode)
+    return FunctionalModel(
+        functools.partial(_linen_init, module, rng_streams, mode),
+        functools.partial(_linen_apply, module, rng_streams, mode),
+        False,
+        type(module),
+        modules=lambda params, model_state, inputs: structure(params, model_state, inputs)[0],
+        unit_around=wrap_linen.linen_around,
+        sync_batch_stats=lambda m, axes: _linen_sync(axes),
+        lifted_stacks=lambda params, model_state, static, inputs: structure(params, model_state, inputs)[1],
+        axis_names=functools.partial(_linen_axis_names, module, rng_streams, mode),
+    )
+
+
+def _linen_mode(takes_train: bool, train: bool) -> dict:
+    return {"train": train} if takes_train else {}
+
+
+def _linen_structure(module, mode, params, model_state, inputs):
+    return wrap_linen.linen_structure(module, params, model_state, inputs, **mode(False))
+
+
+def _linen_init(module, rng_streams, mode, key, inputs):
+    variables = module.init({"params": key, **{s: key for s in rng_streams}}, inputs, **mode(False))
+    variables = nn.meta.unbox(variables)  # `nn.with_logical_partitioning` boxes: zerojax lays the arrays out itself
+    model_state = {k: v for k, v in variables.items() if k != "params"}
+    return dict(variables["params"]), model_state, None
+
+
+def _linen_apply(
+    module,
+    rng_streams,
+    mode,
+    params,
+    model_state,
+    static,
+    inputs,
+    *,
+    rng=None,
+    train=True,
+    layer_hook=None,
+    around=None,
+    layer_loop=None,
+    sync=None,
+):
+    del static, layer_hook, layer_loop
+    rngs = {s: jax.random.fold_in(rng, i) for i, s in enumerate(rng_streams)} if rng is not None else None
+    mutable = list(model_state) if train else []
+    contexts = contextlib.ExitStack()
+    if sync:
+        contexts.enter_context(_linen_sync(sync))
+    if around is not None:
+        contexts.enter_context(around(module))
+        mutable = [*mutable, "params"]  # the root writes its gathered params into its scope
+    with contexts:
+        out = module.apply(
+            {"params": params, **model_state}, inputs, rngs=rngs, mutable=mutable or False, **mode(train)
+        )
+    if not mutable:
+        return out, model_state
+    out, updates = out
+    return out, {**model_state, **{k: v for k, v in updates.items() if k in model_state}}
+
+
+def _linen_sync(axes):
+    """Every `nn.BatchNorm` without an `axis_name` averages its batch statistics over `axes`."""
+
+    def interceptor(next_fun, args, kwargs, context):
+        m = context.module
+        if isinstance(m, nn.BatchNorm) and m.axis_name is None:
+            object.__setattr__(m, "axis_name", axes)
+        return next_fun(*args, **kwargs)
+
+    return nn.intercept_methods(interceptor)
+
+
+def functional(model, rng_streams: tuple[str, ...] = ("dropout",)) -> FunctionalModel:
+    if isinstance(model, nn.Module):
+        return _linen_functions(model, tuple(rng_streams))
+    if isinstance(model, nnx.Module):
+        return _nnx_functions(None, model)
+    if callable(model):
+        return _nnx_functions(model, None)
+    raise TypeError(f"model must be an nnx.Module, a callable rngs -> nnx.Module, or a linen Module, got {type(model)}")
+
+
+def param_shapes(fm: FunctionalModel, key, inputs):
+    """Abstract params (ShapeDtypeStruct leaves) without allocating anything."""
+    return jax.eval_shape(fm.init, key, inputs)[0]

@@ -1,0 +1,123 @@
+"""A unit's call as a `custom_vjp` that gathers its weights again in the backward pass.
+
+`jax.checkpoint` would replay the forward gather on the forward's operand; here the backward
+re-gathers tied to the incoming cotangent (`zerojax.adapt.ordering`), and the gathered weights are never
+among the saved residuals, whatever the remat policy keeps.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from zerojax.adapt.ordering import Prefetch, held_on_cpu, tie_tree, zero_from
+from zerojax.adapt.units import Policy
+
+
+def rematerialized(
+    run, gather, params, *args, policy: Policy = "full", wait_for_grads: bool = False, prefetch: Prefetch | None = None
+):
+    """`run(gather(params, token), *args)` with the gather tied to `args` (the unit's inputs) in the
+    forward pass and, in the backward pass, gathered again tied to the incoming cotangent. With
+    `prefetch`, tied one unit ahead instead (see `Prefetch`).
+
+    `policy` says which of the unit's activations the forward keeps for the backward (see
+    `zerojax.core.remat.unit_policy`); the gathered weights are never kept, whatever it says. With "full"
+    only the inputs are kept and the backward re-runs the whole unit."""
+    gfn, gconsts, body, rconsts = _converted(run, gather, params, args, policy)
+    prev = prefetch.take() if prefetch is not None else None
+    followed = [False]  # set when a later unit in this trace takes this unit's token
+    # Where the regathered weights go among the forward's residuals: set by `fwd`, read by `bwd`.
+    # Every trace of `fwd` for this call makes the same residual structure, so the last one serves.
+    saved = [None]
+
+    def forward(params, rest, consts, token):
+        return body(gfn(params, token, *consts[0]), *rest, *consts[1])
+
+    @jax.custom_vjp
+    def call(args, consts, prev):
+        mine = zero_from(args[1:])  # args[0]: the unit's params
+        return forward(args[0], args[1:], consts, mine if prev is None else prev), mine
+
+    def fwd(args, consts, prev):
+        mine = zero_from(args[1:])
+        if policy == "full":
+            return call(args, consts, prev), (args, consts, ())
+        weights = gfn(args[0], mine if prev is None else prev, *consts[0])
+        out, vjp = jax.vjp(lambda w, rest, c: body(w, *rest, *c), weights, args[1:], consts[1])
+        kept, saved[0] = _without(weights, vjp)
+        return (out, mine), (args, consts, kept)
+
+    def bwd(res, cts):
+        args, consts, kept = res
+        ct, ct_next = cts
+        own = zero_from(ct)
+        # `followed` is read when the backward pass is traced, after the whole forward: the next
+        # unit's backward then hands its incoming cotangent's zero to this one as `ct_next`.
+        token = ct_next if followed[0] else own
+        if policy == "full":
+            _, vjp = jax.vjp(lambda p, rest, c: forward(p, rest, c, token), args[0], args[1:], consts)
+            d_params, d_rest, d_consts = vjp(ct)
+        else:
+            weights, vjp_gather = jax.vjp(lambda p, c: gfn(p, token, *c), args[0], consts[0])
+            d_weights, d_rest, d_rconsts = _with(weights, kept, saved[0])(ct)
+            d_params, d_gconsts = vjp_gather(d_weights)
+            d_consts = (d_gconsts, d_rconsts)
+        if wait_for_grads:
+            d_params, d_rest = _waiting_for(d_params, d_rest)
+        return (d_params, *d_rest), d_consts, (None if prev is None else own)
+
+    call.defvjp(fwd, bwd)
+    out, mine = call((params, *args), (gconsts, rconsts), prev)
+    if prefetch is not None:
+        prefetch.put(mine, followed)
+    return out
+
+
+def _converted(run, gather, params, args, policy):
+    """`gather` and `run` as functions of arrays only (their closed-over arrays returned as consts, as
+    a `custom_vjp` needs), `run` under `jax.checkpoint(policy)` unless the policy is "full" or "none"."""
+    _check_resolved(policy)
+    token0 = jnp.zeros((), jnp.float32)
+    gfn, gconsts = jax.closure_convert(gather, params, token0)
+    rfn, rconsts = jax.closure_convert(run, jax.eval_shape(gather, params, token0), *args)
+    return gfn, gconsts, (rfn if isinstance(policy, str) else jax.checkpoint(rfn, policy=policy)), rconsts
+
+
+def _check_resolved(policy) -> None:
+    assert policy in ("full", "none") or callable(policy), policy  # resolved by `remat.unit_policy`
+
+
+def _waiting_for(d_params, d_inputs):
+    """(the unit's reduced parameter gradients, its input gradients made to wait for them): the next
+    unit's backward cannot start while this unit's full-size gradients are alive (GSPMD's gradient
+    all-reduces are otherwise combined into one at the end of the backward pass)."""
+    d_params = held_on_cpu(d_params)
+    params_done = sum((zero_from(g) for g in jax.tree.leaves(d_params)), jnp.zeros((), jnp.float32))
+    return d_params, tie_tree(tuple(d_inputs), params_done)
+
+
+def _without(weights, vjp):
+    """A `jax.vjp` function's residuals less the gathered `weights`, and where those went. They are
+    found by identity: `jax.vjp` keeps a primal input it needs as that very array."""
+    leaves, treedef = jax.tree.flatten(vjp)
+    ids = {id(w): i for i, w in enumerate(jax.tree.leaves(weights))}
+    slots = [ids.get(id(x)) for x in leaves]
+    return [x for x, s in zip(leaves, slots) if s is None], (treedef, slots)
+
+
+def _with(weights, kept, where):
+    """The `jax.vjp` function `_without` took apart, with freshly gathered `weights` put back."""
+    treedef, slots = where
+    fresh, kept = jax.tree.leaves(weights), iter(kept)
+    return treedef.unflatten([next(kept) if s is None else fresh[s] for s in slots])
+
+
+def kept_weights(run, gather, params, *args, policy: Policy = "none"):
+    """`run(gather(params), *args)` keeping the gathered weights for the backward pass (no reshard);
+    `policy` says which activations are kept beside them ("full": none, the unit is recomputed)."""
+    _check_resolved(policy)
+    weights = gather(params, jnp.zeros((), jnp.float32))
+    if policy == "none":
+        return run(weights, *args)
+    return jax.checkpoint(run, policy=None if policy == "full" else policy)(weights, *args)

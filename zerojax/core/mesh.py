@@ -1,0 +1,92 @@
+"""Device mesh with the axes `data` (pure replicas), `fsdp` (the axis ZeRO shards over) and `tensor`
+(Megatron-style tensor parallelism: the parameter dimensions the axis rules map to it, see
+`zerojax.core.axis_rules`). Owns the mesh-size and
+batch-divisibility rules."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+from zerojax.errors import UserError
+
+DATA_AXIS = "data"  # whole replicas: parameters are never split over it (but hpZ's state)
+AXES = (DATA_AXIS, "fsdp", "tensor")
+BATCH_AXES = (DATA_AXIS, "fsdp")  # the global batch is split over every data-parallel axis
+
+
+def simulate_cpu_devices(count: int) -> None:
+    """Ask XLA for `count` host devices; must run before JAX initialises its backends.
+
+    Keeps any `XLA_FLAGS` the user already set, replacing only an earlier device-count flag.
+    """
+    if count < 1:
+        raise UserError(f"--devices must be a positive number of devices, got {count}.")
+    flag = f"--xla_force_host_platform_device_count={count}"
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = f"{flags.strip()} {flag}".strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def check_sizes(data, fsdp=None, tensor=1) -> None:
+    """Each mesh size given is a positive integer (`fsdp` None: every device left over)."""
+    for name, size in (("mesh.data", data), ("mesh.tensor", tensor), ("mesh.fsdp", fsdp)):
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise UserError(f"{name} must be a positive integer, got {size!r}.")
+
+
+def check_batch(batch_size: int, data_parallel: int) -> None:
+    """The global batch splits evenly over every data-parallel device (mesh data x fsdp)."""
+    if batch_size % data_parallel:
+        raise UserError(
+            f"train.batch_size={batch_size} is not divisible by the data-parallel size "
+            f"{data_parallel} (mesh.data x mesh.fsdp)."
+        )
+
+
+def make_mesh(data: int = 1, fsdp: int | None = None, tensor: int = 1, *, devices: Sequence | None = None):
+    """A `jax.sharding.Mesh` over `devices` (default: all) with axes (data, fsdp, tensor).
+
+    By default every device not taken by `data` or `tensor` is on `fsdp`. Axes are `Auto`, so XLA
+    propagates shardings through the step (GSPMD) and `shard_map` can still name them.
+    """
+    import jax
+    from jax.sharding import AxisType, Mesh
+
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    check_sizes(data, fsdp, tensor)
+    if fsdp is None:
+        if n % (data * tensor):
+            raise UserError(f"mesh.data={data} x mesh.tensor={tensor} does not divide the {n} available devices.")
+        fsdp = n // (data * tensor)
+    shape = (data, fsdp, tensor)
+    if math.prod(shape) != n:
+        raise UserError(
+            f"mesh data={data} x fsdp={fsdp} x tensor={tensor} = {math.prod(shape)} devices, "
+            f"but {n} are available; the sizes must multiply to the device count."
+        )
+    return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def check_tensor_used(layout) -> None:
+    """A `tensor` axis over which some parameter is split: otherwise its devices would repeat each
+    other's work (a model without axis names, or names no rule maps to `tensor`)."""
+    import jax
+
+    tensor = dict(layout.mesh.shape).get("tensor", 1)
+    leaves = jax.tree.leaves(layout.leaves, is_leaf=lambda x: hasattr(x, "tensor_axis"))
+    if tensor > 1 and all(l.tensor_axis is None for l in leaves):
+        raise UserError(
+            f"the mesh's tensor axis has {tensor} devices, but no parameter of this model is mapped to it "
+            "(name its dimensions with nnx.with_partitioning / nn.with_logical_partitioning and map a name "
+            "to tensor in the axis rules), so they would repeat each other's work; use tensor=1."
+        )
+
+
+def data_parallel_size(mesh) -> int:
+    return math.prod(mesh.shape[a] for a in BATCH_AXES)

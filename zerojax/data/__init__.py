@@ -1,0 +1,1 @@
+"""Batches: the source protocol, the byte corpus, tokenizers and token files."""

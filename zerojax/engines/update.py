@@ -1,0 +1,158 @@
+"""The step's state handling every engine shares: the compute params from the state, the step's key,
+the kept model state, and the sharded optimizer update written over the old state."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from zerojax.adapt import ordering
+from zerojax.core.layout import StateLayout
+from zerojax.core.precision import cast_tree
+from zerojax.core.state import TrainState
+
+
+def step_key(state: TrainState):
+    """This step's PRNG key: the run's key (`state.rng`, raw key data) folded with the step number,
+    so every draw depends on (seed, step) alone and a resumed run draws the same."""
+    return jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+
+
+def keep_model_state(state: TrainState, model_state, bad_step) -> TrainState:
+    """The updated model state (BatchNorm statistics), or the old one after a non-finite step."""
+    if state.model_state is None:
+        return state
+    kept = jax.tree.map(lambda new, old: jnp.where(bad_step > 0, old, new), model_state, state.model_state)
+    return state.replace(model_state=kept)
+
+
+def constrain(tree, shardings):
+    return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
+
+
+def compute_params(layout: StateLayout, state: TrainState):
+    """The params the forward pass uses, in the compute dtype and logical shapes.
+
+    Stage 3 keeps no compute copy: it casts its fp32 shard first, so the gather moves bf16.
+    """
+    if layout.keeps_compute_copy:
+        return state.compute
+    params = cast_tree(state.params, layout.precision.compute_dtype)
+    params = constrain(params, layout.shardings(layout.master_sharded))
+    return layout.to_layout(params, sharded=False)
+
+
+def all_finite(tree) -> jax.Array:
+    """True when every floating-point value in `tree` is finite (integer leaves, e.g. counts, pass)."""
+    checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(checks)) if checks else jnp.bool_(True)
+
+
+def apply_update(
+    layout: StateLayout,
+    tx: optax.GradientTransformation,
+    state: TrainState,
+    grads,
+    loss,
+    checked: bool = False,
+    check_first: bool = True,
+    order_moments: bool = True,
+) -> tuple[TrainState, dict]:
+    """Optimizer update on the optimizer's layout (shards from stage 1 on), then back to the state's.
+
+    `grads` arrive reduced: replicated (stages 0-1) or already sharded (stages 2-3). A step whose
+    loss or gradient norm is not finite keeps the old state (`bad_step` = 1); the step counter still
+    advances, so the data position moves past the bad batch. The verdict is known before the update
+    runs, so the update is one pass written over the old state: for the registry's optimizers finite
+    gradients and state give a finite new state.
+
+    `checked=True` (engine option `checked_update`) also refuses a non-finite *new* state (a custom
+    transformation, a schedule gone NaN): the update then runs twice, once to check and once, after
+    the verdict, to write in place (see `_checked_update`); it compiles several times slower.
+    `order_moments`: write the moments after the master (`_after_params`); engines pass False for
+    FSDP units, where that order made every new state shard wait beside the old one instead.
+    """
+    grads = constrain(layout.to_opt(grads), layout.opt_shardings())  # each pass casts them to fp32 itself
+    grad_norm = optax.tree.norm(cast_tree(grads, jnp.float32))
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    if checked:
+        new_state, finite = _checked_update(layout, tx, state, grads, finite, check_first)
+    else:
+        new_state, on_shards = _updated(layout, tx, state, grads)
+        if order_moments:
+            new_state["opt_state"] = _after_params(new_state["opt_state"], on_shards["params"])
+    kept = {k: getattr(state, k) for k in new_state}
+    new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, kept)
+    return state.replace(**new_state, step=state.step + 1), {
+        "grad_norm": grad_norm,
+        "bad_step": (~finite).astype(jnp.int32),
+    }
+
+
+def _after_params(opt_state, master):
+    """The optimizer state with every subtree shaped like the params (Adam's moments) written after
+    the new master: each leaf tied to an exact zero read from its own master leaf.
+
+    The master's write recomputes the new moments inline from the old ones; without an order between
+    it and the moments' own writes, XLA cannot write the moments over the old ones in place and
+    copies both at the step's entry. One zero per leaf, not one from the whole tree (`_written`): a
+    token joining every leaf makes compiling many times slower (docs/engines.md, "The update")."""
+    treedef = jax.tree.structure(master)
+    zeros = jax.tree.map(ordering.zero_from, master)
+    like_params = lambda sub: jax.tree.structure(sub) == treedef
+    return jax.tree.map(
+        lambda sub: jax.tree.map(ordering.tie, sub, zeros) if like_params(sub) else sub, opt_state, is_leaf=like_params
+    )
+
+
+def _checked_update(layout, tx, state, grads, finite, check_first):
+    """(new state, verdict) with the new state itself checked for non-finite values.
+
+    The update runs twice: once only to check it, then again, once the verdict is known, to write
+    it, so every new shard need not wait beside the old one until the last leaf's check (12 bytes per
+    parameter shard with Adam); what waits instead is the gradient shard. That needs the gradient
+    shards to be buffers of their own: `check_first=False` runs it once, for an engine whose fp32
+    gradient "shards" are slices of the full all-reduced gradient (XLA:CPU's GSPMD), where a second
+    reader would keep each full gradient alive. The tie `x + 0` writes -0.0 as +0.0.
+    """
+    new_state, checked = _updated(layout, tx, state, grads)
+    finite = finite & all_finite(checked)
+    if check_first:
+        # The write's inputs depend on the verdict, so it cannot run before it, and no common
+        # subexpression of the two passes can be computed once and held for both.
+        new_state, _ = _updated(layout, tx, state, grads, verdict=finite.astype(jnp.float32) * 0)
+        new_state["opt_state"] = ordering.tie_tree(new_state["opt_state"], _written(new_state["params"]))
+    return new_state, finite
+
+
+def _written(tree):
+    """An exact zero read from every leaf of `tree` (`zerojax.adapt.ordering.zero_from`): what depends on it runs after
+    the whole tree is written (why the moments need that order: `_after_params`). Outside
+    `shard_map`, reading one value of a sharded leaf is a scalar collective per leaf."""
+    return sum((ordering.zero_from(x) for x in jax.tree.leaves(tree)), jnp.zeros((), jnp.float32))
+
+
+def _updated(layout: StateLayout, tx: optax.GradientTransformation, state: TrainState, grads, verdict=None):
+    """(the new params, compute copy and optimizer state; what the finiteness check reads), with
+    every input tied to `verdict` (an exact zero) when given, on the shards (see `apply_update`)."""
+    opt_shardings = layout.opt_shardings()
+    master = constrain(layout.to_opt(state.params), opt_shardings)
+    opt_state = state.opt_state
+    if verdict is not None:
+        master = constrain(ordering.tie_tree(master, verdict), opt_shardings)
+        grads = constrain(ordering.tie_tree(grads, verdict), opt_shardings)
+        opt_state = ordering.tie_tree(opt_state, verdict)  # elementwise: stays on its operand's sharding
+    updates, opt_state = tx.update(cast_tree(grads, jnp.float32), opt_state, master)
+    master = optax.apply_updates(master, updates)
+    params = constrain(layout.to_layout(master, layout.master_sharded), layout.shardings(layout.master_sharded))
+    new_state = {"params": params, "opt_state": opt_state}
+    checked = {"params": master, "opt_state": opt_state}  # on the optimizer's shards: checking gathers nothing
+    if layout.keeps_compute_copy:
+        # Cast the shard before it is gathered, so the all-gather moves compute-dtype bytes; check
+        # the cast shards, not the gathered copy, so the check itself gathers nothing (an engine
+        # that gathers the copy its own way leaves this gather dead).
+        compute = constrain(cast_tree(params, layout.precision.compute_dtype), layout.shardings(layout.master_sharded))
+        checked["compute"] = compute
+        new_state["compute"] = constrain(layout.to_layout(compute, sharded=False), layout.shardings(False))
+    return new_state, checked

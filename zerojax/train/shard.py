@@ -1,0 +1,392 @@
+"""Your loop, our shardings: what a ZeRO stage means for one model, as pure functions over pytrees.
+
+    core = zj.shard(model, optax.adamw(3e-4), batch, mesh=zj.make_mesh(fsdp=8), stage=3)
+    state = core.init(jax.random.key(0))        # the TrainState, created straight into its shards
+    step = jax.jit(core.step, donate_argnums=0)  # or nnx.jit, or inside your own lax.scan
+    for batch in batches:
+        state, metrics = step(state, core.shard_batch(batch))
+
+`core.step` is `core.update(state, *core.grads(state, batch))`: the gradients materialised and reduced
+as the chosen engine does (unit by unit at stage 3, reduce-scattered in backward), then the sharded
+optimizer update that keeps the old state where the loss or gradient norm is not finite. Parameters
+of any shape work: their padding stays inside the state. `Trainer` is built on the same `prepare`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zerojax.adapt import checks
+from zerojax.adapt.model import FunctionalModel, functional
+from zerojax.core import axis_rules as axis_rules_lib
+from zerojax.core import offload as offload_lib
+from zerojax.core.layout import StateLayout, make_layout
+from zerojax.core.loss import cross_entropy, global_loss
+from zerojax.core.mesh import BATCH_AXES, check_batch, check_tensor_used, data_parallel_size, make_mesh
+from zerojax.core.model_mesh import ModelMesh
+from zerojax.core.optim import check_transformation, pads_exactly
+from zerojax.core.precision import Precision, get_precision
+from zerojax.core.stages import Stage, get_stage
+from zerojax.core.state import TrainState, run_key
+from zerojax.engines import Engine, EngineOptions, GatherReport, get_engine
+from zerojax.engines.accum import check_accum_batch, check_grad_accum
+from zerojax.engines.unit_plan import stack_paths
+from zerojax.engines.update import compute_params
+from zerojax.errors import UserError
+from zerojax.train.choices import Choices, with_choices
+
+_KEY_SHAPE = (2,)  # the raw data of a threefry key: the state's `rng`
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The choices a sharded step is built from, each checked once (`Setup.of`)."""
+
+    model: FunctionalModel
+    tx: optax.GradientTransformation
+    mesh: Any
+    stage: Stage
+    engine: Engine
+    precision: Precision
+    loss_fn: Callable
+    options: EngineOptions
+    grad_accum: int
+    offload: str
+    replicate_below_bytes: int
+    axis_rules: dict  # logical axis name -> mesh axis (`zerojax.core.axis_rules`)
+    model_mesh: ModelMesh  # the mesh the model's own shardings mean while it is traced
+
+    source: Any = None  # the model as given (what `reference` rebuilds from)
+    choices: Choices = Choices()  # the keyword choices as given
+
+    @classmethod
+    def of(cls, model, optimizer, **given) -> Setup:
+        """The checked setup for `model` trained by `optimizer`; `given`: the keyword `Choices`."""
+        choices = Choices.of(**given)
+        return cls._checked(model, optimizer, choices, **choices.given())
+
+    def reference(self) -> Setup:
+        """The same model, optimizer, loss, precision, rules and mesh at stage 0 under `gspmd`: what
+        `verify` compares against."""
+        plain = dataclasses.replace(self.choices, stage=0, engine="gspmd", engine_options=None, offload="none")
+        return Setup.of(self.source, self.tx, **plain.given())
+
+    @classmethod
+    def _checked(
+        cls,
+        model,
+        optimizer,
+        choices: Choices,
+        *,
+        mesh,
+        stage,
+        engine,
+        precision,
+        loss_fn,
+        reduce_dtype,
+        replicate_below_bytes,
+        engine_options,
+        rng_streams,
+        grad_accum,
+        offload,
+        axis_rules,
+    ) -> Setup:
+        check_transformation(optimizer)
+        built, options = get_engine(engine), EngineOptions.of(engine_options)
+        built.check(options)
+        grad_accum = check_grad_accum(grad_accum)
+        offload = offload_lib.check_mode(offload)
+        mesh = mesh if mesh is not None else make_mesh()
+        offload_lib.check_backend(offload, mesh.devices.flat)
+        rules = axis_rules_lib.as_rules(axis_rules)
+        model_mesh = ModelMesh.of(mesh, rules)
+        return cls(
+            functional(model, rng_streams).on_mesh(model_mesh.active),
+            optimizer,
+            mesh,
+            get_stage(stage),
+            built,
+            get_precision(precision, reduce_dtype),
+            loss_fn or cross_entropy,
+            options,
+            grad_accum,
+            offload,
+            replicate_below_bytes,
+            rules,
+            model_mesh,
+            model,
+            choices,
+        )
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P(BATCH_AXES))
+
+    def check_batch(self, batch: dict) -> None:
+        """What any use of `batch` needs: inputs, and rows the data-parallel devices (and micro-batches) divide."""
+        checks.check_keys(batch, default_loss=False)
+        check_batch(batch["inputs"].shape[0], data_parallel_size(self.mesh))
+        check_accum_batch(batch["inputs"].shape[0], data_parallel_size(self.mesh), self.grad_accum)
+
+    def shard_batch(self, batch: dict) -> dict:
+        """A global batch as `jax.Array`s split over the batch axes; device arrays already so are kept."""
+        self.check_batch(batch)
+        sharding, out = self.batch_sharding, {}
+        for name, value in batch.items():
+            if isinstance(value, jax.Array) and value.sharding.is_equivalent_to(sharding, value.ndim):
+                out[name] = value
+            else:
+                host = np.asarray(value)
+                out[name] = jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])
+        return out
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """Everything built for one (input shape and dtype, key): pure functions and their jitted forms."""
+
+    setup: Setup
+    inputs: jax.ShapeDtypeStruct  # the model inputs it was built for
+    layout: StateLayout
+    param_shapes: Any  # the model's logical params, abstract
+    state_shardings: TrainState  # a NamedSharding per leaf of each group
+    abstract: TrainState  # the state as ShapeDtypeStructs with their shardings
+    static: Any  # the model's RNG streams (NNX), replicated; rewritten from the step's key each step
+    report: GatherReport  # how the step materialises the compute params
+    step: Callable  # (state, batch) -> (state, metrics), pure
+    grads: Callable | None  # (state, batch) -> (loss, grads, model_state); None with host offload: use step
+    update: Callable | None  # (state, loss, grads, model_state) -> (state, metrics)
+    evaluate: Callable  # (state, batch, loss_fn) -> loss in eval mode, pure
+    make_state: Callable  # (key, inputs, params=None) -> the fresh state, pure (`init` jits it)
+    step_fn: Callable  # jitted step, the state donated
+    eval_fn: Callable  # jitted evaluate
+    classes: int | None = None  # the output's classes, which the default loss's integer targets index
+
+    def init(self, key, params=None) -> TrainState:
+        """The train state, created inside `jit` directly into its shards (`params`: start from these
+        logical weights, e.g. `zerojax.load_params`, instead of `key`)."""
+        if params is not None:
+            got = jax.tree.map(lambda x: tuple(np.shape(x)), params)
+            want = jax.tree.map(lambda x: tuple(x.shape), self.param_shapes)
+            if jax.tree.structure(got) != jax.tree.structure(want) or got != want:
+                raise UserError("the given params do not match the model's parameter names and shapes.")
+        inputs = jnp.zeros(self.inputs.shape, self.inputs.dtype)
+        return jax.jit(self.make_state, out_shardings=self.state_shardings)(key, inputs, params)
+
+    def gather_report(self) -> GatherReport:
+        """How the step materialises the compute params, with what the model's traces so far dropped
+        from its own shardings (`zerojax.core.model_mesh`)."""
+        return dataclasses.replace(self.report, notes=tuple(sorted(self.setup.model_mesh.notes)))
+
+    def shard_batch(self, batch: dict) -> dict:
+        """A global batch as `jax.Array`s split over the batch axes; device arrays already so are kept.
+        Integer targets outside the output's classes are one `UserError` (read on the host)."""
+        if self.classes is not None:
+            checks.check_targets(batch, self.classes)
+        return self.setup.shard_batch(batch)
+
+    def abstract_state(self) -> TrainState:
+        """The state `init` builds, as `jax.ShapeDtypeStruct`s with shardings, less the derived compute
+        copy (`restore_state` rebuilds it): what `zerojax.train.checkpoint.restore` reads into."""
+        return self.abstract.replace(compute=None)
+
+    def restore_state(self, saved: dict) -> TrainState:
+        """The full train state from restored groups: the compute copy derived again from the master.
+        Groups laid out for another model, stage or device count are one `UserError`."""
+        _check_layout(saved, self.abstract_state().saved())
+        state = TrainState.from_saved(saved)
+        if not self.layout.keeps_compute_copy:
+            return state
+        layout, shardings, host = self.layout, self.state_shardings, self.layout.host_groups
+
+        def derive(state):  # the master streamed in from host memory where it is kept there
+            state = offload_lib.place(state, shardings, host, offload_lib.DEVICE)
+            compute = layout.derive_compute(state.params)
+            if "compute" not in host:
+                return compute
+            return offload_lib.place(state.replace(compute=compute), shardings, ("compute",), offload_lib.HOST).compute
+
+        return state.replace(compute=jax.jit(derive, out_shardings=shardings.compute)(state))
+
+    # what a checkpoint's metadata records of the run (`zerojax.train.checkpoint.run_metadata`)
+    stage = property(lambda self: self.setup.stage)
+    precision = property(lambda self: self.setup.precision)
+    mesh = property(lambda self: self.setup.mesh)
+    engine = property(lambda self: self.setup.engine.name)
+
+
+@with_choices
+def shard(model, optimizer, batch: dict, *, key=None, **setup) -> Sharded:
+    """`Sharded` for `model` trained by `optimizer` on batches shaped like `batch` (`setup`: the keyword
+    arguments of `Trainer`: mesh, stage, engine, precision, loss_fn, grad_accum, offload, ...)."""
+    chosen = Setup.of(model, optimizer, **setup)
+    chosen.check_batch(batch)
+    return prepare(chosen, jax.random.key(0) if key is None else key, batch)
+
+
+def prepare(setup: Setup, key, batch: dict) -> Sharded:
+    """Layout, shardings, abstract state, the engine's step and their jitted forms, for `batch`'s inputs."""
+    inputs = jax.ShapeDtypeStruct(batch["inputs"].shape, batch["inputs"].dtype)
+    model = setup.model
+    param_shapes, model_state_shapes, static_shapes = jax.eval_shape(model.init, key, inputs)  # one trace
+    layout = make_layout(
+        setup.mesh,
+        setup.stage,
+        setup.precision,
+        param_shapes,
+        replicate_below_bytes=setup.replicate_below_bytes,
+        pad_free_optimizer=not pads_exactly(setup.tx),
+        stack_paths=_stacks(setup, param_shapes, model_state_shapes, static_shapes, inputs),
+        offload=setup.offload,
+        hierarchical=setup.options.hierarchical,
+        axis_names=model.axis_names(key, inputs) if model.axis_names else None,
+        axis_rules=setup.axis_rules,
+    )
+    check_tensor_used(layout)
+    model_state_shapes = model_state_shapes if jax.tree.leaves(model_state_shapes) else None
+    shardings, abstract = _state_shardings(setup, layout, model_state_shapes)
+    static = _static(setup, key, inputs, static_shapes, layout)
+    classes = _check_model(setup, key, batch, (param_shapes, abstract.model_state or {}, static))
+    accumulate = {"grad_accum": setup.grad_accum} if setup.grad_accum > 1 else {}
+    built = setup.engine.build(
+        layout,
+        model,
+        static,
+        setup.loss_fn,
+        setup.tx,
+        setup.options,
+        inputs,
+        model_state=model_state_shapes,
+        **accumulate,
+    )
+    # Host-offloaded groups stream into device memory at the step's start and back out at its end.
+    host = layout.host_groups
+    step = _checked(offload_lib.streamed(built.step, shardings, host), abstract)
+    evaluate = offload_lib.streamed(_eval_loss(setup, layout, static, built.evaluate), shardings, host)
+    in_shardings = (shardings, setup.batch_sharding)
+    return Sharded(
+        setup,
+        inputs,
+        layout,
+        param_shapes,
+        shardings,
+        abstract,
+        static,
+        built.report,
+        step=step,
+        grads=None if host else _checked(built.grads, abstract),
+        update=None if host else built.update,
+        evaluate=evaluate,
+        make_state=_make_state(setup, layout, shardings),
+        step_fn=jax.jit(
+            step, in_shardings=in_shardings, out_shardings=(shardings, layout.replicated), donate_argnums=0
+        ),
+        eval_fn=jax.jit(evaluate, static_argnums=2, in_shardings=in_shardings, out_shardings=layout.replicated),
+        classes=classes,
+    )
+
+
+def _check_model(setup: Setup, key, batch: dict, args) -> int | None:
+    """The model and the loss on this batch's shapes, abstractly (`zerojax.adapt.checks`): the output's
+    classes where the default loss indexes them with integer targets."""
+
+    def run_model(params, model_state, static, inputs):
+        return setup.model.apply(params, model_state, static, inputs, rng=key, train=True)[0]
+
+    default = setup.loss_fn is cross_entropy
+    return checks.check_model_and_loss(run_model, args, setup.loss_fn, batch, default)
+
+
+def _checked(fn, abstract: TrainState):
+    """`fn(state, ...)` that first checks, when traced, that `state` is laid out as this preparation
+    stores it (another model, stage or device count, or logical params in place of stored ones, is one
+    `UserError` naming the first leaf that differs)."""
+
+    def run(state, *rest):
+        if not isinstance(state, TrainState):
+            raise UserError("this state was not made for this model and optimizer: init it from the same zj.shard.")
+        _check_layout(state, abstract.replace(compute=state.compute if abstract.compute is None else abstract.compute))
+        return fn(state, *rest)
+
+    return run
+
+
+def _check_layout(state, want) -> None:
+    """`state` (a TrainState or its saved groups) has `want`'s structure and stored shapes."""
+    if jax.tree.structure(state) != jax.tree.structure(want):
+        raise UserError("this state was not made for this model and optimizer: init it from the same zj.shard.")
+    for (path, got), need in zip(jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(want)):
+        if tuple(got.shape) != tuple(need.shape):
+            raise UserError(
+                f"state leaf {jax.tree_util.keystr(path)} is {list(got.shape)}, but this step stores it as "
+                f"{list(need.shape)}: the state was made for another model, stage or device count."
+            )
+
+
+def _state_shardings(setup: Setup, layout: StateLayout, model_state_shapes):
+    opt_state_shapes = layout.opt_state_shapes(setup.tx)
+    shardings = layout.state_shardings(setup.tx, opt_state_shapes).replace(
+        rng=layout.replicated, model_state=jax.tree.map(lambda _: layout.replicated, model_state_shapes)
+    )
+    abstract = layout.abstract_state(setup.tx, opt_state_shapes).replace(
+        rng=jax.ShapeDtypeStruct(_KEY_SHAPE, np.uint32, sharding=layout.replicated),
+        model_state=jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=layout.replicated), model_state_shapes
+        ),
+    )
+    return shardings, abstract
+
+
+def _make_state(setup: Setup, layout: StateLayout, shardings: TrainState):
+    model, tx, has_model_state = setup.model, setup.tx, shardings.model_state is not None
+
+    def make_state(key, inputs, params=None):
+        fresh, model_state, _ = model.init(key, inputs)
+        state = layout.fresh_state(tx, fresh if params is None else params)  # XLA drops an unused init
+        state = state.replace(rng=run_key(key), model_state=model_state if has_model_state else None)
+        return offload_lib.place(state, shardings, layout.host_groups, offload_lib.HOST)
+
+    return make_state
+
+
+def _eval_loss(setup: Setup, layout: StateLayout, static, evaluate):
+    """`(state, batch, loss_fn) -> loss` in eval mode (no dropout, BatchNorm's running statistics),
+    gathered as the train step's forward gathers where the engine says how."""
+    model = setup.model
+
+    def eval_loss(state, batch, loss_fn):
+        if evaluate is not None:
+            return evaluate(state, batch, loss_fn)
+        params = compute_params(layout, state)
+        out, _ = model.apply(params, state.model_state or {}, static, batch["inputs"], train=False)
+        return global_loss(loss_fn(out, batch))
+
+    return eval_loss
+
+
+def _stacks(setup: Setup, param_shapes, model_state_shapes, static_shapes, inputs) -> tuple:
+    """The param paths whose leaves stack layers on axis 0: the model's declared or `zj.Stacked`
+    stacks, or the lifted ones its transforms make (`FunctionalModel.lifted_stacks`)."""
+    declared = stack_paths(setup.model, param_shapes, setup.options)
+    if declared or setup.model.lifted_stacks is None:
+        return declared
+    return setup.model.lifted_stacks(param_shapes, model_state_shapes or {}, static_shapes, inputs)
+
+
+def _static(setup: Setup, key, inputs, static_shapes, layout: StateLayout):
+    """The model's RNG streams, replicated (computed only where it has leaves)."""
+    if not jax.tree.leaves(static_shapes):
+        return static_shapes
+    shardings = jax.tree.map(lambda _: layout.replicated, static_shapes)
+    init_static = jax.jit(lambda k, x: setup.model.init(k, x)[2], out_shardings=shardings)
+    return init_static(key, jnp.zeros(inputs.shape, inputs.dtype))
