@@ -9,36 +9,37 @@ less the host-space arguments, whose outputs alias them); the state's device and
 shardings' memory kinds; collectives by kind on the HLO right after SPMD partitioning
 (`measure.measure_step`). The prediction is `picks.evaluate`, what `zerojax plan --memory` ranks.
 
-    python experiments/combinations.py       # -> results/combinations.{md,json,png}; about 7 min on 2 cores
+    python -m experiments.combinations       # -> results/combinations.{md,json,png}; about 7 min on 2 cores
 """
 
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from experiments.common import RESULTS, cpu_devices
 
-import datetime  # noqa: E402
-import functools  # noqa: E402
-import itertools  # noqa: E402
-import json  # noqa: E402
-import time  # noqa: E402
+cpu_devices(8)
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
+import datetime
+import functools
+import itertools
+import json
+import time
 
-import zerojax as zj  # noqa: E402
-from zerojax.accounting import measure, picks  # noqa: E402
-from zerojax.accounting.activations import GPTShape  # noqa: E402
-from zerojax.accounting.hardware import get_hardware  # noqa: E402
-from zerojax.core.optim import get_optimizer  # noqa: E402
-from zerojax.core.precision import get_precision  # noqa: E402
-from zerojax.errors import UserError  # noqa: E402
-from zerojax.models.gpt import GPT, gpt_config  # noqa: E402
+import jax
+import jax.numpy as jnp
+import optax
+
+import zerojax as zj
+from zerojax.accounting import measure, picks
+from zerojax.accounting.activations import GPTShape
+from zerojax.accounting.hardware import get_hardware
+from zerojax.core.optim import get_optimizer
+from zerojax.core.precision import get_precision
+from zerojax.errors import UserError
+from zerojax.models.gpt import GPT, gpt_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results")
 P, ROWS, PRESET, PRECISION = 8, 32, "20m", "fp32"  # 32 sequences: 4 per device per step
 STAGES, ACCUMS, OFFLOADS, REMATS = (0, 1, 2, 3), (1, 4), ("none", "optimizer"), ("none", "dots", "full")
 SKIP = set()  # (grad_accum, remat) pairs left out when the full grid is too slow to compile
@@ -356,7 +357,7 @@ def write(rows: list[dict], acc: list[dict], seconds: float) -> None:
     md = [
         "# Stage x accumulation x offload x remat: device bytes per parameter and traffic, compiled",
         "",
-        f"Made by `python experiments/combinations.py` on {datetime.date.today().isoformat()}, jax {jax.__version__}, "
+        f"Made by `python -m experiments.combinations` on {datetime.date.today().isoformat()}, jax {jax.__version__}, "
         f"XLA:CPU with {P} simulated devices (mesh fsdp={P}, gspmd engine). The shipped GPT preset {PRESET} "
         f"({cfg.n_layers} layers, d_model {cfg.d_model}, d_ff {cfg.d_ff}, {cfg.n_heads} heads, seq {cfg.seq_len}; "
         f"{params:,} params), {PRECISION}, AdamW, {ROWS} sequences per step ({ROWS // P} per device; k micro-batches "

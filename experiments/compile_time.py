@@ -1,6 +1,6 @@
 """Compile time of the zerojax step against a plain `jax.jit` step of the same model and optimizer.
 
-    python experiments/compile_time.py [--blocks 4 8 16] [--stages 0 1 2 3] [--engines gspmd shard_map]
+    python -m experiments.compile_time [--blocks 4 8 16] [--stages 0 1 2 3] [--engines gspmd shard_map]
                                        [--optimizers adamw_clip sgd]
 
 The model is a user's unrolled NNX decoder: an `nnx.List` of pre-norm blocks (causal self-attention
@@ -15,21 +15,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from experiments.common import cpu_devices
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
+cpu_devices(8)
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import zerojax as zj  # noqa: E402
+import zerojax as zj
 
 WIDTH, VOCAB, SEQ, BATCH, HEADS = 128, 256, 64, 16, 4
 OPTIMIZERS = {

@@ -1,6 +1,6 @@
 """Why `shard_map` steps run slower than `gspmd` on XLA:CPU with jax 0.12: the weight-gradient dot.
 
-    python experiments/cpu_dot_forms.py     # prints, per engine, each dot of the compiled program and its time
+    python -m experiments.cpu_dot_forms     # prints, per engine, each dot of the compiled program and its time
 
 A two-layer scanned, rematerialised `tanh(h @ w)` stack in bf16, differentiated on 8 simulated CPU
 devices, once partitioned by GSPMD from shardings and once written per device with `jax.shard_map`
@@ -28,10 +28,10 @@ import time
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 LAYERS, WIDTH, ROWS, SEQ = 2, 512, 16, 128

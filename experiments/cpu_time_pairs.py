@@ -1,6 +1,6 @@
 """Stage 3 `shard_map` against `gspmd`, stepped in turn in one process: wall time and CPU time.
 
-    python experiments/cpu_time_pairs.py [--steps 8] [--layers 8]
+    python -m experiments.cpu_time_pairs [--steps 8] [--layers 8]
 
 With 8 simulated devices on a few cores every step keeps all cores busy, so process CPU time per
 step says how much work a program does, and wall time adds what waiting there is. Prints each

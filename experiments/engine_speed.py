@@ -1,6 +1,6 @@
 """gspmd vs shard_map on simulated CPU devices: traffic, memory and step time for every stage.
 
-    python experiments/engine_speed.py     # 20m GPT, bf16, 8 devices, batch 16 and 8 -> experiments/results/engines.md
+    python -m experiments.engine_speed     # 20m GPT, bf16, 8 devices, batch 16 and 8 -> experiments/results/engines.md
 
 Traffic is counted on the HLO right after SPMD partitioning, in units of 2·Ψ·(p-1)/p bytes (b = 2 for
 bf16); "CPU-executed" is the final CPU program, where XLA upcasts bf16 collectives to f32. Step times
@@ -146,7 +146,7 @@ def write_table(args, cfg, sections) -> None:
     lines = [
         "# gspmd vs shard_map engine (measured)",
         "",
-        f"Written by `python experiments/engine_speed.py` on {time.strftime('%Y-%m-%d')}: GPT `{args.preset}`"
+        f"Written by `python -m experiments.engine_speed` on {time.strftime('%Y-%m-%d')}: GPT `{args.preset}`"
         f" ({cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.num_params() / 1e6:.1f}M params), "
         f"{args.precision}, {args.devices} simulated CPU devices (mesh fsdp={args.devices}), sequences of "
         f"{cfg.seq_len} tokens, AdamW; jax {jax.__version__}, {platform.machine()}, {os.cpu_count()} CPU cores "

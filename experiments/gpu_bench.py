@@ -8,7 +8,7 @@ don't); MFU divides by the GPU's dense bf16 peak from `zerojax.accounting.hardwa
 Runs only where JAX sees a GPU; elsewhere it exits with status 2 and leaves the recorded result as it
 is. On a GPU it writes experiments/results/gpu_bench.{md,json}, saying where and when it ran.
 
-    python experiments/gpu_bench.py [--micro-batch 4] [--steps 10] [--stages 0,1,2,3]
+    python -m experiments.gpu_bench [--micro-batch 4] [--steps 10] [--stages 0,1,2,3]
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import statistics
 import sys
 import time
 
+from experiments.common import RESULTS
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results")
 CONFIG = os.path.join(os.path.dirname(HERE), "configs", "tiny.yaml")
 KINDS = {"H200": "h200", "H100": "h100", "A100": "a100"}  # device_kind substring -> hardware table
 
@@ -136,7 +137,7 @@ def main() -> int:
         "# GPU benchmark: the ~1B GPT in bf16 on one GPU",
         "",
         f"Ran {started} on {platform.node()}, {where}, jax {jax.__version__}: "
-        f"`python experiments/gpu_bench.py {' '.join(sys.argv[1:])}`. p = 1, so every stage measures the step's "
+        f"`python -m experiments.gpu_bench {' '.join(sys.argv[1:])}`. p = 1, so every stage measures the step's "
         f"compute efficiency; micro-batch {a.micro_batch} x {rows[0]['seq_len']} tokens, median of {a.steps} steps "
         f"after {a.warmup} warm-up steps.",
         "",

@@ -13,8 +13,8 @@ memory crosses the budget, so the machine stays safe and a kill means "does not 
 grows in depth at a fixed width; the search calibrates bytes per layer on two small models, predicts
 the largest depth, then steps up until an attempt no longer fits (or down until one does).
 
-    python experiments/headline.py --model gpt --engine gspmd   # ~15 min -> results/headline-gpt-gspmd.{md,json,png}
-    python experiments/headline.py --model user --engine shard_map --budget-gib 6
+    python -m experiments.headline --model gpt --engine gspmd   # ~15 min -> results/headline-gpt-gspmd.{md,json,png}
+    python -m experiments.headline --model user --engine shard_map --budget-gib 6
 
 For the user model, XLA:CPU's compiler dominates resident memory (about 4 GB at 16 unrolled blocks,
 growing faster than linearly); experiments/headline_compiled.py budgets the compiled step's
@@ -35,9 +35,10 @@ import tempfile
 import threading
 import time
 
+from experiments.common import RESULTS
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-RESULTS = os.path.join(HERE, "results")
 GIB = 2**30
 
 
@@ -227,7 +228,7 @@ def write(rows: list[dict], a, budget: int, started: str) -> None:
         f"crosses it is killed and counts as not fitting. The whole search took "
         f"{sum(r['wall_s'] for r in rows) / 60:.1f} min.",
         "",
-        f"Made by `python experiments/headline.py --model {a.model} --engine {a.engine} --budget-gib {a.budget_gib:g} "
+        f"Made by `python -m experiments.headline --model {a.model} --engine {a.engine} --budget-gib {a.budget_gib:g} "
         f"--width {a.width} --d-ff {a.d_ff} --seq {a.seq} --batch {a.batch}`.",
         "",
         "| stage | largest depth that trains | parameters | peak RSS | state per device | median step |",

@@ -12,7 +12,7 @@ grows at a fixed width. The search calibrates bytes per block on two depths, pre
 then steps one block at a time to the exact edge, compiling only; the largest model of each stage
 then trains 3 steps (one more compile), and its losses must be finite.
 
-    python experiments/headline_compiled.py --budget-mib 110   # ~45 min -> results/headline-user-compiled.{md,json,png}
+    python -m experiments.headline_compiled --budget-mib 110   # ~45 min -> results/headline-user-compiled.{md,json,png}
 """
 
 from __future__ import annotations
@@ -28,15 +28,14 @@ import time
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), HERE]
 
-import headline  # noqa: E402
-import jax  # noqa: E402
+import jax
 
-from zerojax.accounting import peak_bytes  # noqa: E402
-from zerojax.cli.config import load_config  # noqa: E402
-from zerojax.cli.experiment import build_experiment  # noqa: E402
-from zerojax.data import sources  # noqa: E402
+from experiments import headline
+from zerojax.accounting import peak_bytes
+from zerojax.cli.config import load_config
+from zerojax.cli.experiment import build_experiment
+from zerojax.data import sources
 
 MIB = 2**20
 NAME = "headline-user-compiled"
@@ -221,7 +220,7 @@ def main() -> int:
         return 0
     t0, budget = time.time(), int(a.budget_mib * MIB)
     res = {
-        "command": "python experiments/headline_compiled.py " + " ".join(sys.argv[1:]),
+        "command": "python -m experiments.headline_compiled " + " ".join(sys.argv[1:]),
         "jax": jax.__version__,
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
         "budget_bytes": budget,

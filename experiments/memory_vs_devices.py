@@ -5,7 +5,7 @@ stage it measures the live state's shards on one device and the compiled step's 
 (memory_analysis), against `kept_state_bytes` (what zerojax keeps) as p grows: stage 0 stays flat,
 stages 1-2 approach the replicated part (fp32: 4Ψ), stage 3 falls as 12Ψ/p.
 
-    python experiments/memory_vs_devices.py     # ~5 min here; writes results/memory_vs_devices.{md,json,png}
+    python -m experiments.memory_vs_devices     # ~5 min here; writes results/memory_vs_devices.{md,json,png}
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import datetime
 import json
 import os
 
+from experiments.common import RESULTS
 from zerojax.core.optim import get_optimizer
 from zerojax.core.precision import get_precision
 from zerojax.core.stages import STAGE_INDICES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results")
 CONFIG = os.path.join(os.path.dirname(HERE), "configs", "tiny.yaml")
 COUNTS = (1, 2, 4, 8, 16)
 STAGES = STAGE_INDICES
@@ -88,7 +88,7 @@ def _write_table(a, rows: list[dict], psi: float, seq: int, started: str, jax_ve
     lines = [
         "# Memory per device against device count",
         "",
-        f"Made by `python experiments/memory_vs_devices.py` on {started}: the {a.model} GPT ({psi / 1e6:.2f}M "
+        f"Made by `python -m experiments.memory_vs_devices` on {started}: the {a.model} GPT ({psi / 1e6:.2f}M "
         f"parameters), {a.precision} + Adam, engine `{a.engine}`, global batch 16 x {seq} tokens, "
         f"meshes over the first p of 16 simulated CPU devices (jax {jax_version}).",
         "",

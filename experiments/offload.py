@@ -11,8 +11,8 @@ devices, three ways: device-resident; streamed (host arrays moved into device me
 program, updated there, moved back: what zerojax does); and run on the host
 (`jax.experimental.compute_on.compute_on("device_host")` over host arrays).
 
-    python experiments/offload.py                      # -> results/offload.{md,json}
-    python experiments/offload.py --preset 1b --stages 3 --precision bf16 --batch 4   # one GPU
+    python -m experiments.offload                      # -> results/offload.{md,json}
+    python -m experiments.offload --preset 1b --stages 3 --precision bf16 --batch 4   # one GPU
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import statistics
 import sys
 import time
 
+from experiments.common import RESULTS
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results")
-sys.path.insert(0, os.path.dirname(HERE))
 
 
 def train_rows(preset: str, stages, precision: str, batch: int, steps: int) -> list[dict]:
@@ -164,7 +164,7 @@ def write(result: dict, suffix: str) -> None:
         f"# Host offload: device vs host bytes and step time ({result['device_kind']})",
         "",
         f"Run {result['date']} on {result['host']}, jax {result['jax']}, {result['devices']} devices; "
-        f"`python experiments/offload.py {' '.join(result['argv'])}`.",
+        f"`python -m experiments.offload {' '.join(result['argv'])}`.",
         "",
         f"## The train step: GPT {result['preset']}, AdamW, {result['precision']}, per device",
         "",

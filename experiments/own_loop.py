@@ -1,6 +1,6 @@
 """Your own `jax.jit` (or `nnx.jit`) loop at ZeRO stage 3, with zerojax's shardings: `zj.shard`.
 
-    python experiments/own_loop.py [--steps 5] [--stage 3] [--engine gspmd]
+    python -m experiments.own_loop [--steps 5] [--stage 3] [--engine gspmd]
 
 A model of uneven shapes (no dimension divisible by the 8 simulated devices) trained three ways on
 the same data: a hand-written `jax.jit` step, the same under `nnx.jit`, and `zj.Trainer`. Prints each
@@ -10,18 +10,17 @@ loop's losses and the largest difference from `Trainer`'s.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from experiments.common import cpu_devices
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
+cpu_devices(8)
 
-import zerojax as zj  # noqa: E402
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+import zerojax as zj
 
 
 class Uneven(nnx.Module):

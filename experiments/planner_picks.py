@@ -5,7 +5,7 @@ per parameter for each combination.
 Each case is `zerojax plan CONFIG ... --json`, run in a fresh process (parameters counted with
 jax.eval_shape: nothing allocated). Writes experiments/results/planner_picks.md and .png (.json).
 
-    python experiments/planner_picks.py      # under a minute
+    python -m experiments.planner_picks      # under a minute
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-RESULTS = os.path.join(HERE, "results")
 
-from planner_tables import SEVENTY_B  # noqa: E402  (experiments/ is on the path when run as a script)
+from experiments.common import RESULTS
+from experiments.planner_tables import SEVENTY_B
 
 CASES = [
     (
@@ -176,7 +176,7 @@ def main() -> None:
     md = [
         "# Planner picks: stage x accumulation x offload x remat",
         "",
-        f"Made by `python experiments/planner_picks.py` on {datetime.date.today().isoformat()}: each case is "
+        f"Made by `python -m experiments.planner_picks` on {datetime.date.today().isoformat()}: each case is "
         "`zerojax plan ... --json` (parameters counted with jax.eval_shape, nothing allocated). Per device: "
         "device GB = kept device state + the step's temporaries (one micro-batch's activations, gradients, the "
         "update, the offloaded state coming back for the update, accumulation's fp32 accumulator); host GB = "

@@ -8,7 +8,7 @@
 Plans from a config count the parameters with jax.eval_shape (nothing allocated) and include the
 activation estimate for the config's per-device micro-batch. Writes experiments/results/planner.md.
 
-    python experiments/planner_tables.py      # seconds
+    python -m experiments.planner_tables      # seconds
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import subprocess
 import sys
 import time
 
+from experiments.common import RESULTS
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-RESULTS = os.path.join(HERE, "results")
 
 SEVENTY_B = [
     "--set",
@@ -75,7 +76,7 @@ def main() -> int:
     out = [
         "# Planner tables",
         "",
-        f"Made by `python experiments/planner_tables.py` on {started}. Each section is the output of the "
+        f"Made by `python -m experiments.planner_tables` on {started}. Each section is the output of the "
         "command above it (`zerojax plan`; GB = 1e9 bytes per device). *model state* is the textbook ZeRO "
         "accounting (bf16 params and gradients, fp32 master and Adam moments: 16 bytes per parameter over the "
         "stage's sharding); *kept* is what zerojax itself keeps between steps (no gradients; stage 3 casts each "

@@ -6,33 +6,34 @@ round by round in one process, so machine load affects them alike).
 `offload` is not run: XLA:CPU places no host memory (see zerojax/core/remat.py); its device side is
 `full`'s, its host side is in tests/test_remat.py.
 
-    python experiments/remat_policies.py      # a few minutes on 2 cores
+    python -m experiments.remat_policies      # a few minutes on 2 cores
 """
 
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from experiments.common import RESULTS, cpu_devices
 
-import datetime  # noqa: E402
-import functools  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
+cpu_devices(8)
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
+import datetime
+import functools
+import json
+import statistics
+import time
 
-import zerojax as zj  # noqa: E402
-from zerojax.accounting import measure  # noqa: E402
-from zerojax.accounting.activations import activation_bytes_gpt  # noqa: E402
-from zerojax.models.gpt import GPT, gpt_config  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import zerojax as zj
+from zerojax.accounting import measure
+from zerojax.accounting.activations import activation_bytes_gpt
+from zerojax.models.gpt import GPT, gpt_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results")
 P, ROWS, STAGE, ROUNDS = 8, 32, 3, 6
 SHAPE = dict(n_layers=4)  # the 20m preset (d_model 512, d_ff 1536, seq 128) with 4 layers instead of 6
 POLICIES = ("none", "dots", "full")
@@ -83,7 +84,7 @@ def main() -> None:
     md = [
         "# Activation-checkpoint policies: memory and step time",
         "",
-        f"Made by `python experiments/remat_policies.py` on {datetime.date.today().isoformat()}, jax "
+        f"Made by `python -m experiments.remat_policies` on {datetime.date.today().isoformat()}, jax "
         f"{jax.__version__}, XLA:CPU with {P} simulated devices on this machine's shared cores. The 20m GPT preset "
         f"with {cfg.n_layers} layers (d_model {cfg.d_model}, d_ff {cfg.d_ff}, {cfg.n_heads} heads, seq "
         f"{cfg.seq_len}; {cfg.num_params():,} params), fp32, AdamW, stage {STAGE} (gspmd), {ROWS} sequences "

@@ -5,7 +5,7 @@ The data set is generated, never downloaded: 16x16 grey images of four shapes (s
 filled disc, cross, diagonal bar) at random positions and sizes, with Gaussian noise; the class is
 the shape. A fixed held-out set measures accuracy (eval mode: no dropout, BatchNorm running stats).
 
-    python experiments/resnet_shapes.py [--steps 300] [--engine shard_map]
+    python -m experiments.resnet_shapes [--steps 300] [--engine shard_map]
 """
 
 from __future__ import annotations
@@ -13,21 +13,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from experiments.common import RESULTS, cpu_devices
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
+cpu_devices(8)
 
-import zerojax as zj  # noqa: E402
-from experiments.shapes_model import ResNet, shapes  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+import zerojax as zj
+from experiments.shapes_model import ResNet, shapes
 
 
 def accuracy(logits, batch):

@@ -1,6 +1,6 @@
 """Compile time against depth: a `zj.Stacked` of blocks vs the same blocks unrolled in an `nnx.List`.
 
-    python experiments/stacked_compile.py [--width 256] [--depths 8 16 32] [--engines shard_map gspmd]
+    python -m experiments.stacked_compile [--width 256] [--depths 8 16 32] [--engines shard_map gspmd]
 
 For each engine and depth, one stage-3 train step (fp32, plain SGD, 8 simulated CPU devices) is
 lowered and compiled for each model, the two side by side in the same run; the time is the wall
@@ -15,26 +15,23 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from experiments.common import RESULTS, MiB, cpu_devices
 
-import jax  # noqa: E402
-import optax  # noqa: E402
+cpu_devices(8)
 
-import zerojax as zj  # noqa: E402
-from tests.test_stacked import _batch, _stacked, _unrolled  # noqa: E402
+import jax
+import optax
 
-MiB = 2**20
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+import zerojax as zj
+from tests.models import classification_batch, stacked_blocks, unrolled_blocks
 
 
 def measure(kind: str, width: int, depth: int, engine: str) -> dict:
-    model = (_stacked if kind == "stacked" else _unrolled)(width, depth)
+    model = (stacked_blocks if kind == "stacked" else unrolled_blocks)(width, depth)
     trainer = zj.Trainer(model, optax.sgd(1e-2), mesh=zj.make_mesh(fsdp=8), stage=3, engine=engine, precision="fp32")
-    batch = _batch(width)
+    batch = classification_batch(rows=64, features=width)
     state = trainer.init(jax.random.key(0), batch)
     batch = trainer.shard_batch(batch)
     start = time.perf_counter()
@@ -101,7 +98,7 @@ def main() -> None:
         "",
         *table(rows, args.depths),
         "",
-        "Written by `python experiments/stacked_compile.py`.",
+        "Written by `python -m experiments.stacked_compile`.",
     ]
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -8,8 +8,8 @@ simulated CPU devices. Writes experiments/results/
   traffic_by_stage.md   collective bytes per step after SPMD partitioning vs the ring ideal, by kind,
                         and the CPU's final-HLO figure; traffic_by_stage.png
 
-    python experiments/stage_sweep.py                 # both models, both precisions: ~10 min here
-    python experiments/stage_sweep.py --models tiny   # ~2 min
+    python -m experiments.stage_sweep                 # both models, both precisions: ~10 min here
+    python -m experiments.stage_sweep --models tiny   # ~2 min
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ import json
 import os
 import sys
 
+from experiments.common import RESULTS
 from zerojax.core.optim import get_optimizer
 from zerojax.core.precision import get_precision
 from zerojax.core.stages import STAGE_INDICES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results")
 CONFIG = os.path.join(os.path.dirname(HERE), "configs", "tiny.yaml")
 STAGES = STAGE_INDICES
 

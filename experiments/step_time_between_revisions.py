@@ -1,6 +1,6 @@
 """Step time of the shipped GPT at two git revisions, measured in alternating processes.
 
-    python experiments/step_time_between_revisions.py 6cf8294 HEAD --rounds 4
+    python -m experiments.step_time_between_revisions 6cf8294 HEAD --rounds 4
 
 Each revision is checked out into a temporary worktree; one round runs a child process per revision
 (in turn, so both see the same machine load), each timing `--steps` train steps of every
@@ -104,7 +104,7 @@ def write(a, rounds: list[dict]) -> None:
     lines = [
         "# Step time of the shipped GPT at two revisions (measured)",
         "",
-        f"`python experiments/step_time_between_revisions.py {a.rev_a} {a.rev_b} --rounds {a.rounds}`: GPT "
+        f"`python -m experiments.step_time_between_revisions {a.rev_a} {a.rev_b} --rounds {a.rounds}`: GPT "
         f"`{a.preset}` with {a.layers} layers, {a.precision}, global batch {a.rows}, 8 simulated CPU devices; "
         f"{a.rounds} rounds of one process per revision in turn, each the median of {a.steps} steps after a "
         "warm-up. Ratio: the median over rounds of B / A in the same round.",

@@ -7,7 +7,7 @@ device sends, by collective kind and by the mesh axes its groups span), the stat
 device, the compiled temporaries, and 5 steps' losses against stage 0 on fsdp=8. Writes
 experiments/results/tensor_parallel.{json,md}.
 
-    python experiments/tensor_parallel.py        # 10 runs, ~3 min here
+    python -m experiments.tensor_parallel        # 10 runs, ~3 min here
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import json
 import os
 import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from experiments.common import RESULTS, cpu_devices
+
+cpu_devices(8)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results")
 MESHES = {"fsdp=8": {"fsdp": 8}, "fsdp=4 x tensor=2": {"fsdp": 4, "tensor": 2}}
 MESHES["data=2 x fsdp=2 x tensor=2"] = {"data": 2, "fsdp": 2, "tensor": 2}
 STEPS = 5

@@ -1,7 +1,7 @@
 """Temp memory of the stage-3 step against depth for user models of L identical blocks: an NNX model
 (an `nnx.List` of blocks) and a Linen one (`nn.compact`), the models of tests/unit_models.py.
 
-    python experiments/unit_depth.py [--width 256] [--depths 4 8 16] [--models nnx linen]
+    python -m experiments.unit_depth [--width 256] [--depths 4 8 16] [--models nnx linen]
                                      [--precisions fp32 bf16] [--optimizers adamw sgd clipped_adamw]
                                      [--checked] [--out FILE]
 
@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from experiments.common import MiB, cpu_devices
 
-import jax  # noqa: E402
+cpu_devices(8)
 
-import zerojax as zj  # noqa: E402
-from tests.unit_models import OPTIMIZERS, unit_batch, unit_model  # noqa: E402
+import jax
 
-MiB = 2**20
+import zerojax as zj
+from tests.unit_models import OPTIMIZERS, unit_batch, unit_model
 
 
 def measure(kind, width, depth, stage, engine, optimizer, precision, checked=False):

@@ -1,7 +1,7 @@
 """What one-unit-ahead prefetch (`prefetch=True`) costs a user model at stage 3: compiled temp bytes per
 device at L blocks with prefetch on and off, and the step time with it over without, paired.
 
-    python experiments/unit_prefetch.py [--width 256] [--depths 4 8 16] [--models nnx linen]
+    python -m experiments.unit_prefetch [--width 256] [--depths 4 8 16] [--models nnx linen]
                                         [--engines shard_map gspmd] [--precision fp32] [--steps 20]
 
 The models of tests/unit_models.py (an input Linear, L blocks of two Linear, an output Linear; NNX
@@ -16,20 +16,18 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import sys
 import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from experiments.common import MiB, cpu_devices
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
+cpu_devices(8)
 
-import zerojax as zj  # noqa: E402
-from tests.unit_models import unit_batch, unit_model  # noqa: E402
+import jax
+import numpy as np
+import optax
 
-MiB = 2**20
+import zerojax as zj
+from tests.unit_models import unit_batch, unit_model
 
 
 def prepared(kind, width, depth, engine, precision, prefetch):

@@ -1,6 +1,6 @@
 """Stage-3 step time of `shard_map` against `gspmd` on user models of FSDP units (tests/unit_models.py).
 
-    python experiments/unit_speed.py [--width 1024] [--depth 8] [--models nnx linen] [--steps 20]
+    python -m experiments.unit_speed [--width 1024] [--depth 8] [--models nnx linen] [--steps 20]
 
 Each model's two programs are stepped in turn in one process (the order alternating every step), so
 a noisy, shared machine slows both alike; the ratio is the median of the paired step times. Also
@@ -17,15 +17,16 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from experiments.common import cpu_devices
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+cpu_devices(8)
 
-import zerojax as zj  # noqa: E402
-from tests.unit_models import OPTIMIZERS, unit_batch, unit_model  # noqa: E402
-from zerojax.accounting.hlo import collective_bytes, compile_partitioned  # noqa: E402
+import jax
+import numpy as np
+
+import zerojax as zj
+from tests.unit_models import OPTIMIZERS, unit_batch, unit_model
+from zerojax.accounting.hlo import collective_bytes, compile_partitioned
 
 ENGINES = ("gspmd", "shard_map")
 
@@ -80,7 +81,7 @@ def main() -> None:
     lines = [
         "# shard_map vs gspmd on FSDP units (measured)",
         "",
-        f"Written by `python experiments/unit_speed.py --width {args.width} --depth {args.depth} --steps "
+        f"Written by `python -m experiments.unit_speed --width {args.width} --depth {args.depth} --steps "
         f"{args.steps}` on {time.strftime('%Y-%m-%d')}: tests/unit_models.py's block stacks ({args.depth} blocks of "
         f"two {args.width}-wide Linear layers), stage 3, bf16, AdamW, 8 simulated CPU devices; jax "
         f"{jax.__version__}, {platform.machine()}, {os.cpu_count()} CPU cores. Step time: median of "

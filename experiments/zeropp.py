@@ -7,9 +7,9 @@ bytes split by the mesh axes each collective spans), then --steps steps. Writes 
   zeropp.md     the per-axis traffic table, the bytes ratios and the last-50-step loss means
   zeropp.png    the loss curves
 
-    python experiments/zeropp.py                # 300 steps, 7 runs: ~8 min here
-    python experiments/zeropp.py --runs hpZ     # one run again, the others kept from zeropp.json
-    python experiments/zeropp.py --steps 30     # a quick look
+    python -m experiments.zeropp                # 300 steps, 7 runs: ~8 min here
+    python -m experiments.zeropp --runs hpZ     # one run again, the others kept from zeropp.json
+    python -m experiments.zeropp --steps 30     # a quick look
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import datetime
 import json
 import os
 
+from experiments.common import RESULTS
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results")
 CONFIG = os.path.join(os.path.dirname(HERE), "configs", "tiny.yaml")
 RUNS = {  # name -> config overrides
     "stage 3 (bf16)": [],
@@ -82,7 +83,7 @@ def write_markdown(rows: list[dict], steps: int, precision: str, path: str) -> N
     lines = [
         "# ZeRO++ on the tiny GPT: traffic per mesh axis and convergence",
         "",
-        f"`python experiments/zeropp.py --steps {steps} --precision {precision}` "
+        f"`python -m experiments.zeropp --steps {steps} --precision {precision}` "
         f"({datetime.date.today().isoformat()}): configs/tiny.yaml ({base['params']:,} params), shard_map "
         f"engine, stage 3, mesh data=2 x fsdp=4 on {base['devices']} simulated CPU devices, {precision}, "
         f"seed 0, {steps} steps, the same batches in every run.",

@@ -9,6 +9,7 @@ import numpy as np
 from flax import linen as nn
 from flax import nnx
 
+import zerojax as zj
 from zerojax.models.gpt import GPT, gpt_config
 
 
@@ -64,6 +65,21 @@ def unrolled_blocks(width: int, depth: int):
             return self.out(x)
 
     return Deep
+
+
+def stacked_blocks(width: int, depth: int, **block_kwargs):
+    """`unrolled_blocks` with the blocks as one `zj.Stacked` (scanned, gathered a layer at a time)."""
+
+    class Model(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.inp = nnx.Linear(width, width, rngs=rngs)
+            self.blocks = zj.Stacked(Block, depth, width, rngs=rngs, **block_kwargs)
+            self.out = nnx.Linear(width, 10, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(self.blocks(self.inp(x)))
+
+    return Model
 
 
 def classification_batch(seed: int = 0, rows: int = 16, features: int = 37) -> dict:

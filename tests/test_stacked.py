@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 import zerojax as zj
-from tests.models import Block, unrolled_blocks
+from tests.models import Block, stacked_blocks, unrolled_blocks
 from zerojax.accounting.hlo import collective_bytes, compile_partitioned
 from zerojax.adapt.model import functional
 from zerojax.core.loss import cross_entropy
@@ -28,19 +28,6 @@ from zerojax.errors import UserError
 
 DEVICES = 8
 ROWS = 64
-
-
-def _stacked(width: int, depth: int, **block_kwargs):
-    class Model(nnx.Module):
-        def __init__(self, rngs: nnx.Rngs):
-            self.inp = nnx.Linear(width, width, rngs=rngs)
-            self.blocks = zj.Stacked(Block, depth, width, rngs=rngs, **block_kwargs)
-            self.out = nnx.Linear(width, 10, rngs=rngs)
-
-        def __call__(self, x):
-            return self.out(self.blocks(self.inp(x)))
-
-    return Model
 
 
 class Nested(nnx.Module):
@@ -138,7 +125,7 @@ def _unrolled_params(stacked_params: dict, depth: int) -> dict:
 def test_equals_the_unrolled_list_of_the_same_blocks():
     """Same weights, same outputs, same loss and gradients as an `nnx.List` of the blocks, run in order."""
     width, depth = 32, 4
-    stacked_fm, unrolled_fm = functional(_stacked(width, depth)), functional(unrolled_blocks(width, depth))
+    stacked_fm, unrolled_fm = functional(stacked_blocks(width, depth)), functional(unrolled_blocks(width, depth))
     params, _, static = stacked_fm.init(jax.random.key(1), None)
     unrolled = _unrolled_params(params, depth)
     unrolled_static = unrolled_fm.init(jax.random.key(1), None)[2]
@@ -158,8 +145,8 @@ def test_equals_the_unrolled_list_of_the_same_blocks():
 @pytest.mark.parametrize("engine", ["shard_map", "gspmd"])
 def test_trains_like_the_unrolled_list_at_stage_3(engine):
     width, depth = 32, 4
-    params = functional(_stacked(width, depth)).init(jax.random.key(1), None)[0]
-    stacked, _ = _losses(_trainer(_stacked(width, depth), 3, engine, optax.adamw(3e-3)), width, params=params)
+    params = functional(stacked_blocks(width, depth)).init(jax.random.key(1), None)[0]
+    stacked, _ = _losses(_trainer(stacked_blocks(width, depth), 3, engine, optax.adamw(3e-3)), width, params=params)
     plain, _ = _losses(
         _trainer(unrolled_blocks(width, depth), 3, engine, optax.adamw(3e-3)),
         width,
@@ -251,7 +238,7 @@ def test_bad_arguments_are_user_errors():
 
 @functools.cache
 def _compiled(width, depth, stage, engine):
-    trainer = _trainer(_stacked(width, depth), stage, engine)
+    trainer = _trainer(stacked_blocks(width, depth), stage, engine)
     batch = _batch(width)
     state = trainer.init(jax.random.key(0), batch)
     compiled, hlo = compile_partitioned(trainer.lower(state, batch), tempfile.mkdtemp(prefix="zerojax-hlo-"))

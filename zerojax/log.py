@@ -33,7 +33,7 @@ def quiet_orbax(level: int = logging.ERROR) -> None:
                 return
             default(unraisable)
 
-        hook._zerojax = True
+        hook._zerojax = True  # type: ignore[attr-defined]
         sys.unraisablehook = hook
         threading.excepthook = _held_thread_errors.append  # orbax's writer threads: see below
 

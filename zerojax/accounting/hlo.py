@@ -88,7 +88,8 @@ class _Computation:
 
 def _split_top(text: str) -> list[str]:
     """Split on commas not nested in brackets."""
-    parts, depth, cur = [], 0, []
+    parts: list = []
+    depth, cur = 0, []  # type: ignore[var-annotated]
     for ch in text:
         depth += {"(": 1, "{": 1, "[": 1, ")": -1, "}": -1, "]": -1}.get(ch, 0)
         if ch == "," and depth == 0:

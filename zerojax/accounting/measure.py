@@ -75,7 +75,7 @@ class Measurement:
     def peak_bytes(self) -> int:
         """Everything live at once in the worst case: XLA's own `peak_memory_in_bytes` is not
         reported consistently on CPU, so the usual upper bound is used."""
-        return analytic.peak_bytes(self.argument_bytes, self.output_bytes, self.alias_bytes, self.temp_bytes)
+        return int(analytic.peak_bytes(self.argument_bytes, self.output_bytes, self.alias_bytes, self.temp_bytes))
 
     @property
     def ideal_peak_bytes(self) -> float | None:
@@ -278,7 +278,7 @@ def activation_temp_bytes(trainer, batch, key=None) -> int:
 
     model_state = prepared.abstract.model_state or {}
     compiled = jax.jit(jax.value_and_grad(loss)).lower(shapes, model_state, batch).compile()
-    return int(compiled.memory_analysis().temp_size_in_bytes)
+    return int(compiled.memory_analysis().temp_size_in_bytes)  # type: ignore[union-attr]
 
 
 def human_bytes(n: float | None) -> str:
@@ -289,3 +289,4 @@ def human_bytes(n: float | None) -> str:
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
         n /= 1024
+    raise AssertionError("unreachable: the last unit always returns")

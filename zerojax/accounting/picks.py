@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from zerojax.accounting import analytic
 from zerojax.accounting.activations import (
@@ -255,7 +256,7 @@ def rank(
     if isinstance(rows_per_device, bool) or not isinstance(rows_per_device, int) or rows_per_device < 1:
         raise UserError(f"rows per device must be a positive integer, got {rows_per_device!r}.")
     remats = tuple(remats or (REMAT_ORDER if shape is not None else ("full",)))
-    common = dict(
+    common: dict[str, Any] = dict(
         seq_len=seq_len,
         precision=precision,
         optimizer=optimizer,

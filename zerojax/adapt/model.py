@@ -130,7 +130,7 @@ def _collection(var_type: type) -> str:
 
 def _nnx_split(module: nnx.Module):
     """(graphdef, params dict, rng State, model_state {collection: nested dict})."""
-    graphdef, params, rng_state, rest = nnx.split(module, nnx.Param, nnx.RngState, ...)
+    graphdef, params, rng_state, rest = nnx.split(module, nnx.Param, nnx.RngState, ...)  # type: ignore[misc]
     model_state: dict = {}
     for path, var in nnx.to_flat_state(rest):
         model_state.setdefault(_collection(type(var)), {})[path] = var.get_value()
@@ -166,7 +166,7 @@ def _rngs_by_keyword(make) -> bool:
     (`__init__(self, ..., *, rngs)`); otherwise it is passed positionally."""
     while isinstance(make, functools.partial):  # functools.partial(MyModel, depth=4)
         make = make.func
-    fn = make.__init__ if isinstance(make, type) else make
+    fn = make.__init__ if isinstance(make, type) else make  # type: ignore[misc]
     try:
         param = inspect.signature(fn).parameters.get("rngs")
     except (TypeError, ValueError):
@@ -176,7 +176,7 @@ def _rngs_by_keyword(make) -> bool:
 
 def _nnx_functions(make: Callable[[Any], nnx.Module] | None, concrete: nnx.Module | None) -> FunctionalModel:
     if make is not None and _rngs_by_keyword(make):
-        make = (lambda build: lambda rngs: build(rngs=rngs))(make)
+        make = (lambda build: lambda rngs: build(rngs=rngs))(make)  # type: ignore[call-arg]
     abstract = concrete if concrete is not None else nnx.eval_shape(lambda: _built(make, nnx.Rngs(0)))
     graphdef = nnx.split(abstract, nnx.Param, nnx.RngState, ...)[0]
     hooked = _takes(type(abstract).__call__, "layer_hook")

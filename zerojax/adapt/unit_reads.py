@@ -48,7 +48,7 @@ def raw_reads(run, params, *rest) -> list[bool]:
 def _dependencies(jaxpr) -> list[frozenset]:
     """For each output of `jaxpr`: the indices of the inputs it depends on, other than through a mark."""
     env: dict = {v: frozenset([i]) for i, v in enumerate(jaxpr.invars)}
-    none = frozenset()
+    none: frozenset = frozenset()
 
     def read(v):
         return none if isinstance(v, jax.extend.core.Literal) else env.get(v, none)

@@ -110,7 +110,7 @@ def describe(units: list[Path], classes: dict[Path, type], rule: WrapRule | None
         return f"whole model gathered at once ({why})"
     counts = collections.Counter(classes[u].__name__ for u in units)
     kinds = ", ".join(f"{n} x {name}" for name, n in sorted(counts.items()))
-    how = "auto: classes used more than once" if rule.classes is None else "by class"
+    how = "auto: classes used more than once" if rule.classes is None else "by class"  # type: ignore[union-attr]
     return f"FSDP units: {kinds} ({how})"
 
 

@@ -90,7 +90,7 @@ def linen_around(plan: UnitPlan):
     units, materialize, loose = list(plan.units), plan.materialize, plan.loose
 
     def around(module: nn.Module):
-        done, inside = [False], []  # inside: the scopes `_unit_transform` runs units in
+        done, inside = [False], []  # type: ignore[var-annotated]  # inside: the scopes `_unit_transform` runs units in
         record = Prefetch() if plan.prefetch and plan.reshard_after_forward else None  # one per traced call
 
         def interceptor(next_fun, args, kwargs, context):

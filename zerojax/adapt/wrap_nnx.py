@@ -114,14 +114,14 @@ def _owned(flat: dict, path: Path, plan: UnitPlan) -> set:
 
 def _unit_call(self, method, cls: type, path: Path, plan: UnitPlan, record: Prefetch | None, args, kwargs):
     """`method(self, *args, **kwargs)` on the unit's gathered params (see `rematerialized`)."""
-    graphdef, params, rest = nnx.split(self, nnx.Param, ...)
+    graphdef, params, rest = nnx.split(self, nnx.Param, ...)  # type: ignore[misc]
     flat = nnx.traversals.flatten_mapping(nnx.to_pure_dict(params))
     names, owned_set = list(flat), _owned(flat, path, plan)
     owned = [i for i, p in enumerate(names) if p in owned_set]
     leaves, treedef = jax.tree.flatten((args, kwargs))
     dynamic = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
     rest_leaves, rest_def = jax.tree.flatten(rest)  # passed in, so the unit may update it inside
-    outputs = []  # (treedef, leaves, which are arrays) of the method's result: only arrays cross the unit
+    outputs: list = []  # (treedef, leaves, which are arrays) of the method's result: only arrays cross the unit
 
     def gather(values_raw, token):
         values = list(values_raw)

@@ -9,6 +9,7 @@ dotted key, the value and what is valid.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Annotated, Literal
 
 import yaml
@@ -152,7 +153,7 @@ def _section(loc: tuple) -> type[BaseModel] | None:
     cls = Config
     for part in loc:
         field = cls.model_fields.get(part) if isinstance(part, str) else None
-        cls = field.annotation if field is not None else None
+        cls = field.annotation if field is not None else None  # type: ignore[assignment]
         if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
             return None
     return cls
@@ -198,7 +199,7 @@ def parse_override(text: str) -> tuple[str, object]:
     return key.strip(), value
 
 
-def load_config(path: str | None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | None, overrides: Sequence[str] = ()) -> Config:
     raw: dict = {}
     if path is not None:
         if not os.path.isfile(path):

@@ -72,7 +72,7 @@ def type_name(tp) -> str:
 
 def default_text(field: FieldInfo) -> str:
     """The default as it would be written in YAML."""
-    value = field.default_factory() if field.default_factory is not None else field.default
+    value = field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -83,7 +83,7 @@ def default_text(field: FieldInfo) -> str:
 def source_comments(cls: type) -> tuple[str, dict[str, str]]:
     """The comment lines that open a class body, and the comment on each field's line."""
     lines = inspect.getsource(cls).splitlines(keepends=True)
-    fields = [i for i, line in enumerate(lines) if _field_name(line) in cls.model_fields]
+    fields = [i for i, line in enumerate(lines) if _field_name(line) in cls.model_fields]  # type: ignore[attr-defined]
     intro, by_field = [], {}
     for tok in tokenize.generate_tokens(io.StringIO("".join(lines)).readline):
         if tok.type != tokenize.COMMENT:
@@ -93,7 +93,7 @@ def source_comments(cls: type) -> tuple[str, dict[str, str]]:
             by_field[_field_name(lines[row])] = text
         elif fields and row < fields[0]:
             intro.append(text)
-    return " ".join(intro), by_field
+    return " ".join(intro), by_field  # type: ignore[return-value]
 
 
 def _field_name(line: str) -> str | None:

@@ -19,6 +19,7 @@ import sys
 import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from zerojax.errors import Preempted, UserError
 
@@ -123,7 +124,7 @@ def resolve(
     process_id = _int_from("--process-id", process_id, env, ENV_PROCESS_ID)
     heartbeat = _int_from("--heartbeat-timeout", heartbeat_timeout, env, ENV_HEARTBEAT_TIMEOUT)
     shutdown = _int_from("--shutdown-timeout", shutdown_timeout, env, ENV_SHUTDOWN_TIMEOUT)
-    timeouts = {
+    timeouts: dict[str, Any] = {
         "heartbeat_timeout_s": DEFAULT_HEARTBEAT_TIMEOUT_S if heartbeat is None else heartbeat,
         "shutdown_timeout_s": DEFAULT_SHUTDOWN_TIMEOUT_S if shutdown is None else shutdown,
     }

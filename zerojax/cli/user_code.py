@@ -71,10 +71,10 @@ def build_model(text: str, kwargs: dict) -> Any:
             not isinstance(target, type) and _takes_rngs(target)
         ):
             make = functools.partial(target, **kwargs)
-            made = nnx.eval_shape(lambda: make(rngs=nnx.Rngs(0)))  # abstract: nothing is allocated
+            made = nnx.eval_shape(lambda: make(rngs=nnx.Rngs(0)))  # type: ignore[call-arg]  # abstract: nothing is allocated
             if not isinstance(made, nnx.Module):
                 raise UserError(f"{key} returned a {type(made).__name__}, not an nnx.Module.")
-            return lambda rngs: make(rngs=rngs)
+            return lambda rngs: make(rngs=rngs)  # type: ignore[call-arg]
         made = target(**kwargs)
     except UserError:
         raise

@@ -56,7 +56,7 @@ def with_logical_constraint(x: jax.Array, names: tuple) -> jax.Array:
     if len(names) != x.ndim:
         raise ValueError(f"with_logical_constraint: {len(names)} names {names} for an array of rank {x.ndim}")
     mesh = active.mesh if active.mesh is not None else jax.sharding.get_abstract_mesh()
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, active.spec(tuple(names))))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, active.spec(tuple(names))))  # type: ignore[arg-type]
 
 
 @contextlib.contextmanager

@@ -89,7 +89,8 @@ class ModelMesh:
 
     def spec(self, spec, what: str, note: bool = True) -> P:
         """A user's spec in zerojax's mesh axes: names through the rules, the region's manual axes dropped."""
-        manual, used, entries = _manual_axes(), set(), []
+        manual, used = _manual_axes(), set()
+        entries: list[Any] = []
         for entry in spec:
             if entry is P.UNCONSTRAINED:
                 entries.append(entry)

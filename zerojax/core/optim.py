@@ -84,7 +84,7 @@ def build_optimizer(c, total_steps: int):
     clipping when `grad_clip` is set."""
     import optax
 
-    base = get_optimizer(c.name).make(learning_rate(c, total_steps), c)
+    base = get_optimizer(c.name).make(learning_rate(c, total_steps), c)  # type: ignore[misc]
     return optax.chain(optax.clip_by_global_norm(c.grad_clip), base) if c.grad_clip else base
 
 

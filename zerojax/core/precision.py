@@ -54,7 +54,7 @@ class Precision:
 def get_precision(name: str, reduce_dtype: str | None = None) -> Precision:
     if name not in DTYPES:
         raise UserError(f"precision must be 'fp32' or 'bf16', got {name!r}.")
-    reduce_dtype = _ALIASES.get(reduce_dtype, reduce_dtype)
+    reduce_dtype = _ALIASES.get(reduce_dtype, reduce_dtype)  # type: ignore[arg-type]
     if reduce_dtype is not None and reduce_dtype not in DTYPES:
         raise UserError(f"zero.reduce_dtype must be fp32, bf16 or null, got {reduce_dtype!r}.")
     compute = DTYPES[name]

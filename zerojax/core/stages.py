@@ -192,8 +192,8 @@ def join_shards(rows, leaf: LeafLayout):
     import jax.numpy as jnp
 
     shard_shape = list(leaf.padded_shape)
-    shard_shape[leaf.axis] //= rows.shape[0]
-    whole = jnp.moveaxis(rows.reshape(rows.shape[0], *shard_shape), 0, leaf.axis)
+    shard_shape[leaf.axis] //= rows.shape[0]  # type: ignore[index]
+    whole = jnp.moveaxis(rows.reshape(rows.shape[0], *shard_shape), 0, leaf.axis)  # type: ignore[arg-type]
     return fit_to(whole.reshape(leaf.padded_shape), leaf.shape)
 
 

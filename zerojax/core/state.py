@@ -17,7 +17,7 @@ Where a group lives is said by its shardings alone, so a host-resident group (a 
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +42,10 @@ class TrainState:
     params: Any
     rng: Any = None
     step: Any
+
+    if TYPE_CHECKING:  # added by `flax.struct.dataclass`
+
+        def replace(self, **changes: Any) -> TrainState: ...
 
     # The groups a checkpoint holds, in this order; "compute" is rebuilt from "params" instead.
     SAVED: ClassVar[tuple[str, ...]] = ("step", "params", "opt_state", "rng", "model_state")

@@ -143,6 +143,6 @@ class BatchStream:
                 start, stop, _ = rows_slice.indices(self.batch_size)
                 return self.rows(step, start, stop)[key][(slice(None), *index[1:])]
 
-            return jax.make_array_from_callback(shape, sharding, shard)
+            return jax.make_array_from_callback(shape, sharding, shard)  # type: ignore[arg-type]
 
         return {"inputs": make("inputs"), "targets": make("targets")}

@@ -82,7 +82,7 @@ def global_batch(source: Any, step: int, sharding) -> dict:
 
         return {k: make(v) for k, v in local.items()}
     host = host_batch(source, step)
-    return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in host.items()}
+    return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in host.items()}  # type: ignore[misc]
 
 
 def example_batch(source: Any) -> dict[str, np.ndarray]:

@@ -80,8 +80,8 @@ class _ShardWriter:
             self.close()
             current = {"file": f"tokens-{len(self.shards):05d}.bin", "tokens": 0, "document_ends": []}
             self.shards.append(current)
-            self.file = open(os.path.join(self.folder, current["file"]), "wb")
-        self.file.write(np.asarray(ids, dtype=self.dtype).tobytes())
+            self.file = open(os.path.join(self.folder, current["file"]), "wb")  # type: ignore[assignment]
+        self.file.write(np.asarray(ids, dtype=self.dtype).tobytes())  # type: ignore[attr-defined]
         current["tokens"] += len(ids)
         current["document_ends"].append(current["tokens"])
 

@@ -16,6 +16,7 @@ a few rows per step needs no worker pool.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 
@@ -53,7 +54,7 @@ class TokenSource:
             )
         self.first = first
         # ArraySource's epoch-shuffled order, over window numbers instead of rows of data.
-        self.order = ArraySource({"inputs": range(last - first)}, batch_size=global_batch, seed=seed)
+        self.order = ArraySource({"inputs": range(last - first)}, batch_size=global_batch, seed=seed)  # type: ignore[dict-item]
 
     def window(self, number: int) -> np.ndarray:
         shard = int(np.searchsorted(self.starts, number, side="right")) - 1
@@ -78,7 +79,7 @@ def token_sources(
 ) -> tuple[TokenSource, TokenSource | None]:
     """(train, eval or None): eval holds the last `eval_fraction` of the windows, seeded seed + 1."""
     index = read_index(folder)
-    make = dict(seq_len=seq_len, global_batch=global_batch, index=index)
+    make: dict[str, Any] = dict(seq_len=seq_len, global_batch=global_batch, index=index)
     whole = TokenSource(folder, seed=seed, **make)
     total = int(whole.starts[-1])
     n_eval = int(round(total * eval_fraction))

@@ -61,7 +61,7 @@ class EngineOptions:
     def of(cls, options: EngineOptions | dict | None) -> EngineOptions:
         if isinstance(options, cls):
             return options
-        options = dict(options or {})
+        options = dict(options or {})  # type: ignore[arg-type]
         unknown = sorted(set(options) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             valid = ", ".join(f.name for f in dataclasses.fields(cls))

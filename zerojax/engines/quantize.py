@@ -90,13 +90,13 @@ def reduce_scatter(ct, leaf: LeafLayout, quant: Quantizer):
     """qgZ: this device's local gradient of `leaf` (padded shape) -> its shard of the sum over the
     fsdp devices, in fp32: quantize each device's chunk, all-to-all, dequantize and sum."""
     fsdp = jax.lax.axis_size(FSDP_AXIS)
-    chunks = jnp.moveaxis(ct, leaf.axis, 0)
+    chunks = jnp.moveaxis(ct, leaf.axis, 0)  # type: ignore[arg-type]
     shard_shape = (chunks.shape[0] // fsdp, *chunks.shape[1:])
     chunks = chunks.reshape(fsdp, -1)  # row j: the elements of device j's shard
     codes, scale = quant.quantize(chunks)
     codes, scale = _all_to_all(codes), _all_to_all(scale)  # row i: device i's chunk for this device
     total = jnp.sum(quant.dequantize(codes, scale, chunks.shape[1]), axis=0)
-    return jnp.moveaxis(total.reshape(shard_shape), 0, leaf.axis)
+    return jnp.moveaxis(total.reshape(shard_shape), 0, leaf.axis)  # type: ignore[arg-type]
 
 
 def chunk_size(leaf: LeafLayout, fsdp: int) -> int:

@@ -149,14 +149,14 @@ def import_llama(hf_dir: str, out: str) -> dict:
     cfg = gpt_config("tiny", **sizes)
     tensors = _read_tensors(hf_dir)
     if hf.get("tie_word_embeddings") and "lm_head.weight" not in tensors:
-        tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight")  # the GPT's head is its own copy
+        tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight")  # type: ignore[assignment]  # the GPT's head is its own copy
     tensors = {k: v for k, v in tensors.items() if v is not None}
     _check_tensors(tensors, llama_shapes(cfg), hf_dir)
     check_out_folder(out, IMPORT_FILES, "zerojax import")
     params_path = os.path.join(os.path.abspath(out), "params.npz")
 
     def write(folder: str) -> None:
-        np.savez(os.path.join(folder, "params.npz"), **from_llama(tensors, cfg.n_layers))
+        np.savez(os.path.join(folder, "params.npz"), **from_llama(tensors, cfg.n_layers))  # type: ignore[arg-type]
         with open(os.path.join(folder, "config.yaml"), "w") as f:
             f.write(run_config(sizes, params_path, hf_dir))
 

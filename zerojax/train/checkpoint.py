@@ -89,7 +89,7 @@ def _leaf_table(tree, checksums=None) -> dict[str, dict]:
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     table = {path_str(p): {"shape": list(x.shape), "dtype": str(np.dtype(x.dtype))} for p, x in flat}
     for (p, _), c in zip(flat, jax.tree.leaves(checksums) if checksums is not None else ()):
-        table[path_str(p)]["checksum"] = int(c)
+        table[path_str(p)]["checksum"] = int(c)  # type: ignore[assignment]
     return table
 
 
@@ -158,7 +158,7 @@ def failure(e: BaseException) -> str | None:
     seen: list[BaseException] = []
     while e is not None and e not in seen and len(seen) < 16:
         seen.append(e)
-        e = e.__cause__ or e.__context__
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
     for cause in seen:
         why = _os_failure(cause)
         if why is not None:
@@ -303,7 +303,7 @@ class CheckpointWriter:
             time.sleep(settle_s)
 
     def wait(self) -> None:
-        with self._writing(self._step):
+        with self._writing(self._step):  # type: ignore[arg-type]
             self._manager.wait_until_finished()
 
     def close(self) -> None:
@@ -311,7 +311,7 @@ class CheckpointWriter:
         if self._closed:
             return
         self._closed = True
-        with self._writing(self._step):
+        with self._writing(self._step):  # type: ignore[arg-type]
             self._manager.close()
 
 

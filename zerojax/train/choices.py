@@ -49,5 +49,5 @@ def with_choices(fn: Callable) -> Callable:
         inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
         for f in dataclasses.fields(Choices)
     ]
-    fn.__signature__ = signature.replace(parameters=params)
+    fn.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
     return fn

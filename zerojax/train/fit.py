@@ -85,7 +85,7 @@ def _start(trainer, source, o: FitOptions, ckpt_dir: str, resume: bool, state=No
             raise UserError("fit starts from a given state or resumes from a checkpoint, not both.")
         step = int(jax.device_get(state.step))
         return trainer.restore_state(state.saved(), key, sources.global_batch(source, step, sharding)), step
-    step = step_to_resume(ckpt_dir, resume=resume, writes_checkpoints=bool(o.checkpoint_every))
+    step = step_to_resume(ckpt_dir, resume=resume, writes_checkpoints=bool(o.checkpoint_every))  # type: ignore[assignment]
     if step is None:
         batch = sources.global_batch(source, 0, sharding)
         params = None if o.init_from is None else init_from.initial_params(o.init_from, trainer, key, batch)
@@ -138,7 +138,7 @@ class _Outputs:
             self.history = continue_metrics(path, start) if start else []
             self.metrics_file = open(path, "a" if start else "w")
             self.events = tensorboard.open_writer(out_dir, o.tensorboard)
-        self.writer = None
+        self.writer: checkpoint.CheckpointWriter | None = None
         self._trainer, self._o, self._out_dir = trainer, o, out_dir
         if o.checkpoint_every:
             self.open_writer()
@@ -236,7 +236,7 @@ def _after_step(o: FitOptions, run: _Run, out: _Outputs, step: int, ckpt_dir: st
     if preemption.reached(step + 1):
         if run.last_saved != step + 1:
             out.open_writer().save(step + 1, run.state)  # a bad step's state is the last good one, step advanced
-        out.writer.close()  # waits until the checkpoint is complete on disk
+        out.open_writer().close()  # waits until the checkpoint is complete on disk
         raise Preempted(
             f"a termination request arrived; step {step + 1} is saved in {ckpt_dir}; "
             "run the same command with --resume to continue."

@@ -76,6 +76,7 @@ def _bytes(n: float) -> str:
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:,.1f} {unit}"
         n /= 1024
+    raise AssertionError("unreachable: the last unit always returns")
 
 
 def summary_table(summary: dict, out_dir: str) -> None:

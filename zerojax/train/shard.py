@@ -147,7 +147,7 @@ class Setup:
                 out[name] = value
             else:
                 host = np.asarray(value)
-                out[name] = jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])
+                out[name] = jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])  # type: ignore[misc]
         return out
 
 
@@ -178,7 +178,7 @@ class Sharded:
         if params is not None:
             got = jax.tree.map(lambda x: tuple(np.shape(x)), params)
             want = jax.tree.map(lambda x: tuple(x.shape), self.param_shapes)
-            if jax.tree.structure(got) != jax.tree.structure(want) or got != want:
+            if jax.tree.structure(got) != jax.tree.structure(want) or got != want:  # type: ignore[operator]
                 raise UserError("the given params do not match the model's parameter names and shapes.")
         inputs = jnp.zeros(self.inputs.shape, self.inputs.dtype)
         return jax.jit(self.make_state, out_shardings=self.state_shardings)(key, inputs, params)
@@ -323,7 +323,7 @@ def _checked(fn, abstract: TrainState):
 
 def _check_layout(state, want) -> None:
     """`state` (a TrainState or its saved groups) has `want`'s structure and stored shapes."""
-    if jax.tree.structure(state) != jax.tree.structure(want):
+    if jax.tree.structure(state) != jax.tree.structure(want):  # type: ignore[operator]
         raise UserError("this state was not made for this model and optimizer: init it from the same zj.shard.")
     for (path, got), need in zip(jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(want)):
         if tuple(got.shape) != tuple(need.shape):

@@ -44,7 +44,7 @@ class Trainer:
         self.setup, self.engine = setup, setup.choices.engine
         self._preparations: dict[tuple, Sharded] = {}
         self._active: Sharded | None = None  # the preparation `step` uses: set by init / restore_state
-        self._compiled = None  # (preparation, its compiled step), reused by `step`
+        self._compiled: tuple[Sharded, Any] | None = None  # (preparation, its compiled step), reused by `step`
 
     # ---- the choices, as checked (`zerojax.train.shard.Setup`) ---------------------------------------
 
@@ -164,13 +164,13 @@ class Trainer:
             batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding) for k, v in batch.items()}
         else:
             batch = self.shard_batch(batch)
-        return self.prepared.step_fn.lower(state, batch)
+        return self.prepared.step_fn.lower(state, batch)  # type: ignore[attr-defined]
 
     def compile(self, state: TrainState, batch: dict):
         """The `jax.stages.Compiled` train step for these shapes (for memory and HLO analysis)."""
         prep = self.prepared
         self.check_batch(batch)
-        compiled = prep.step_fn.lower(state, self.shard_batch(batch)).compile()
+        compiled = prep.step_fn.lower(state, self.shard_batch(batch)).compile()  # type: ignore[attr-defined]
         self._compiled = (prep, compiled)
         return compiled
 

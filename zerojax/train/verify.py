@@ -86,7 +86,7 @@ def verify(
     ]
     (losses, norms, before, after), (ref_losses, ref_norms, ref_before, ref_after) = runs
     diffs = {path: _relative(after[path] - before[path], ref_after[path] - ref_before[path]) for path in ref_after}
-    worst = max(diffs, key=diffs.get) if diffs else "-"
+    worst = max(diffs, key=diffs.get) if diffs else "-"  # type: ignore[arg-type]
     if tolerance is None:
         tolerance = TOLERANCE["bf16" if trainer.precision.compute_dtype != np.float32 else "fp32"]
     return Verification(

@@ -5,6 +5,7 @@ this module leaves the device count to be set."""
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 
 def run_row(c, steps: int, devices=None) -> tuple[dict, int, int]:
@@ -22,7 +23,9 @@ def run_row(c, steps: int, devices=None) -> tuple[dict, int, int]:
     sharding = trainer.batch_sharding
     first = global_batch(exp.train_data, 0, sharding)
     later = (global_batch(exp.train_data, step, sharding) for step in range(1, steps))
-    model = {"shape": GPTShape.of(gpt), "seq_len": gpt.seq_len, "remat": gpt.remat} if gpt is not None else {}
+    model: dict[str, Any] = (
+        {"shape": GPTShape.of(gpt), "seq_len": gpt.seq_len, "remat": gpt.remat} if gpt is not None else {}
+    )
     state = trainer.init(jax.random.key(c.train.seed), first)
     row, params = measured_row(trainer, state, itertools.chain([first], later), optimizer=c.optimizer.name, **model)
     return row, params, int(trainer.mesh.devices.size)

@@ -217,7 +217,7 @@ def _describe_run(processes: int, devices: int | None, port: int, argv: list[str
 def _process_env(args: argparse.Namespace, process_id: int, port: int) -> dict:
     """The environment of process `process_id`: the launcher's, plus its place in the run and the flags."""
     return child_env(
-        os.environ,
+        dict(os.environ),
         process_id=process_id,
         processes=args.processes,
         port=port,
