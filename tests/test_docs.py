@@ -192,3 +192,9 @@ def test_every_module_the_map_of_the_code_names_exists():
 def test_every_module_of_the_package_is_on_the_map():
     named, files = _map_and_modules()
     assert not sorted(f for f in files - named if not f.endswith("__init__.py") or f == "engines/__init__.py")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_every_module_path_a_page_names_exists(page):
+    named = re.findall(r"\b(zerojax/[\w/]+\.py)\b", page.read_text(encoding="utf-8"))
+    assert not sorted({n for n in named if not (ROOT / n).exists()})

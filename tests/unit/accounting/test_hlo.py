@@ -127,7 +127,7 @@ def test_shape_bytes():
 # (1 KiB, 3/4 of it sent), and the backward reduce-scatters each f32[4,16] gradient shard
 # (256 B, x 3). jax 0.10 reads the loop counter through get-tuple-element; jax 0.11 and 0.12 write
 # it as the operand `%param.1#0`.
-SNAPSHOTS = sorted((pathlib.Path(__file__).parent / "data" / "hlo").glob("scan_grad_jax*.txt"))
+SNAPSHOTS = sorted((pathlib.Path(__file__).parents[2] / "data" / "hlo").glob("scan_grad_jax*.txt"))
 
 
 def test_a_snapshot_from_each_supported_release_is_present():

@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field
 from zerojax.cli.config import Config
 from zerojax.cli.config_reference import reference, section_text, type_name
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 DOC = ROOT / "docs" / "config.md"
 REGENERATE = "python3 -m zerojax.cli.config_reference > docs/config.md"
 

@@ -1,0 +1,1 @@
+"""Fast unit tests of one module each, mirroring the package's parts."""
