@@ -51,7 +51,8 @@ def measure(args, cfg, rows_per_batch: int) -> tuple[int, list[dict]]:
     import optax
 
     import zerojax as zj
-    from zerojax.accounting.hlo import collective_bytes, partitioned_hlo_text
+    from zerojax.accounting.hlo import collective_bytes
+    from zerojax.accounting.partitioned import partitioned_hlo_text
     from zerojax.models import GPT
 
     mesh = zj.make_mesh(fsdp=args.devices)

@@ -42,7 +42,7 @@ def measure(mesh_name: str, engine: str, sequence_parallel: bool, stage: int = 3
     import optax
 
     import zerojax as zj
-    from zerojax.accounting import hlo
+    from zerojax.accounting import hlo, partitioned
     from zerojax.accounting.params import tensor_local_params
     from zerojax.core.offload import split_bytes
     from zerojax.models.gpt import GPT, gpt_config
@@ -57,7 +57,7 @@ def measure(mesh_name: str, engine: str, sequence_parallel: bool, stage: int = 3
     )
     state = trainer.init(jax.random.key(0), batch)
     with tempfile.TemporaryDirectory() as tmp:
-        compiled, text = hlo.compile_partitioned(trainer.lower(state, batch), tmp)
+        compiled, text = partitioned.compile_partitioned(trainer.lower(state, batch), tmp)
     counted = hlo.collective_bytes(text, mesh=mesh, allow_unknown_trips=True)
     kept = split_bytes((state.params, state.opt_state), jax.devices()[0])["device"]
     losses = []

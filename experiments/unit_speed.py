@@ -26,7 +26,8 @@ import numpy as np
 
 import zerojax as zj
 from tests.unit_models import OPTIMIZERS, unit_batch, unit_model
-from zerojax.accounting.hlo import collective_bytes, compile_partitioned
+from zerojax.accounting.hlo import collective_bytes
+from zerojax.accounting.partitioned import compile_partitioned
 
 ENGINES = ("gspmd", "shard_map")
 

@@ -7,7 +7,7 @@
 - A persistent compilation cache, new for each session (and each `-n` worker pool) and removed after
   it, compiles each distinct program once: the stage-0 reference many tests compare against, the CLI's
   tiny GPT in each subprocess. Set in the environment, so the subprocesses a test launches share both.
-  `zerojax.accounting.hlo.compile_partitioned` always compiles, since its HLO dump is what it reads.
+  `zerojax.accounting.partitioned.compile_partitioned` always compiles, since its HLO dump is what it reads.
 """
 
 import os

@@ -19,7 +19,8 @@ from flax import nnx
 import zerojax as zj
 from tests.cli_helpers import assert_one_line_error, cli_in_process
 from tests.models import UnevenMLP, classification_batch, tiny_gpt, token_batch
-from zerojax.accounting.hlo import collective_bytes, compile_partitioned
+from zerojax.accounting.hlo import collective_bytes
+from zerojax.accounting.partitioned import compile_partitioned
 from zerojax.errors import UserError
 
 DEVICES = 8

@@ -19,7 +19,7 @@ from flax import nnx
 import zerojax as zj
 from tests.programs import lower_abstract
 from tests.unit_models import DEEP, OPTIMIZERS, SHALLOW, LinenBlock, LinenScanDeep, unit_allowance, unit_batch
-from zerojax.accounting.hlo import compile_partitioned
+from zerojax.accounting.partitioned import compile_partitioned
 
 WIDTH, STEPS = 16, 5
 

@@ -14,9 +14,9 @@ from tests.models import token_batch
 from zerojax.accounting import analytic as A
 from zerojax.accounting import measure
 from zerojax.accounting.activations import GPTShape
+from zerojax.core.leaf_rule import LeafLayout
 from zerojax.core.optim import OPTIMIZERS
 from zerojax.core.precision import PRECISIONS
-from zerojax.core.stages import LeafLayout
 from zerojax.core.trees import path_str
 from zerojax.models.gpt import GPT, gpt_config
 

@@ -19,7 +19,8 @@ import zerojax as zj
 from tests.models import LinenMLP, UnevenMLP, classification_batch, tiny_gpt, token_batch
 from tests.programs import KEY, lower_abstract
 from zerojax.accounting.analytic import peak_bytes
-from zerojax.accounting.hlo import collective_bytes, compile_partitioned, partitioned_hlo_text
+from zerojax.accounting.hlo import collective_bytes
+from zerojax.accounting.partitioned import compile_partitioned, partitioned_hlo_text
 from zerojax.adapt.units import WrapRule, as_rule, choose_units
 from zerojax.models import GPT, gpt_config
 

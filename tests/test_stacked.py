@@ -21,7 +21,8 @@ from flax import nnx
 
 import zerojax as zj
 from tests.models import Block, stacked_blocks, unrolled_blocks
-from zerojax.accounting.hlo import collective_bytes, compile_partitioned
+from zerojax.accounting.hlo import collective_bytes
+from zerojax.accounting.partitioned import compile_partitioned
 from zerojax.adapt.model import functional
 from zerojax.core.loss import cross_entropy
 from zerojax.errors import UserError

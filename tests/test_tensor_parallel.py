@@ -20,7 +20,7 @@ from flax import nnx
 import zerojax as zj
 from tests.cli_helpers import assert_one_line_error, cli_in_process
 from tests.host_copies import logical_params
-from zerojax.accounting import hlo
+from zerojax.accounting import hlo, partitioned
 from zerojax.accounting.params import tensor_local_params
 from zerojax.core.offload import split_bytes
 from zerojax.interop.params import export_params
@@ -163,7 +163,7 @@ def test_the_tensor_axis_moves_megatrons_activation_all_reduces():
     trainer, batch = _trainer("nnx", "fsdp4_tensor2", 3), _batch("nnx")
     state = trainer.init(jax.random.key(0), batch)
     with tempfile.TemporaryDirectory() as tmp:
-        _, text = hlo.compile_partitioned(trainer.lower(state, batch), tmp)
+        _, text = partitioned.compile_partitioned(trainer.lower(state, batch), tmp)
     by = hlo.collective_bytes(text, mesh=trainer.mesh)["by_kind_axis"]
     layout = trainer.layout
     rows, t, blocks = ROWS // 4, 2, 2
@@ -184,7 +184,7 @@ def test_sequence_parallelism_gathers_the_sequence_over_tensor():
         trainer = _trainer("gpt", "fsdp4_tensor2", 3, sequence_parallel=sp)
         state = trainer.init(jax.random.key(0), batch)
         with tempfile.TemporaryDirectory() as tmp:
-            _, text = hlo.compile_partitioned(trainer.lower(state, batch), tmp)
+            _, text = partitioned.compile_partitioned(trainer.lower(state, batch), tmp)
         counted[sp] = hlo.collective_bytes(text, mesh=trainer.mesh)["by_kind_axis"]
         kept[sp] = split_bytes((state.params, state.opt_state), jax.devices()[0])["device"]
     assert "tensor" not in counted[False].get("all-gather", {})

@@ -40,7 +40,8 @@ from tests.unit_models import (
     unit_model,
 )
 from zerojax.accounting.analytic import peak_bytes
-from zerojax.accounting.hlo import collective_bytes, compile_partitioned, parse
+from zerojax.accounting.hlo import collective_bytes, parse
+from zerojax.accounting.partitioned import compile_partitioned
 from zerojax.adapt.units import WrapRule
 
 

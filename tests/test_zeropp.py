@@ -18,10 +18,11 @@ from tests.models import tiny_gpt, token_batch
 from tests.unit_models import DEEP, SHALLOW, block_bytes, unit_allowance, unit_batch, unit_model
 from zerojax.accounting import measure
 from zerojax.accounting.analytic import GPTShape, peak_bytes
-from zerojax.accounting.hlo import axes_spanned, collective_bytes, collectives, compile_partitioned
+from zerojax.accounting.hlo import axes_spanned, collective_bytes, collectives
+from zerojax.accounting.partitioned import compile_partitioned
 from zerojax.accounting.zeropp import ZeroPP, stage_3_traffic_by_axis, totals
 from zerojax.cli.config import load_config
-from zerojax.core.stages import LeafLayout
+from zerojax.core.leaf_rule import LeafLayout
 from zerojax.engines.quantize import Quantizer
 from zerojax.errors import UserError
 

@@ -18,7 +18,8 @@ from zerojax.accounting.analytic import (
     traffic_bytes,
 )
 from zerojax.accounting.hardware import HARDWARE, Hardware, get_hardware
-from zerojax.accounting.hlo import collective_bytes, compile_partitioned, partitioned_hlo_text, shape_bytes
+from zerojax.accounting.hlo import collective_bytes, shape_bytes
+from zerojax.accounting.partitioned import compile_partitioned, partitioned_hlo_text
 from zerojax.accounting.planning import Plan, plan, plan_dict
 from zerojax.core.optim import get_optimizer
 from zerojax.core.precision import get_precision

@@ -20,14 +20,15 @@ import jax
 
 from zerojax.accounting import analytic, zeropp
 from zerojax.accounting.activations import GPTShape, gathered_weights_kept, gpt_activation_bytes
-from zerojax.accounting.hlo import collective_bytes, compile_partitioned
+from zerojax.accounting.hlo import collective_bytes
 from zerojax.accounting.params import tensor_local_params
+from zerojax.accounting.partitioned import compile_partitioned
 from zerojax.accounting.placed_bytes import compiled_argument_bytes
+from zerojax.core.leaf_rule import LeafLayout
 from zerojax.core.loss import global_loss
 from zerojax.core.mesh import data_parallel_size
 from zerojax.core.offload import split_bytes
 from zerojax.core.optim import get_optimizer
-from zerojax.core.stages import LeafLayout
 from zerojax.core.trees import count_params
 
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from zerojax.core.mesh import AXES, DATA_AXIS
-from zerojax.core.stages import FSDP_AXIS, TENSOR_AXIS
+from zerojax.core.mesh import AXES, DATA_AXIS, FSDP_AXIS, TENSOR_AXIS
 from zerojax.errors import UserError
 
 # Megatron's split: attention heads, the MLP's hidden width and the vocabulary over `tensor`; the

@@ -24,8 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax.core.axis_rules import mesh_axes
-from zerojax.core.mesh import BATCH_AXES
-from zerojax.core.stages import TENSOR_AXIS
+from zerojax.core.mesh import BATCH_AXES, TENSOR_AXIS
 
 SEQUENCE_PARALLEL_RULES = {"seq": TENSOR_AXIS}  # what `mesh.sequence_parallel: true` adds to the rules
 

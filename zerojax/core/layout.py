@@ -20,8 +20,10 @@ from jax.sharding import PartitionSpec as P
 from zerojax.core import axis_rules as axis_rules_lib
 from zerojax.core import offload as offload_lib
 from zerojax.core import optim
+from zerojax.core.leaf_rule import LeafLayout, fit_to, leaf_layout
+from zerojax.core.mesh import FSDP_AXIS, TENSOR_AXIS
 from zerojax.core.precision import Precision, cast_tree
-from zerojax.core.stages import FSDP_AXIS, TENSOR_AXIS, LeafLayout, Stage, fit_to, leaf_layout
+from zerojax.core.stages import Stage
 from zerojax.core.state import TrainState
 from zerojax.core.trees import path_str, under
 

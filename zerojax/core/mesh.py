@@ -15,7 +15,9 @@ import numpy as np
 from zerojax.errors import UserError
 
 DATA_AXIS = "data"  # whole replicas: parameters are never split over it (but hpZ's state)
-AXES = (DATA_AXIS, "fsdp", "tensor")
+FSDP_AXIS = "fsdp"  # the axis ZeRO shards over
+TENSOR_AXIS = "tensor"  # tensor parallelism
+AXES = (DATA_AXIS, FSDP_AXIS, TENSOR_AXIS)
 BATCH_AXES = (DATA_AXIS, "fsdp")  # the global batch is split over every data-parallel axis
 
 

@@ -14,7 +14,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from zerojax.core.stages import FSDP_AXIS, LeafLayout, Stage, fit_to, join_shards
+from zerojax.core.leaf_rule import LeafLayout, fit_to, join_shards
+from zerojax.core.mesh import FSDP_AXIS
+from zerojax.core.stages import Stage
 from zerojax.engines import quantize
 
 

@@ -13,8 +13,8 @@ from jax.sharding import NamedSharding
 from zerojax.adapt import units as units_lib
 from zerojax.adapt.stacked import at
 from zerojax.core import constraints as activations
+from zerojax.core.leaf_rule import LeafLayout
 from zerojax.core.loss import global_loss
-from zerojax.core.stages import LeafLayout
 from zerojax.engines import BuiltStep, EngineOptions, GatherReport, kept_whole_report, replicated_report
 from zerojax.engines.gspmd_accum import accumulated_grads
 from zerojax.engines.unit_plan import (

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from zerojax.core.stages import FSDP_AXIS, LeafLayout, join_shards
+from zerojax.core.leaf_rule import LeafLayout, join_shards
+from zerojax.core.mesh import FSDP_AXIS
 from zerojax.errors import UserError
 
 # code dtype, largest code, whether the codes are rounded to integers

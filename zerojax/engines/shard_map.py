@@ -21,9 +21,10 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.core import constraints as activations
 from zerojax.core.layout import StateLayout
+from zerojax.core.leaf_rule import LeafLayout
 from zerojax.core.loss import loss_parts
-from zerojax.core.mesh import BATCH_AXES, data_parallel_size
-from zerojax.core.stages import FSDP_AXIS, TENSOR_AXIS, LeafLayout, Stage
+from zerojax.core.mesh import BATCH_AXES, FSDP_AXIS, TENSOR_AXIS, data_parallel_size
+from zerojax.core.stages import Stage
 from zerojax.engines import BuiltStep, EngineOptions, GatherReport, accum, kept_whole_report
 from zerojax.engines.collectives import Reduce, Resident
 from zerojax.engines.quantize import Quantizer

@@ -19,8 +19,8 @@ from flax import nnx
 from zerojax.adapt import units as units_lib
 from zerojax.adapt.stacked import at
 from zerojax.core.layout import StateLayout
+from zerojax.core.leaf_rule import LeafLayout
 from zerojax.core.mesh import BATCH_AXES
-from zerojax.core.stages import LeafLayout
 from zerojax.engines import EngineOptions, GatherReport, replicated_report
 from zerojax.engines.collectives import Reduce
 from zerojax.engines.unit_plan import (

@@ -9,7 +9,7 @@ import jax
 
 from zerojax.adapt import units as units_lib
 from zerojax.core.layout import StateLayout
-from zerojax.core.stages import LeafLayout
+from zerojax.core.leaf_rule import LeafLayout
 from zerojax.core.trees import under
 
 

@@ -15,11 +15,10 @@ from zerojax.accounting.hlo import (
     axes_spanned,
     collective_bytes,
     collectives,
-    compile_partitioned,
-    partitioned_hlo_text,
     replica_groups,
     shape_bytes,
 )
+from zerojax.accounting.partitioned import compile_partitioned, partitioned_hlo_text
 
 # --- hand-written HLO: each construct the parser must handle --------------------------------
 

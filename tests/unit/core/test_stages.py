@@ -7,8 +7,9 @@ import pytest
 
 import zerojax as zj
 from zerojax.core.layout import make_layout
+from zerojax.core.leaf_rule import leaf_layout, shard_numel
 from zerojax.core.precision import get_precision
-from zerojax.core.stages import STAGES, get_stage, leaf_layout, shard_numel
+from zerojax.core.stages import STAGES, get_stage
 from zerojax.errors import UserError
 
 

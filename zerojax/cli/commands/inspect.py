@@ -56,7 +56,7 @@ def layout_report(c) -> dict:
     import jax.numpy as jnp
 
     from zerojax.cli.experiment import build_experiment
-    from zerojax.core.stages import LeafLayout
+    from zerojax.core.leaf_rule import LeafLayout
     from zerojax.core.trees import count_params, path_str
 
     exp = build_experiment(c)
