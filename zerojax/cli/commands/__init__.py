@@ -1,5 +1,6 @@
 """The `zerojax` subcommands: a module per subcommand defines `add_parser(subparsers)`, whose parser
-sets `run`; the other modules here are a subcommand's parts (`plan_inputs`, `plan_tables`, `compare_run`)."""
+sets `run`; a subcommand with parts is a package (`plan/`: its inputs, tables and tensor section), or
+names its part (`compare_run`)."""
 
 
 def add_overrides(parser, help: str = "override a config key, e.g. --set zero.stage=2 (repeatable)") -> None:

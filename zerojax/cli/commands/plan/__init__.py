@@ -10,7 +10,8 @@ is ranked against the device budget (`--memory`, default the hardware's, less `-
 device and host bytes apart, and the best one's `--set` overrides are printed
 (`zerojax.accounting.picks`; docs/planner.md).
 
-What is planned comes from `plan_inputs`; the tables are printed by `plan_tables`.
+What is planned comes from `plan.inputs`; the tables are printed by `plan.tables` and the FSDP x
+tensor section by `plan.tensor`.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import argparse
 import json
 import math
 
-from zerojax.cli.commands import add_overrides, plan_tensor
-from zerojax.cli.commands.plan_inputs import inputs_from_config, inputs_from_flags
+from zerojax.cli.commands import add_overrides
+from zerojax.cli.commands.plan import tensor as plan_tensor
+from zerojax.cli.commands.plan.inputs import inputs_from_config, inputs_from_flags
 from zerojax.errors import UserError
 
 
@@ -116,7 +118,7 @@ def _run(args: argparse.Namespace) -> int:
         out["recommendation"] = out["best"]  # the one recommendation: the best combination that fits
         print(json.dumps(out, indent=2))
         return 0
-    from zerojax.cli.commands.plan_tables import print_by_axis, print_picks, print_stage_table
+    from zerojax.cli.commands.plan.tables import print_by_axis, print_picks, print_stage_table
 
     print_stage_table(result, args.config, inputs["remat"], inputs["replicas"])
     if by_axis is not None:

@@ -32,7 +32,7 @@ def section(inputs: dict, hardware, efficiency: float) -> dict | None:
 def print_section(s: dict) -> None:
     from rich.table import Table
 
-    from zerojax.cli.commands.plan_tables import console, duration, gb
+    from zerojax.cli.commands.plan.tables import console, duration, gb
 
     table = Table(
         title=f"FSDP x tensor at stage 3: {s['devices']} devices ({s['devices_per_node']} a node), "
