@@ -72,61 +72,39 @@ class Setup:
     @classmethod
     def of(cls, model, optimizer, **given) -> Setup:
         """The checked setup for `model` trained by `optimizer`; `given`: the keyword `Choices`."""
-        choices = Choices.of(**given)
-        return cls._checked(model, optimizer, choices, **choices.given())
+        c = Choices.of(**given)
+        check_transformation(optimizer)
+        built, options = get_engine(c.engine), EngineOptions.of(c.engine_options)
+        built.check(options)
+        grad_accum = check_grad_accum(c.grad_accum)
+        offload = offload_lib.check_mode(c.offload)
+        mesh = c.mesh if c.mesh is not None else make_mesh()
+        offload_lib.check_backend(offload, mesh.devices.flat)
+        rules = axis_rules_lib.as_rules(c.axis_rules)
+        model_mesh = ModelMesh.of(mesh, rules)
+        return cls(
+            functional(model, c.rng_streams).on_mesh(model_mesh.active),
+            optimizer,
+            mesh,
+            get_stage(c.stage),
+            built,
+            get_precision(c.precision, c.reduce_dtype),
+            c.loss_fn or cross_entropy,
+            options,
+            grad_accum,
+            offload,
+            c.replicate_below_bytes,
+            rules,
+            model_mesh,
+            model,
+            c,
+        )
 
     def reference(self) -> Setup:
         """The same model, optimizer, loss, precision, rules and mesh at stage 0 under `gspmd`: what
         `verify` compares against."""
         plain = dataclasses.replace(self.choices, stage=0, engine="gspmd", engine_options=None, offload="none")
         return Setup.of(self.source, self.tx, **plain.given())
-
-    @classmethod
-    def _checked(
-        cls,
-        model,
-        optimizer,
-        choices: Choices,
-        *,
-        mesh,
-        stage,
-        engine,
-        precision,
-        loss_fn,
-        reduce_dtype,
-        replicate_below_bytes,
-        engine_options,
-        rng_streams,
-        grad_accum,
-        offload,
-        axis_rules,
-    ) -> Setup:
-        check_transformation(optimizer)
-        built, options = get_engine(engine), EngineOptions.of(engine_options)
-        built.check(options)
-        grad_accum = check_grad_accum(grad_accum)
-        offload = offload_lib.check_mode(offload)
-        mesh = mesh if mesh is not None else make_mesh()
-        offload_lib.check_backend(offload, mesh.devices.flat)
-        rules = axis_rules_lib.as_rules(axis_rules)
-        model_mesh = ModelMesh.of(mesh, rules)
-        return cls(
-            functional(model, rng_streams).on_mesh(model_mesh.active),
-            optimizer,
-            mesh,
-            get_stage(stage),
-            built,
-            get_precision(precision, reduce_dtype),
-            loss_fn or cross_entropy,
-            options,
-            grad_accum,
-            offload,
-            replicate_below_bytes,
-            rules,
-            model_mesh,
-            model,
-            choices,
-        )
 
     @property
     def batch_sharding(self) -> NamedSharding:
