@@ -23,6 +23,23 @@ def zero_from(tree) -> jax.Array:
     return jnp.zeros((), jnp.float32)
 
 
+def zeros_after(tree):
+    """Per leaf of `tree`, `zero_from(leaf)` read from the leaf as written, not recomputed from its
+    inputs.
+
+    XLA fuses an elementwise producer into a consumer that slices it, so a plain `zero_from(new)`
+    reads the *old* inputs of `new` again, and whatever waits for it no longer waits for `new`'s
+    write. A conditional's operands are never fused into it (see `held_on_cpu`), so on CPU the
+    zeros are read inside one whose predicate is always true but only known at run time: one for the
+    whole tree (one per leaf made compiling half again slower). Elsewhere the plain read serves (a
+    conditional would cost a host round trip)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    if jax.default_backend() != "cpu" or not leaves:
+        return jax.tree.map(zero_from, tree)
+    each = lambda shift: lambda xs: [zero_from(x) + shift for x in xs]  # noqa: E731
+    return treedef.unflatten(jax.lax.cond(zero_from(leaves) == 0, each(0.0), each(1.0), leaves))
+
+
 def tie(x, token):
     """`x` plus the exact zero `token`: the same values, computed after `token` exists. hpZ's
     secondary copies tie the part that is gathered (`Secondary.tied`); stage 2's resident copies are

@@ -157,14 +157,7 @@ def _accumulated(accumulated):
 def _update(layout, tx, options: EngineOptions, around, check_first: bool = True):
     def update(state, loss, grads, model_state):
         new_state, metrics = apply_update(
-            layout,
-            tx,
-            state,
-            grads,
-            loss,
-            options.checked_update,
-            check_first=check_first,
-            order_moments=around is None,
+            layout, tx, state, grads, loss, options.checked_update, check_first=check_first
         )
         return keep_model_state(new_state, model_state, metrics["bad_step"]), {"loss": loss, **metrics}
 

@@ -274,7 +274,7 @@ def build(
     train_report, grads_fn = _train_grads(
         layout, model, static, loss_fn, options, reduce, report, run_model, grad_accum
     )
-    update = _update(layout, tx, options, reduce, order_moments=report.route != "units")
+    update = _update(layout, tx, options, reduce)
     evaluate = _eval_fn(layout, run_model, reduce) if stage.compute_params else None
     return BuiltStep(_grads(layout, grads_fn), update, train_report, evaluate)
 
@@ -311,7 +311,7 @@ def _grads(layout: StateLayout, grads_fn):
     return grads
 
 
-def _update(layout: StateLayout, tx, options: EngineOptions, reduce: Reduce, order_moments: bool):
+def _update(layout: StateLayout, tx, options: EngineOptions, reduce: Reduce):
     """The sharded update and, where the state keeps a replicated compute copy beside a sharded
     master, the new copy gathered from the cast shards."""
     gather_compute = _manual(
@@ -322,9 +322,7 @@ def _update(layout: StateLayout, tx, options: EngineOptions, reduce: Reduce, ord
     )
 
     def update(state, loss, grads, model_state):
-        new_state, metrics = apply_update(
-            layout, tx, state, grads, loss, options.checked_update, order_moments=order_moments
-        )
+        new_state, metrics = apply_update(layout, tx, state, grads, loss, options.checked_update)
         new_state = keep_model_state(new_state, model_state, metrics["bad_step"])
         if layout.keeps_compute_copy and layout.master_sharded:
             new_state = new_state.replace(compute=gather_compute(new_state.params))  # params already kept if bad

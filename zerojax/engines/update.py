@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 from zerojax.adapt import ordering
 from zerojax.core.layout import StateLayout
@@ -57,53 +58,74 @@ def apply_update(
     loss,
     checked: bool = False,
     check_first: bool = True,
-    order_moments: bool = True,
 ) -> tuple[TrainState, dict]:
     """Optimizer update on the optimizer's layout (shards from stage 1 on), then back to the state's.
 
     `grads` arrive reduced: replicated (stages 0-1) or already sharded (stages 2-3). A step whose
     loss or gradient norm is not finite keeps the old state (`bad_step` = 1); the step counter still
     advances, so the data position moves past the bad batch. The verdict is known before the update
-    runs, so the update is one pass written over the old state: for the registry's optimizers finite
-    gradients and state give a finite new state.
+    runs, so the new state is written over the old one without checking it (`_master_then_moments`):
+    for the registry's optimizers finite gradients and state give a finite new state.
 
     `checked=True` (engine option `checked_update`) also refuses a non-finite *new* state (a custom
     transformation, a schedule gone NaN): the update then runs twice, once to check and once, after
     the verdict, to write in place (see `_checked_update`); it compiles several times slower.
-    `order_moments`: write the moments after the master (`_after_params`); engines pass False for
-    FSDP units, where that order made every new state shard wait beside the old one instead.
     """
     grads = constrain(layout.to_opt(grads), layout.opt_shardings())  # each pass casts them to fp32 itself
     grad_norm = optax.tree.norm(cast_tree(grads, jnp.float32))
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+    def kept(new):  # the new state, or the old one after a non-finite step
+        return {k: jax.tree.map(lambda n, o: jnp.where(finite, n, o), v, getattr(state, k)) for k, v in new.items()}
+
     if checked:
         new_state, finite = _checked_update(layout, tx, state, grads, finite, check_first)
+        new_state = kept(new_state)
     else:
-        new_state, on_shards = _updated(layout, tx, state, grads)
-        if order_moments:
-            new_state["opt_state"] = _after_params(new_state["opt_state"], on_shards["params"])
-    kept = {k: getattr(state, k) for k in new_state}
-    new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, kept)
+        new_state = _master_then_moments(layout, tx, state, grads, kept)
     return state.replace(**new_state, step=state.step + 1), {
         "grad_norm": grad_norm,
         "bad_step": (~finite).astype(jnp.int32),
     }
 
 
-def _after_params(opt_state, master):
-    """The optimizer state with every subtree shaped like the params (Adam's moments) written after
-    the new master: each leaf tied to an exact zero read from its own master leaf.
+def _master_then_moments(layout, tx, state, grads, kept):
+    """The new state, each leaf written over the old one: the master (and compute copy) first, then
+    the optimizer state, from a second run of the update whose inputs wait for the master's write.
 
-    The master's write recomputes the new moments inline from the old ones; without an order between
-    it and the moments' own writes, XLA cannot write the moments over the old ones in place and
-    copies both at the step's entry. One zero per leaf, not one from the whole tree (`_written`): a
-    token joining every leaf makes compiling many times slower (docs/engines.md, "The update")."""
-    treedef = jax.tree.structure(master)
-    zeros = jax.tree.map(ordering.zero_from, master)
-    like_params = lambda sub: jax.tree.structure(sub) == treedef
-    return jax.tree.map(
-        lambda sub: jax.tree.map(ordering.tie, sub, zeros) if like_params(sub) else sub, opt_state, is_leaf=like_params
+    Elementwise, in place needs every reader of an old value to run before its write. One run shares
+    the new moments between the master's write and their own, so XLA either holds every new moment
+    beside the old until the last master is written or copies the old state at the step's entry
+    (12 bytes per parameter shard with Adam). Two runs share nothing: the first computes the
+    moments inline into the master's write, the second writes them, each optimizer-state leaf shaped
+    like a parameter tied to an exact zero read from that parameter's written master
+    (`ordering.zeros_after`; one zero per leaf, not one from the whole tree, which made compiling
+    many times slower: docs/engines.md, "The update"). The tie also keeps the second run from being
+    merged with the first."""
+    first = kept(_updated(layout, tx, state, grads)[0])
+    zeros = _written_zeros(layout, first["params"])
+    treedef = jax.tree.structure(zeros)
+    like_params = lambda sub: jax.tree.structure(sub) == treedef  # noqa: E731
+    opt_state = jax.tree.map(
+        lambda sub: jax.tree.map(ordering.tie, sub, zeros) if like_params(sub) else sub,
+        state.opt_state,
+        is_leaf=like_params,
     )
+    tied_grads = constrain(jax.tree.map(ordering.tie, grads, zeros), layout.opt_shardings())
+    second = kept(_updated(layout, tx, state.replace(opt_state=opt_state), tied_grads)[0])
+    return {**first, "opt_state": second["opt_state"]}
+
+
+def _written_zeros(layout: StateLayout, params):
+    """Per leaf of `params` (stored as the master is), an exact zero read from it as written
+    (`ordering.zeros_after`), each device reading its own shard: read from the global array, one
+    element of a sharded leaf is a scalar collective per leaf."""
+    specs = jax.tree.map(lambda s: s.spec, layout.shardings(layout.master_sharded))
+    out_specs = jax.tree.map(lambda _: P(), specs)
+    # Every device's zero is 0, so the result is replicated in value, as out_specs says.
+    return jax.shard_map(
+        ordering.zeros_after, mesh=layout.mesh, in_specs=(specs,), out_specs=out_specs, check_vma=False
+    )(params)
 
 
 def _checked_update(layout, tx, state, grads, finite, check_first):
@@ -128,7 +150,7 @@ def _checked_update(layout, tx, state, grads, finite, check_first):
 
 def _written(tree):
     """An exact zero read from every leaf of `tree` (`zerojax.adapt.ordering.zero_from`): what depends on it runs after
-    the whole tree is written (why the moments need that order: `_after_params`). Outside
+    the whole tree is written (why the moments need that order: `_master_then_moments`). Outside
     `shard_map`, reading one value of a sharded leaf is a scalar collective per leaf."""
     return sum((ordering.zero_from(x) for x in jax.tree.leaves(tree)), jnp.zeros((), jnp.float32))
 
