@@ -246,9 +246,9 @@ def test_stages_2_3_scatter_each_layer_inside_the_loop(measured):
     for stage in (2, 3):  # counts multiply a loop body's collectives by the trip count
         assert measured["shard_map", stage]["traffic"]["counts"]["reduce-scatter"] == BIG.n_layers * per_layer + outside
     assert measured["shard_map", 1]["traffic"]["counts"]["reduce-scatter"] == per_layer + outside  # after the loop
-    # Stage 3: one gather of all a layer's leaves (`Reduce.gather_group`) forward, one for the
-    # backward's re-gather; the outside leaves once each.
-    assert measured["shard_map", 3]["traffic"]["counts"]["all-gather"] == 2 * BIG.n_layers + outside
+    # Stage 3: each of a layer's leaves gathered forward and again for the backward's re-gather (a
+    # layer's leaves are not bucketed: `LayerHook`); the outside leaves once each.
+    assert measured["shard_map", 3]["traffic"]["counts"]["all-gather"] == 2 * BIG.n_layers * per_layer + outside
 
 
 def test_cpu_executed_traffic_is_reported_separately(measured):

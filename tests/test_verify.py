@@ -27,8 +27,8 @@ def shard_for(monkeypatch):
     def inject(path: str):
         gather_group = Reduce.gather_group
 
-        def faulty(self, leaves, values):
-            out = gather_group(self, leaves, values)
+        def faulty(self, leaves, values, *args, **kwargs):
+            out = gather_group(self, leaves, values, *args, **kwargs)
             return [
                 jnp.resize(jnp.asarray(x, w.dtype), w.shape) if leaf.path == path else w
                 for leaf, x, w in zip(leaves, values, out)

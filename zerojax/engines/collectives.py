@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from zerojax.adapt.ordering import held_on_cpu
 from zerojax.core.leaf_rule import LeafLayout, fit_to, join_shards
 from zerojax.core.mesh import FSDP_AXIS
 from zerojax.core.stages import Stage
@@ -85,9 +86,41 @@ def _transposed(reduce, ct, axis: int):
     sums are the same, and bf16 results move by rounding (XLA computes the dot another way).
     Only on CPU, where it was measured; GPU and TPU compile these dots with their own libraries.
     """
-    if ct.ndim != 2 or jax.default_backend() != "cpu":  # measured on CPU only
+    if not _reduced_transposed(ct):
         return reduce(ct, axis)
     return reduce(ct.T, 1 - axis).T
+
+
+def _reduced_transposed(ct) -> bool:
+    return ct.ndim == 2 and jax.default_backend() == "cpu"  # measured on CPU only
+
+
+def _from_row(row, leaf: LeafLayout):
+    """This device's part of a reduced row (`Reduce._grad_rows`) -> its shard of the leaf."""
+    shard = list(leaf.padded_shape)
+    shard[leaf.axis] //= jax.lax.axis_size(FSDP_AXIS)  # type: ignore[index]
+    if len(shard) == 2 and jax.default_backend() == "cpu":  # cut from the transposed gradient
+        return row.reshape(shard[::-1]).T
+    return row.reshape(shard)
+
+
+# An FSDP unit's bucket: gathered bytes (compute dtype) at most; a larger leaf keeps its own
+# collectives. Sized for users' units of small leaves; a bucket's rows cost temp memory.
+UNIT_BUCKET_BYTES = 1 << 20
+
+
+def buckets(sizes: list[int], limit: int) -> list[list[int]]:
+    """Indices of `sizes` in consecutive groups of at most `limit` bytes; a larger one alone."""
+    out: list[list[int]] = []
+    total = limit + 1
+    for i, size in enumerate(sizes):
+        if size > limit or total + size > limit:
+            out.append([i])
+            total = size
+        else:
+            out[-1].append(i)
+            total += size
+    return out
 
 
 @dataclass(frozen=True)
@@ -174,29 +207,79 @@ class Reduce:
         """hpZ: a leaf's local gradient -> this device's primary shard (over fsdp, then data)."""
         return jax.lax.psum_scatter(self.to_shard(ct, leaf), "data", scatter_dimension=leaf.axis, tiled=True)
 
-    def gather_group(self, leaves: list[LeafLayout], values: list) -> list:
-        """Stage 3: several leaves' stored values (one layer's) -> the whole compute-dtype leaves,
-        every plain sharded leaf's bits moved in one all-gather instead of one each.
+    def gather_group(self, leaves: list[LeafLayout], values: list, bucket_bytes: int = 0) -> list:
+        """Stage 3: several leaves' stored values (one layer's or unit's) -> the whole compute-dtype
+        leaves, the plain sharded leaves gathered in buckets of at most `bucket_bytes` (`buckets`): each
+        bucket's bits in one all-gather, and its gradients reduce-scattered in one `psum_scatter`
+        (`_received_bucket`). 0: every leaf its own collectives.
 
-        Each leaf's backward is its own reduction, as in `gather` / `hierarchical_gather`, so each
-        gradient is reduced as soon as it exists. XLA:CPU combines neither all-gathers nor
-        reduce-scatters, and every collective is a rendezvous of all device threads, so one gather
-        per layer is faster than one per leaf (docs/engines.md). qwZ's quantized and replicated
-        leaves keep their own collectives."""
+        XLA:CPU combines neither all-gathers nor reduce-scatters, and every collective is a
+        rendezvous of all device threads, so one collective per bucket is faster than one per leaf
+        (docs/engines.md). A bucket costs memory a leaf's own collective does not: the gathered rows
+        beside the leaves cut out of them, and the gradients held until the bucket's last one exists;
+        a leaf larger than `bucket_bytes` keeps its own. qwZ's quantized and replicated leaves keep
+        their own collectives, and hpZ's their own reductions."""
         one = self.gathered
-        joined = [i for i, (l, x) in enumerate(zip(leaves, values)) if self._joinable(l, x)]
-        if len(joined) < 2:  # nothing to join: each leaf's own gather
-            return [one(l, x) for l, x in zip(leaves, values)]
-        bits = [self._bits(values[i]) for i in joined]
-        rows = jax.lax.all_gather(jnp.concatenate([b.ravel() for b in bits]), FSDP_AXIS, axis=0, tiled=False)
-        rows = from_bits(rows, self.compute_dtype)  # (fsdp, elements of this device's shards)
-        out = [None if i in joined else one(l, x) for i, (l, x) in enumerate(zip(leaves, values))]
-        start = 0
-        for i, b in zip(joined, bits):
-            whole = join_shards(rows[:, start : start + b.size], leaves[i])
-            out[i] = self._received(leaves[i], values[i], whole)
-            start += b.size
+        out = [None if self._joinable(l, x) else one(l, x) for l, x in zip(leaves, values)]
+        joinable = [i for i, o in enumerate(out) if o is None]
+        gathered = jax.lax.axis_size(FSDP_AXIS) * jnp.dtype(self.compute_dtype).itemsize
+        for bucket in buckets([self._bits(values[i]).size * gathered for i in joinable], bucket_bytes):
+            members = [joinable[j] for j in bucket]
+            if len(members) == 1:
+                out[members[0]] = one(leaves[members[0]], values[members[0]])
+                continue
+            bits = [self._bits(values[i]) for i in members]
+            rows = jax.lax.all_gather(jnp.concatenate([b.ravel() for b in bits]), FSDP_AXIS, axis=0, tiled=False)
+            rows = from_bits(rows, self.compute_dtype)  # (fsdp, elements of this device's shards)
+            wholes, start = [], 0
+            for i, b in zip(members, bits):
+                wholes.append(join_shards(rows[:, start : start + b.size], leaves[i]))
+                start += b.size
+            if self.grads is None and not any(isinstance(values[i], Secondary) for i in members):
+                received = self._received_bucket([leaves[i] for i in members], [values[i] for i in members], wholes)
+            else:  # qgZ's quantized reductions and hpZ's two-level ones stay per leaf
+                received = [self._received(leaves[i], values[i], w) for i, w in zip(members, wholes)]
+            for i, whole in zip(members, received):
+                out[i] = whole
         return out
+
+    def _received_bucket(self, leaves: list[LeafLayout], shards: list, wholes: list) -> list:
+        """`wholes` (gathered from `shards` together), with a backward that reduce-scatters all their
+        gradients in one `psum_scatter` into the shards (summed over the replica axes too).
+
+        The shards are received in the reduce dtype: the cast to the master dtype is the cast's own
+        transpose, outside this rule, which XLA fuses into the update, so the reduced shards wait for
+        the update in the reduce dtype. They wait as buffers of their own (`held_on_cpu`): XLA cut
+        some out of the reduced row and read others from it in place, so the row stayed alive beside
+        its pieces (a bf16 unit's reduced gradient twice)."""
+
+        def reduce(cts):
+            rows = [self._grad_rows(ct, leaf) for ct, leaf in zip(cts, leaves)]
+            mine = jax.lax.psum_scatter(jnp.concatenate(rows, axis=1), FSDP_AXIS, scatter_dimension=0, tiled=False)
+            if self.replicas:
+                mine = jax.lax.psum(mine, self.replicas)
+            out, start = [], 0
+            for leaf, r in zip(leaves, rows):
+                out.append(_from_row(mine[start : start + r.shape[1]], leaf))
+                start += r.shape[1]
+            return held_on_cpu(out)
+
+        f = jax.custom_vjp(lambda shards, wholes: wholes)
+        f.defvjp(lambda shards, wholes: (wholes, None), lambda _, cts: (reduce(cts), None))
+        return f([s.astype(self.reduce_dtype) for s in shards], list(wholes))
+
+    def _grad_rows(self, ct, leaf: LeafLayout):
+        """A leaf's whole local gradient as (fsdp, shard elements) in the reduce dtype: row i is
+        device i's shard (`_from_row` reads it back). 2-D gradients are cut from their transpose on CPU
+        (`_transposed`)."""
+        ct = fit_to(ct, leaf.padded_shape).astype(self.reduce_dtype)
+        axis = leaf.axis
+        assert axis is not None  # only sharded leaves are bucketed (`_joinable`)
+        if _reduced_transposed(ct):
+            ct, axis = ct.T, 1 - axis
+        n = jax.lax.axis_size(FSDP_AXIS)
+        split = ct.reshape(*ct.shape[:axis], n, ct.shape[axis] // n, *ct.shape[axis + 1 :])
+        return jnp.moveaxis(split, axis, 0).reshape(n, -1)
 
     def _joinable(self, leaf: LeafLayout, x) -> bool:
         # A tensor-parallel leaf keeps its own gather: flattening it into the joined one would make
@@ -246,10 +329,13 @@ class Reduce:
             return lambda leaf, x: keep_tensor_split(self.resident(leaf)(x.full, x.shard), leaf)
         return keep_tensor_split
 
-    def group_materializer(self, stage: Stage):
-        """`(leaves, stored values) -> whole values` of a group used together (one layer's leaves):
-        `gather_group` at stage 3, else each leaf as `materializer` says."""
+    def group_materializer(self, stage: Stage, bucket_bytes: int = 0):
+        """`(leaves, stored values) -> whole values` of a group used together (one layer's or unit's
+        leaves): `gather_group` in buckets of `bucket_bytes` at stage 3, else each leaf as
+        `materializer` says."""
         if stage.compute_params:
-            return lambda leaves, values: list(map(keep_tensor_split, self.gather_group(leaves, values), leaves))
+            return lambda leaves, values: list(
+                map(keep_tensor_split, self.gather_group(leaves, values, bucket_bytes), leaves)
+            )
         one = self.materializer(stage)
         return lambda leaves, values: [one(l, x) for l, x in zip(leaves, values)]

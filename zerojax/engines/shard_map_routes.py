@@ -22,7 +22,7 @@ from zerojax.core.layout import StateLayout
 from zerojax.core.leaf_rule import LeafLayout
 from zerojax.core.mesh import BATCH_AXES
 from zerojax.engines import EngineOptions, GatherReport, replicated_report
-from zerojax.engines.collectives import Reduce
+from zerojax.engines.collectives import UNIT_BUCKET_BYTES, Reduce
 from zerojax.engines.unit_plan import (
     describe_stacks,
     is_layout,
@@ -39,7 +39,9 @@ RunModel = Callable[[Any, Any, jax.Array, Any], Any]
 
 class LayerHook:
     """Called by the model on each layer's stored params inside its scanned, rematerialised body;
-    the layer's leaves are materialised together (`Reduce.group_materializer`: one gather a layer)."""
+    the layer's leaves are materialised leaf by leaf (`Reduce.group_materializer` without buckets): a
+    layer's leaves are large, and a bucket's rows and held gradients raised stage 3's peak on the 26M
+    decoder from 67.4 to 70.2 MiB with no measurable speed in return (docs/engines.md)."""
 
     def __init__(self, layouts, materialize_group):
         self.layouts = layouts  # per-layer LeafLayouts, same dict structure as one layer's params
@@ -120,7 +122,8 @@ def route(
         return report, lambda raw, ms, x, key, train=True: model.apply(
             _gather_all(materialize, leaves, raw), ms, static, x, rng=key, train=train, sync=BATCH_AXES
         )
-    return _unit_route(layout, model, static, rule, reduce.group_materializer(stage), inputs, model_state, prefetch)
+    materialize = reduce.group_materializer(stage, UNIT_BUCKET_BYTES)
+    return _unit_route(layout, model, static, rule, materialize, inputs, model_state, prefetch)
 
 
 def _layer_route(layout, model, static, stacks, reduce: Reduce, prefetch: bool):
@@ -159,7 +162,7 @@ def _layer_route(layout, model, static, stacks, reduce: Reduce, prefetch: bool):
 
 def _unit_route(layout, model, static, rule, materialize, inputs, model_state, prefetch=False):
     """Submodules chosen by the wrap rule gather their own params (see `zerojax.adapt.units`), each unit's
-    leaves together (`materialize`: a `Reduce.group_materializer`); with `prefetch`, one unit ahead
+    leaves together, in buckets (`materialize`: a `Reduce.group_materializer`); with `prefetch`, one unit ahead
     (`zerojax.adapt.ordering.Prefetch`)."""
     report, around = unit_around(layout, model, static, rule, materialize, inputs, model_state, prefetch=prefetch)
     return report, lambda raw, ms, x, key, train=True: model.apply(
