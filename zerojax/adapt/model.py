@@ -58,6 +58,8 @@ class FunctionalModel:
     # (key, abstract inputs) -> {param path "a/b/kernel": its logical axis names} for the leaves the
     # model annotates (`nnx.with_partitioning`, `nn.with_logical_partitioning`; see `zerojax.core.axis_rules`)
     axis_names: Callable[[Any, Any], dict] | None = None
+    # NNX: {param path "a/b/kernel": its `Variable` type} (what `trainable=` filters select by)
+    variable_types: dict | None = None
 
     def on_mesh(self, context: Callable[[], Any]) -> FunctionalModel:
         """This model with every function that traces the user's code run inside `context()` (a
@@ -197,6 +199,7 @@ def _nnx_functions(make: Callable[[Any], nnx.Module] | None, concrete: nnx.Modul
         declared_stacks=declared,
         lifted_stacks=None if hooked or stacks else functools.partial(_nnx_lifted_stacks, apply),
         axis_names=functools.partial(_nnx_axis_names, abstract),
+        variable_types={path_str(p): type(v) for p, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param))},
     )
 
 

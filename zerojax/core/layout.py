@@ -230,6 +230,7 @@ def make_layout(
     hierarchical: bool = False,
     axis_names: dict | None = None,
     axis_rules: dict | None = None,
+    trainable=None,
 ) -> StateLayout:
     """One `LeafLayout` per parameter; leaves under one of the `stack_paths` (the param paths of the
     model's layer stacks: `zj.Stacked`, or what a model taking `layer_hook` declares) keep axis 0 whole.
@@ -238,6 +239,7 @@ def make_layout(
     (for an optimizer whose update is not elementwise, which the zero padding would change).
     `axis_names` ({param path: logical names}) and `axis_rules` (`zerojax.core.axis_rules`) choose each
     leaf's tensor-parallel dimension, and a dimension the model gives to `fsdp` itself.
+    `trainable`: a bool per leaf (`zerojax.core.trainable.select`); None: every leaf trains.
     """
     rules = axis_rules_lib.as_rules(axis_rules)
     tensor = dict(mesh.shape).get(TENSOR_AXIS, 1)
@@ -263,6 +265,10 @@ def make_layout(
         )
 
     leaves = jax.tree_util.tree_map_with_path(rule, param_shapes)
+    if trainable is not None:
+        leaves = jax.tree.map(
+            lambda l, t: dataclasses.replace(l, trainable=bool(t)), leaves, trainable, is_leaf=_is_layout
+        )
     opt_leaves = None
     if pad_free_optimizer and stage.optimizer and any(l.padded for l in jax.tree.leaves(leaves, is_leaf=_is_layout)):
         opt_leaves = jax.tree.map(_unpadded, leaves, is_leaf=_is_layout)

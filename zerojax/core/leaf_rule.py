@@ -33,6 +33,8 @@ class LeafLayout:
     # model parallelism, not ZeRO: no stage gathers it), and that axis's size
     tensor_axis: int | None = None
     tensor_size: int = 1
+    # False for a frozen leaf (`zerojax.core.trainable`): no gradient, so nothing of it is reduced
+    trainable: bool = True
 
     @property
     def padded(self) -> bool:

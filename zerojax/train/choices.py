@@ -26,6 +26,9 @@ class Choices:
     grad_accum: int = 1  # micro-batches per step
     offload: str = "none"  # "none", "optimizer" or "optimizer+params" (docs/offload.md)
     axis_rules: Any = None  # logical or foreign axis name -> mesh axis (`zerojax.core.axis_rules`)
+    # what trains (`zerojax.core.trainable`): a regex over param paths, (path, leaf) -> bool, an NNX
+    # filter; None: everything, or the `nnx.LoRAParam`s alone where the model holds some
+    trainable: Any = None
 
     @classmethod
     def of(cls, **given) -> Choices:

@@ -30,6 +30,7 @@ from zerojax.adapt import checks
 from zerojax.adapt.model import FunctionalModel, functional
 from zerojax.core import axis_rules as axis_rules_lib
 from zerojax.core import offload as offload_lib
+from zerojax.core import trainable as trainable_lib
 from zerojax.core.layout import StateLayout, make_layout
 from zerojax.core.loss import cross_entropy, global_loss
 from zerojax.core.mesh import BATCH_AXES, check_batch, check_tensor_used, data_parallel_size, make_mesh
@@ -68,6 +69,10 @@ class Setup:
 
     source: Any = None  # the model as given (what `reference` rebuilds from)
     choices: Choices = Choices()  # the keyword choices as given
+    # a bool per param leaf: what trains (`zerojax.core.trainable`); None: everything. Set by
+    # `frozen_where`, which also wraps `model` and `tx`; `optimizer` is the optimizer as given.
+    trainable: Any = None
+    optimizer: Any = None
 
     @classmethod
     def of(cls, model, optimizer, **given) -> Setup:
@@ -104,7 +109,20 @@ class Setup:
         """The same model, optimizer, loss, precision, rules and mesh at stage 0 under `gspmd`: what
         `verify` compares against."""
         plain = dataclasses.replace(self.choices, stage=0, engine="gspmd", engine_options=None, offload="none")
-        return Setup.of(self.source, self.tx, **plain.given())
+        return Setup.of(self.source, self.optimizer or self.tx, **plain.given())
+
+    def frozen_where(self, mask) -> Setup:
+        """This setup training only where `mask` is True: the model differentiates the trainable
+        leaves only, and the optimizer updates and keeps state for them only."""
+        if mask is None:
+            return self
+        return dataclasses.replace(
+            self,
+            model=dataclasses.replace(self.model, apply=trainable_lib.frozen_apply(self.model.apply, mask)),
+            tx=trainable_lib.frozen_optimizer(self.tx, mask),
+            trainable=mask,
+            optimizer=self.tx,
+        )
 
     @property
     def batch_sharding(self) -> NamedSharding:
@@ -215,8 +233,7 @@ def shard(model, optimizer, batch: dict, *, key=None, **setup) -> Sharded:
 def prepare(setup: Setup, key, batch: dict) -> Sharded:
     """Layout, shardings, abstract state, the engine's step and their jitted forms, for `batch`'s inputs."""
     inputs = jax.ShapeDtypeStruct(batch["inputs"].shape, batch["inputs"].dtype)
-    model = setup.model
-    param_shapes, model_state_shapes, static_shapes = jax.eval_shape(model.init, key, inputs)  # one trace
+    setup, model, param_shapes, model_state_shapes, static_shapes = _traced(setup, key, inputs)
     layout = make_layout(
         setup.mesh,
         setup.stage,
@@ -229,6 +246,7 @@ def prepare(setup: Setup, key, batch: dict) -> Sharded:
         hierarchical=setup.options.hierarchical,
         axis_names=model.axis_names(key, inputs) if model.axis_names else None,
         axis_rules=setup.axis_rules,
+        trainable=setup.trainable,
     )
     check_tensor_used(layout)
     model_state_shapes = model_state_shapes if jax.tree.leaves(model_state_shapes) else None
@@ -272,6 +290,14 @@ def prepare(setup: Setup, key, batch: dict) -> Sharded:
         eval_fn=jax.jit(evaluate, static_argnums=2, in_shardings=in_shardings, out_shardings=layout.replicated),
         classes=classes,
     )
+
+
+def _traced(setup: Setup, key, inputs) -> tuple:
+    """The model's init traced once: (the setup trained where `trainable` says, its model, its
+    param, model state and static shapes)."""
+    shapes = jax.eval_shape(setup.model.init, key, inputs)
+    setup = setup.frozen_where(trainable_lib.select(setup.choices.trainable, shapes[0], setup.model.variable_types))
+    return (setup, setup.model, *shapes)
 
 
 def _check_model(setup: Setup, key, batch: dict, args) -> int | None:
