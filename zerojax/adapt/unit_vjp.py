@@ -10,12 +10,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from zerojax.adapt.ordering import Prefetch, held_on_cpu, tie_tree, zero_from
+from zerojax.adapt.ordering import held_on_cpu, tie_tree, zero_from
 from zerojax.adapt.units import Policy
 
 
 def rematerialized(
-    run, gather, params, *args, policy: Policy = "full", wait_for_grads: bool = False, prefetch: Prefetch | None = None
+    run, gather, params, *args, policy: Policy = "full", wait_for_grads: bool = False, prefetch=None, frozen: tuple = ()
 ):
     """`run(gather(params, token), *args)` with the gather tied to `args` (the unit's inputs) in the
     forward pass and, in the backward pass, gathered again tied to the incoming cotangent. With
@@ -23,7 +23,8 @@ def rematerialized(
 
     `policy` says which of the unit's activations the forward keeps for the backward (see
     `zerojax.core.remat.unit_policy`); the gathered weights are never kept, whatever it says. With "full"
-    only the inputs are kept and the backward re-runs the whole unit."""
+    only the inputs are kept and the backward re-runs the whole unit. `frozen`: a flag per leaf of
+    `params`; the backward differentiates the others only."""
     gfn, gconsts, body, rconsts = _converted(run, gather, params, args, policy)
     prev = prefetch.take() if prefetch is not None else None
     followed = [False]  # set when a later unit in this trace takes this unit's token
@@ -56,10 +57,10 @@ def rematerialized(
         # unit's backward then hands its incoming cotangent's zero to this one as `ct_next`.
         token = ct_next if followed[0] else own
         if policy == "full":
-            _, vjp = jax.vjp(lambda p, rest, c: forward(p, rest, c, token), args[0], args[1:], consts)
+            _, vjp = _vjp_trainable(lambda p, rest, c: forward(p, rest, c, token), frozen, args[0], args[1:], consts)
             d_params, d_rest, d_consts = vjp(ct)
         else:
-            weights, vjp_gather = jax.vjp(lambda p, c: gfn(p, token, *c), args[0], consts[0])
+            weights, vjp_gather = _vjp_trainable(lambda p, c: gfn(p, token, *c), frozen, args[0], consts[0])
             d_weights, d_rest, d_rconsts = _with(weights, kept, saved[0])(ct)
             d_params, d_gconsts = vjp_gather(d_weights)
             d_consts = (d_gconsts, d_rconsts)
@@ -72,6 +73,32 @@ def rematerialized(
     if prefetch is not None:
         prefetch.put(mine, followed)
     return out
+
+
+def _vjp_trainable(fn, frozen: tuple[bool, ...], params, *rest):
+    """`jax.vjp(fn, params, *rest)` differentiating only the leaves of `params` not `frozen`; the
+    frozen ones' cotangents are zeros."""
+    if not any(frozen):
+        return jax.vjp(fn, params, *rest)
+    leaves, treedef = jax.tree.flatten(params)
+    train = [i for i, f in enumerate(frozen) if not f]
+
+    def part(trained, *r):
+        full = list(leaves)
+        for i, x in zip(train, trained):
+            full[i] = x
+        return fn(treedef.unflatten(full), *r)
+
+    out, vjp = jax.vjp(part, [leaves[i] for i in train], *rest)
+
+    def full_vjp(ct):
+        d_trained, *d_rest = vjp(ct)
+        d = [jnp.zeros_like(x) for x in leaves]
+        for i, g in zip(train, d_trained):
+            d[i] = g
+        return (treedef.unflatten(d), *d_rest)
+
+    return out, full_vjp
 
 
 def _converted(run, gather, params, args, policy):

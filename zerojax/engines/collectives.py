@@ -221,27 +221,33 @@ class Reduce:
         their own collectives, and hpZ's their own reductions."""
         one = self.gathered
         out = [None if self._joinable(l, x) else one(l, x) for l, x in zip(leaves, values)]
-        joinable = [i for i, o in enumerate(out) if o is None]
         gathered = jax.lax.axis_size(FSDP_AXIS) * jnp.dtype(self.compute_dtype).itemsize
-        for bucket in buckets([self._bits(values[i]).size * gathered for i in joinable], bucket_bytes):
-            members = [joinable[j] for j in bucket]
-            if len(members) == 1:
-                out[members[0]] = one(leaves[members[0]], values[members[0]])
-                continue
-            bits = [self._bits(values[i]) for i in members]
-            rows = jax.lax.all_gather(jnp.concatenate([b.ravel() for b in bits]), FSDP_AXIS, axis=0, tiled=False)
-            rows = from_bits(rows, self.compute_dtype)  # (fsdp, elements of this device's shards)
-            wholes, start = [], 0
-            for i, b in zip(members, bits):
-                wholes.append(join_shards(rows[:, start : start + b.size], leaves[i]))
-                start += b.size
-            if self.grads is None and not any(isinstance(values[i], Secondary) for i in members):
-                received = self._received_bucket([leaves[i] for i in members], [values[i] for i in members], wholes)
-            else:  # qgZ's quantized reductions and hpZ's two-level ones stay per leaf
-                received = [self._received(leaves[i], values[i], w) for i, w in zip(members, wholes)]
-            for i, whole in zip(members, received):
-                out[i] = whole
+        # Frozen leaves never share a bucket with trainable ones: their gathers have no backward.
+        for trains in (True, False):
+            joinable = [i for i, o in enumerate(out) if o is None and leaves[i].trainable == trains]
+            for bucket in buckets([self._bits(values[i]).size * gathered for i in joinable], bucket_bytes):
+                self._gather_bucket([joinable[j] for j in bucket], leaves, values, out)
         return out
+
+    def _gather_bucket(self, members: list[int], leaves: list[LeafLayout], values: list, out: list) -> None:
+        """`out[i]` for each of the bucket's `members`: gathered in one all-gather (alone: its own)."""
+        one = self.gathered
+        if len(members) == 1:
+            out[members[0]] = one(leaves[members[0]], values[members[0]])
+            return
+        bits = [self._bits(values[i]) for i in members]
+        rows = jax.lax.all_gather(jnp.concatenate([b.ravel() for b in bits]), FSDP_AXIS, axis=0, tiled=False)
+        rows = from_bits(rows, self.compute_dtype)  # (fsdp, elements of this device's shards)
+        wholes, start = [], 0
+        for i, b in zip(members, bits):
+            wholes.append(join_shards(rows[:, start : start + b.size], leaves[i]))
+            start += b.size
+        if self.grads is None and not any(isinstance(values[i], Secondary) for i in members):
+            received = self._received_bucket([leaves[i] for i in members], [values[i] for i in members], wholes)
+        else:  # qgZ's quantized reductions and hpZ's two-level ones stay per leaf
+            received = [self._received(leaves[i], values[i], w) for i, w in zip(members, wholes)]
+        for i, whole in zip(members, received):
+            out[i] = whole
 
     def _received_bucket(self, leaves: list[LeafLayout], shards: list, wholes: list) -> list:
         """`wholes` (gathered from `shards` together), with a backward that reduce-scatters all their

@@ -164,9 +164,16 @@ def _accum_grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: R
 def _reduced(reduce: Reduce, stage, leaves, grads):
     """Whole local gradients reduced once: onto each device's shard where the stage shards the
     master params, else all-reduced."""
-    if stage.master_params:
-        return jax.tree.map(lambda l, g: reduce.to_shard(g, l), leaves, grads, is_leaf=is_layout)
-    return jax.tree.map(reduce.to_all, grads)
+    one = (lambda l, g: reduce.to_shard(g, l)) if stage.master_params else (lambda l, g: reduce.to_all(g))
+    return jax.tree.map(
+        lambda l, g: one(l, g) if l.trainable else _unreduced(one, l, g), leaves, grads, is_leaf=is_layout
+    )
+
+
+def _unreduced(reduce_one, leaf, grad):
+    """A frozen leaf's zero gradient in the reduced gradient's shape and dtype, reducing nothing."""
+    out = jax.eval_shape(lambda g: reduce_one(leaf, g), grad)
+    return jnp.zeros(out.shape, out.dtype)
 
 
 def _per_device(layout: StateLayout, local):

@@ -1,0 +1,132 @@
+"""`trainable=`: frozen parameters are never differentiated, updated or given optimizer state, at
+every stage in both engines, on a user's NNX model built with `nnx.LoRALinear` (adapters train by
+default) and on a plain one frozen by a regex."""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import zerojax as zj
+from tests.host_copies import logical_params
+from tests.models import UnevenMLP, classification_batch
+from tests.programs import lower_abstract
+from zerojax.accounting.hlo import collective_bytes
+from zerojax.accounting.partitioned import compile_partitioned
+
+STEPS = 3
+RANK = 4
+
+
+class LoRAMLP(nnx.Module):
+    """37 -> 129 -> 10 with rank-4 adapters on both layers, as Flax's docs build it."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.LoRALinear(37, 129, lora_rank=RANK, rngs=rngs)
+        self.out = nnx.LoRALinear(129, 10, lora_rank=RANK, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jax.nn.gelu(self.hidden(x)))
+
+
+def _adamw():
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+
+
+def _labels(params):  # optax's own way: the output layer frozen
+    return {
+        name: jax.tree.map(lambda _, n=name: "train" if n == "hidden" else "frozen", v) for name, v in params.items()
+    }
+
+
+def _trainer(model, stage, engine, tx=None, **choices):
+    tx = tx or _adamw()
+    return zj.Trainer(model, tx, mesh=zj.make_mesh(fsdp=8), stage=stage, engine=engine, **choices)
+
+
+@functools.cache
+def _run(name: str, stage: int, engine: str):
+    model, choices, tx = {
+        "lora": (LoRAMLP, {}, None),
+        "regex": (UnevenMLP, {"trainable": "^hidden/"}, None),
+        "set_to_zero": (
+            UnevenMLP,
+            {},
+            optax.multi_transform({"train": _adamw(), "frozen": optax.set_to_zero()}, _labels),
+        ),
+    }[name]
+    trainer = _trainer(model, stage, engine, tx, **choices)
+    state = trainer.init(jax.random.key(0), classification_batch())
+    initial, losses = logical_params(trainer, state), []
+    for step in range(STEPS):
+        state, metrics = trainer.step(state, classification_batch(step))
+        losses.append(float(metrics["loss"]))
+    return losses, initial, logical_params(trainer, state)
+
+
+DEFAULT = {(3, "shard_map"), (3, "gspmd"), (2, "shard_map")}
+
+
+@pytest.mark.parametrize(
+    "stage, engine",
+    [
+        (s, e) if (s, e) in DEFAULT else pytest.param(s, e, marks=pytest.mark.slow)
+        for s in (0, 1, 2, 3)
+        for e in ("gspmd", "shard_map")
+        if (s, e) != (0, "gspmd")
+    ],
+)
+def test_lora_adapters_train_like_stage_0_and_the_base_stays_bit_for_bit(stage, engine):
+    losses, initial, final = _run("lora", stage, engine)
+    want_losses, _, want_final = _run("lora", 0, "gspmd")
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-6, atol=0)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), final, want_final)
+    for layer in ("hidden", "out"):
+        for name in ("kernel", "bias"):
+            np.testing.assert_array_equal(final[layer][name], initial[layer][name])
+        assert not np.array_equal(final[layer]["lora"]["lora_b"], initial[layer]["lora"]["lora_b"])
+    assert losses[-1] < losses[0]
+
+
+def test_a_regex_trains_like_multi_transform_with_set_to_zero():
+    losses, initial, final = _run("regex", 3, "shard_map")
+    want_losses, _, want_final = _run("set_to_zero", 3, "shard_map")
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-6, atol=0)
+    np.testing.assert_array_equal(final["out"]["kernel"], initial["out"]["kernel"])
+    np.testing.assert_allclose(final["hidden"]["kernel"], want_final["hidden"]["kernel"], rtol=1e-6, atol=1e-7)
+
+
+def test_frozen_leaves_hold_no_optimizer_state():
+    state = _trainer(LoRAMLP, 3, "shard_map").abstract_state(jax.random.key(0), classification_batch())
+    moments = sum(x.size for x in jax.tree.leaves(state.opt_state) if x.ndim)
+    assert moments == 2 * RANK * (37 + 129 + 129 + 10)  # Adam's two moments of the adapters; none of the base
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("engine", ["gspmd", "shard_map"])
+def test_frozen_gradients_are_never_reduced(engine, stage):
+    """The step reduces the adapters' gradients only (and the loss and the norm): counted on the
+    partitioned program, all-reduces and reduce-scatters together."""
+    trainer = _trainer(LoRAMLP, stage, engine)
+    batch = classification_batch()
+    _, hlo = compile_partitioned(lower_abstract(trainer, batch), tempfile.mkdtemp(prefix="zerojax-hlo-"))
+    moved = collective_bytes(hlo)["bytes"]
+    reduced = moved["all-reduce"] + moved["reduce-scatter"]
+    adapters = 4 * RANK * (37 + 129 + 129 + 10)  # fp32 bytes of the four adapter matrices (replicated)
+    base = 4 * (37 * 129 + 129 + 129 * 10 + 10)
+    ring = 2 * 7 / 8  # a ring all-reduce over 8 devices sends 2(p-1)/p of its bytes, a reduce-scatter half
+    assert ring / 2 * adapters <= reduced < ring * (adapters + base / 10), (moved, adapters, base)
+    if stage == 3:
+        assert moved["all-gather"] >= 7 / 8 * base  # the frozen base is still gathered
+
+
+def test_a_selection_of_nothing_is_one_sentence():
+    trainer = _trainer(UnevenMLP, 3, "shard_map", trainable="nowhere")
+    with pytest.raises(zj.UserError, match="selects none of the model's 4 parameters"):
+        trainer.init(jax.random.key(0), classification_batch())
