@@ -97,6 +97,7 @@ class TrainConfig(_Section):
     max_bad_steps: PositiveInt = 3
     tensorboard: StrictBool | None = None  # event files beside metrics.jsonl; None: when tensorboard is installed
     init_from: str | None = None  # params (.npz of zerojax export or import) a fresh run starts from, not random
+    trainable: str | None = None  # a regex over param paths: only those train; None: all (or the nnx.LoRAParams)
 
 
 class DataConfig(_Section):

@@ -127,6 +127,7 @@ def build_experiment(c: Config, devices=None) -> Experiment:
         grad_accum=c.train.grad_accum,
         offload=c.zero.offload,
         axis_rules=axis_rules(c),
+        trainable=c.train.trainable,
     )
     return Experiment(c, gpt, trainer, train_data, eval_data, meta)
 

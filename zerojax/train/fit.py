@@ -336,6 +336,13 @@ def _summary(trainer, o: FitOptions, run: _Run, all_records: list[dict], compile
         "devices": int(trainer.mesh.devices.size),
         "mesh": dict(trainer.mesh.shape),
         "params": count_params(trainer.layout.leaves),
+        "trainable_params": count_params(
+            [
+                l
+                for l in jax.tree.leaves(trainer.layout.leaves, is_leaf=lambda x: hasattr(x, "trainable"))
+                if l.trainable
+            ]
+        ),
         "first_loss": _num(losses[0] if losses else None),
         "final_loss": _num(losses[-1] if losses else None),
         "eval_loss": run.eval_loss,

@@ -79,6 +79,13 @@ def _bytes(n: float) -> str:
     raise AssertionError("unreachable: the last unit always returns")
 
 
+def _params(summary: dict) -> str:
+    total, trained = summary["params"], summary.get("trainable_params", summary["params"])
+    if trained == total:
+        return f"{total:,}"
+    return f"{total:,} ({trained:,} trainable, {trained / total:.1%})"
+
+
 def summary_table(summary: dict, out_dir: str) -> None:
     if jax.process_index() != 0:
         return
@@ -86,7 +93,7 @@ def summary_table(summary: dict, out_dir: str) -> None:
     rows = [
         ("stage / engine / precision", f"{summary['stage']} / {summary['engine']} / {summary['precision']}"),
         ("devices (mesh)", f"{summary['devices']} {summary['mesh']}"),
-        ("parameters", f"{summary['params']:,}"),
+        ("parameters", _params(summary)),
         ("loss first -> final", f"{_loss(summary['first_loss'])} -> {_loss(summary['final_loss'])}"),
         ("eval loss", "-" if summary["eval_loss"] is None else _loss(summary["eval_loss"])),
         ("bad steps (skipped)", f"{summary.get('bad_steps', 0)}"),
