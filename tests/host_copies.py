@@ -14,3 +14,13 @@ def logical_params(trainer, state) -> dict:
         state.params,
         is_leaf=lambda x: hasattr(x, "padded_shape"),
     )
+
+
+def trained(trainer, batches, steps: int):
+    """(losses, logical params before, after) of `steps` steps on `batches(step)` from key 0."""
+    state = trainer.init(jax.random.key(0), batches(0))
+    initial, losses = logical_params(trainer, state), []
+    for step in range(steps):
+        state, metrics = trainer.step(state, batches(step))
+        losses.append(float(metrics["loss"]))
+    return losses, initial, logical_params(trainer, state)

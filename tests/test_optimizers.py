@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import zerojax as zj
-from tests.host_copies import logical_params
+from tests.host_copies import trained
 from tests.models import UnevenMLP, classification_batch
 
 STEPS = 3
@@ -52,12 +52,7 @@ OPTIMIZERS = {
 @functools.cache
 def _run(name: str, stage: int, engine: str):
     trainer = zj.Trainer(UnevenMLP, OPTIMIZERS[name](), mesh=zj.make_mesh(fsdp=8), stage=stage, engine=engine)
-    state = trainer.init(jax.random.key(0), classification_batch())
-    initial, losses = logical_params(trainer, state), []
-    for step in range(STEPS):
-        state, metrics = trainer.step(state, classification_batch(step))
-        losses.append(float(metrics["loss"]))
-    return losses, initial, logical_params(trainer, state)
+    return trained(trainer, classification_batch, STEPS)
 
 
 def _reference(name: str):

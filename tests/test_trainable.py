@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import zerojax as zj
-from tests.host_copies import logical_params
+from tests.host_copies import trained
 from tests.models import UnevenMLP, classification_batch
 from tests.programs import lower_abstract
 from zerojax.accounting.hlo import collective_bytes
@@ -62,12 +62,7 @@ def _run(name: str, stage: int, engine: str):
         ),
     }[name]
     trainer = _trainer(model, stage, engine, tx, **choices)
-    state = trainer.init(jax.random.key(0), classification_batch())
-    initial, losses = logical_params(trainer, state), []
-    for step in range(STEPS):
-        state, metrics = trainer.step(state, classification_batch(step))
-        losses.append(float(metrics["loss"]))
-    return losses, initial, logical_params(trainer, state)
+    return trained(trainer, classification_batch, STEPS)
 
 
 DEFAULT = {(3, "shard_map"), (3, "gspmd"), (2, "shard_map")}
