@@ -15,7 +15,7 @@ from flax import nnx
 
 import zerojax as zj
 from tests.host_copies import trained
-from tests.models import UnevenMLP, classification_batch
+from tests.models import LinenMLP, UnevenMLP, classification_batch
 from tests.programs import lower_abstract
 from zerojax.accounting.hlo import collective_bytes
 from zerojax.accounting.partitioned import compile_partitioned
@@ -103,22 +103,42 @@ def test_frozen_leaves_hold_no_optimizer_state():
     assert moments == 2 * RANK * (37 + 129 + 129 + 10)  # Adam's two moments of the adapters; none of the base
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-@pytest.mark.parametrize("engine", ["gspmd", "shard_map"])
-def test_frozen_gradients_are_never_reduced(engine, stage):
-    """The step reduces the adapters' gradients only (and the loss and the norm): counted on the
-    partitioned program, all-reduces and reduce-scatters together."""
-    trainer = _trainer(LoRAMLP, stage, engine)
+def _reduced_and_gathered(trainer) -> tuple[float, float]:
+    """(gradient reduction bytes: all-reduces and reduce-scatters, all-gather bytes) of the step,
+    counted on the partitioned program."""
     batch = classification_batch()
     _, hlo = compile_partitioned(lower_abstract(trainer, batch), tempfile.mkdtemp(prefix="zerojax-hlo-"))
     moved = collective_bytes(hlo)["bytes"]
-    reduced = moved["all-reduce"] + moved["reduce-scatter"]
+    return moved["all-reduce"] + moved["reduce-scatter"], moved["all-gather"]
+
+
+RING = 2 * 7 / 8  # a ring all-reduce over 8 devices sends 2(p-1)/p of its bytes, a reduce-scatter half
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("engine", ["gspmd", "shard_map"])
+def test_frozen_gradients_are_never_reduced(engine, stage):
+    """The step reduces the adapters' gradients only (and the loss and the norm)."""
+    reduced, gathered = _reduced_and_gathered(_trainer(LoRAMLP, stage, engine))
     adapters = 4 * RANK * (37 + 129 + 129 + 10)  # fp32 bytes of the four adapter matrices (replicated)
     base = 4 * (37 * 129 + 129 + 129 * 10 + 10)
-    ring = 2 * 7 / 8  # a ring all-reduce over 8 devices sends 2(p-1)/p of its bytes, a reduce-scatter half
-    assert ring / 2 * adapters <= reduced < ring * (adapters + base / 10), (moved, adapters, base)
+    assert RING / 2 * adapters <= reduced < RING * (adapters + base / 10), (reduced, adapters, base)
     if stage == 3:
-        assert moved["all-gather"] >= 7 / 8 * base  # the frozen base is still gathered
+        assert gathered >= 7 / 8 * base  # the frozen base is still gathered
+
+
+@pytest.mark.parametrize("engine", ["gspmd", "shard_map"])
+def test_linen_units_never_reduce_frozen_gradients(engine):
+    """A Linen model's FSDP units (its three `nn.Dense`) at stage 3, the biases alone trained: each
+    unit holds frozen and trainable leaves, and its backward differentiates only what its caller
+    does (under `gspmd` each unit's input gradient waits for its parameter gradients, so a frozen
+    one computed there would be kept, and reduced)."""
+    trainer = _trainer(LinenMLP(), 3, engine, trainable="bias$")
+    assert trainer.prepare(jax.random.key(0), classification_batch()).report.route == "units"
+    reduced, _ = _reduced_and_gathered(trainer)
+    trained = 4 * (96 + 40 + 10)
+    frozen = 4 * (37 * 96 + 96 * 40 + 40 * 10)
+    assert RING / 2 * trained <= reduced < RING * (trained + frozen / 10), (reduced, trained, frozen)
 
 
 def test_a_selection_of_nothing_is_one_sentence():

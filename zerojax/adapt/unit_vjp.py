@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from zerojax.adapt.ordering import held_on_cpu, tie_tree, zero_from
+from zerojax.adapt.ordering import Prefetch, held_on_cpu, tie_tree, zero_from
 from zerojax.adapt.units import Policy
 
 
 def rematerialized(
-    run, gather, params, *args, policy: Policy = "full", wait_for_grads: bool = False, prefetch=None, frozen: tuple = ()
+    run, gather, params, *args, policy: Policy = "full", wait_for_grads: bool = False, prefetch: Prefetch | None = None
 ):
     """`run(gather(params, token), *args)` with the gather tied to `args` (the unit's inputs) in the
     forward pass and, in the backward pass, gathered again tied to the incoming cotangent. With
@@ -23,14 +24,16 @@ def rematerialized(
 
     `policy` says which of the unit's activations the forward keeps for the backward (see
     `zerojax.core.remat.unit_policy`); the gathered weights are never kept, whatever it says. With "full"
-    only the inputs are kept and the backward re-runs the whole unit. `frozen`: a flag per leaf of
-    `params`; the backward differentiates the others only."""
+    only the inputs are kept and the backward re-runs the whole unit. A parameter the caller does
+    not differentiate (a frozen one, under `stop_gradient`) is not differentiated in the backward
+    either: its gradient is never computed, nor reduced."""
     gfn, gconsts, body, rconsts = _converted(run, gather, params, args, policy)
     prev = prefetch.take() if prefetch is not None else None
     followed = [False]  # set when a later unit in this trace takes this unit's token
     # Where the regathered weights go among the forward's residuals: set by `fwd`, read by `bwd`.
     # Every trace of `fwd` for this call makes the same residual structure, so the last one serves.
     saved = [None]
+    frozen: list[tuple[bool, ...]] = [()]  # per leaf of the params: not perturbed (set by `fwd`)
 
     def forward(params, rest, consts, token):
         return body(gfn(params, token, *consts[0]), *rest, *consts[1])
@@ -41,6 +44,8 @@ def rematerialized(
         return forward(args[0], args[1:], consts, mine if prev is None else prev), mine
 
     def fwd(args, consts, prev):
+        frozen[0] = tuple(not p.perturbed for p in jax.tree.leaves(args[0], is_leaf=_is_primal))
+        args, consts, prev = jax.tree.map(lambda p: p.value, (args, consts, prev), is_leaf=_is_primal)
         mine = zero_from(args[1:])
         if policy == "full":
             return call(args, consts, prev), (args, consts, ())
@@ -51,16 +56,16 @@ def rematerialized(
 
     def bwd(res, cts):
         args, consts, kept = res
-        ct, ct_next = cts
+        ct, ct_next = jax.tree.map(_instantiated, cts, is_leaf=_is_symbolic_zero)
         own = zero_from(ct)
         # `followed` is read when the backward pass is traced, after the whole forward: the next
         # unit's backward then hands its incoming cotangent's zero to this one as `ct_next`.
         token = ct_next if followed[0] else own
         if policy == "full":
-            _, vjp = _vjp_trainable(lambda p, rest, c: forward(p, rest, c, token), frozen, args[0], args[1:], consts)
+            _, vjp = _vjp_trainable(lambda p, rest, c: forward(p, rest, c, token), frozen[0], args[0], args[1:], consts)
             d_params, d_rest, d_consts = vjp(ct)
         else:
-            weights, vjp_gather = _vjp_trainable(lambda p, c: gfn(p, token, *c), frozen, args[0], consts[0])
+            weights, vjp_gather = _vjp_trainable(lambda p, c: gfn(p, token, *c), frozen[0], args[0], consts[0])
             d_weights, d_rest, d_rconsts = _with(weights, kept, saved[0])(ct)
             d_params, d_gconsts = vjp_gather(d_weights)
             d_consts = (d_gconsts, d_rconsts)
@@ -68,11 +73,23 @@ def rematerialized(
             d_params, d_rest = _waiting_for(d_params, d_rest)
         return (d_params, *d_rest), d_consts, (None if prev is None else own)
 
-    call.defvjp(fwd, bwd)
+    call.defvjp(fwd, bwd, symbolic_zeros=True)  # `fwd` sees which inputs are differentiated
     out, mine = call((params, *args), (gconsts, rconsts), prev)
     if prefetch is not None:
         prefetch.put(mine, followed)
     return out
+
+
+def _is_primal(x) -> bool:
+    return isinstance(x, CustomVJPPrimal)
+
+
+def _is_symbolic_zero(x) -> bool:
+    return isinstance(x, SymbolicZero)
+
+
+def _instantiated(ct):
+    return jnp.zeros(ct.shape, ct.dtype) if isinstance(ct, SymbolicZero) else ct
 
 
 def _vjp_trainable(fn, frozen: tuple[bool, ...], params, *rest):
@@ -93,7 +110,7 @@ def _vjp_trainable(fn, frozen: tuple[bool, ...], params, *rest):
 
     def full_vjp(ct):
         d_trained, *d_rest = vjp(ct)
-        d = [jnp.zeros_like(x) for x in leaves]
+        d = [jnp.zeros_like(x) if f else None for x, f in zip(leaves, frozen)]
         for i, g in zip(train, d_trained):
             d[i] = g
         return (treedef.unflatten(d), *d_rest)

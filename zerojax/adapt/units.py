@@ -60,7 +60,6 @@ class UnitPlan:
     loose: frozenset = frozenset()  # unit-owned leaves the model reads outside their unit: the root's
     stacks: tuple[Path, ...] = ()  # lifted layer stacks: units called inside their transform, per layer
     ranks: dict[Path, int] = field(default_factory=dict)  # each leaf's stored rank
-    frozen: frozenset = frozenset()  # the paths ("a/b/kernel") of leaves that do not train
 
     def root_leaves(self) -> list[Path]:
         """The leaves the root gathers once, before the model runs."""

@@ -145,15 +145,8 @@ def _unit_call(self, method, cls: type, path: Path, plan: UnitPlan, record: Pref
 
     operands = ([flat[p] for p in names], [leaves[i] for i in dynamic], rest_leaves)
     if plan.reshard_after_forward:  # the gathered weights are not kept for the backward: gathered again there
-        frozen = tuple(path_str(path + p) in plan.frozen for p in names for _ in jax.tree.leaves(flat[p]))
         arrays, updated = rematerialized(
-            run,
-            gather,
-            *operands,
-            policy=plan.policy,
-            wait_for_grads=plan.wait_for_grads,
-            prefetch=record,
-            frozen=frozen,
+            run, gather, *operands, policy=plan.policy, wait_for_grads=plan.wait_for_grads, prefetch=record
         )
     else:
         arrays, updated = kept_weights(run, gather, *operands, policy=plan.policy)

@@ -87,13 +87,6 @@ def _nnx_predicate(spec, variable_types: dict[str, type]):
     return keep
 
 
-def counts(mask, param_shapes) -> tuple[int, int]:
-    """(trainable elements, all elements)."""
-    sizes = [int(getattr(x, "size", 0)) for x in jax.tree.leaves(param_shapes)]
-    flags = [True] * len(sizes) if mask is None else jax.tree.leaves(mask)
-    return sum(s for s, f in zip(sizes, flags) if f), sum(sizes)
-
-
 def labels(mask):
     return jax.tree.map(lambda t: TRAIN if t else FREEZE, mask)
 

@@ -55,7 +55,6 @@ def unit_around(
         rule.remat,
         stacks=stacks,
         ranks=ranks,
-        frozen=frozenset(l.path for l in leaves if not l.trainable),
     )
     loose = _read_outside_units(model, static, plan, logical, model_state, inputs) if units else ()
     prefetch = prefetch and bool(units) and rule.reshard_after_forward
