@@ -86,20 +86,21 @@ def _transposed(reduce, ct, axis: int):
     sums are the same, and bf16 results move by rounding (XLA computes the dot another way).
     Only on CPU, where it was measured; GPU and TPU compile these dots with their own libraries.
     """
-    if not _reduced_transposed(ct):
+    if not _reduced_transposed(ct.ndim):
         return reduce(ct, axis)
     return reduce(ct.T, 1 - axis).T
 
 
-def _reduced_transposed(ct) -> bool:
-    return ct.ndim == 2 and jax.default_backend() == "cpu"  # measured on CPU only
+def _reduced_transposed(ndim: int) -> bool:
+    """Whether a gradient of `ndim` dimensions is reduced as its transpose (`_transposed`)."""
+    return ndim == 2 and jax.default_backend() == "cpu"  # measured on CPU only
 
 
 def _from_row(row, leaf: LeafLayout):
     """This device's part of a reduced row (`Reduce._grad_rows`) -> its shard of the leaf."""
     shard = list(leaf.padded_shape)
     shard[leaf.axis] //= jax.lax.axis_size(FSDP_AXIS)  # type: ignore[index]
-    if len(shard) == 2 and jax.default_backend() == "cpu":  # cut from the transposed gradient
+    if _reduced_transposed(len(shard)):  # cut from the transposed gradient
         return row.reshape(shard[::-1]).T
     return row.reshape(shard)
 
@@ -281,7 +282,7 @@ class Reduce:
         ct = fit_to(ct, leaf.padded_shape).astype(self.reduce_dtype)
         axis = leaf.axis
         assert axis is not None  # only sharded leaves are bucketed (`_joinable`)
-        if _reduced_transposed(ct):
+        if _reduced_transposed(ct.ndim):
             ct, axis = ct.T, 1 - axis
         n = jax.lax.axis_size(FSDP_AXIS)
         split = ct.reshape(*ct.shape[:axis], n, ct.shape[axis] // n, *ct.shape[axis + 1 :])
