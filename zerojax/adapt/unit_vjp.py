@@ -24,16 +24,14 @@ def rematerialized(
 
     `policy` says which of the unit's activations the forward keeps for the backward (see
     `zerojax.core.remat.unit_policy`); the gathered weights are never kept, whatever it says. With "full"
-    only the inputs are kept and the backward re-runs the whole unit. A parameter the caller does
-    not differentiate (a frozen one, under `stop_gradient`) is not differentiated in the backward
-    either: its gradient is never computed, nor reduced."""
+    only the inputs are kept and the backward re-runs the whole unit. The backward differentiates the
+    params the caller does only: a frozen one (under `stop_gradient`) gets no gradient, no reduction."""
     gfn, gconsts, body, rconsts = _converted(run, gather, params, args, policy)
     prev = prefetch.take() if prefetch is not None else None
     followed = [False]  # set when a later unit in this trace takes this unit's token
-    # Where the regathered weights go among the forward's residuals: set by `fwd`, read by `bwd`.
-    # Every trace of `fwd` for this call makes the same residual structure, so the last one serves.
-    saved = [None]
-    frozen: list[tuple[bool, ...]] = [()]  # per leaf of the params: not perturbed (set by `fwd`)
+    # Set by `fwd`, read by `bwd` (every trace of `fwd` for this call sets the same, so the last serves):
+    # where the regathered weights go among the forward's residuals, and which params are frozen.
+    saved, frozen = [None], [()]
 
     def forward(params, rest, consts, token):
         return body(gfn(params, token, *consts[0]), *rest, *consts[1])
@@ -43,9 +41,8 @@ def rematerialized(
         mine = zero_from(args[1:])  # args[0]: the unit's params
         return forward(args[0], args[1:], consts, mine if prev is None else prev), mine
 
-    def fwd(args, consts, prev):
-        frozen[0] = tuple(not p.perturbed for p in jax.tree.leaves(args[0], is_leaf=_is_primal))
-        args, consts, prev = jax.tree.map(lambda p: p.value, (args, consts, prev), is_leaf=_is_primal)
+    def fwd(*primals):
+        (args, consts, prev), frozen[0] = _unwrapped(primals)
         mine = zero_from(args[1:])
         if policy == "full":
             return call(args, consts, prev), (args, consts, ())
@@ -82,6 +79,13 @@ def rematerialized(
 
 def _is_primal(x) -> bool:
     return isinstance(x, CustomVJPPrimal)
+
+
+def _unwrapped(primals) -> tuple:
+    """(`call`'s primals as `symbolic_zeros` hands them to `fwd`) -> (their values, a flag per leaf
+    of the unit's params: not differentiated)."""
+    frozen = tuple(not p.perturbed for p in jax.tree.leaves(primals[0][0], is_leaf=_is_primal))
+    return jax.tree.map(lambda p: p.value, primals, is_leaf=_is_primal), frozen
 
 
 def _is_symbolic_zero(x) -> bool:
