@@ -145,3 +145,61 @@ def test_a_selection_of_nothing_is_one_sentence():
     trainer = _trainer(UnevenMLP, 3, "shard_map", trainable="nowhere")
     with pytest.raises(zj.UserError, match="selects none of the model's 4 parameters"):
         trainer.init(jax.random.key(0), classification_batch())
+
+
+class WideLoRA(nnx.Module):
+    """Two 512-wide `nnx.LoRALinear`s: every leaf shards evenly over 8 devices."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.LoRALinear(512, 512, lora_rank=8, rngs=rngs)
+        self.out = nnx.LoRALinear(512, 512, lora_rank=8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jax.nn.gelu(self.hidden(x)))
+
+
+def _wide_batch(step: int = 0):
+    x = np.random.default_rng(step).normal(size=(16, 512)).astype(np.float32)
+    return {"inputs": x, "targets": x}
+
+
+def _mse(out, batch):
+    return ((out - batch["targets"]) ** 2).mean()
+
+
+def _per_device_bytes(tree) -> int:
+    return sum(
+        int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in jax.tree.leaves(tree) if x.ndim
+    )
+
+
+@pytest.mark.parametrize("precision, frozen_bytes", [("fp32", 4), ("bf16", 2)])
+def test_state_kept_per_device_is_the_fine_tuning_formula(precision, frozen_bytes):
+    """Stage 3 keeps `frozen_bytes * Psi_frozen / N + 12 * Psi_trainable / N` between steps: the frozen
+    base in the compute dtype (no fp32 master, no moments), the adapters' fp32 master and Adam's two
+    moments, all sharded over the 8 devices."""
+    trainer = _trainer(WideLoRA, 3, "shard_map", optax.adam(1e-3), precision=precision, loss_fn=_mse)
+    state = trainer.abstract_state(jax.random.key(0), _wide_batch())
+    frozen = 2 * (512 * 512 + 512)
+    adapters = 2 * 8 * (512 + 512)
+    formula = (frozen_bytes * frozen + 12 * adapters) / 8
+    kept = _per_device_bytes(state)
+    assert abs(kept - formula) <= 0.01 * formula, (kept, formula)
+    assert all(state.params[layer]["kernel"].dtype.itemsize == frozen_bytes for layer in ("hidden", "out"))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bf16_frozen_leaves_are_kept_once_replicated_in_bf16(stage):
+    """Stages 1-2 shard the trainable leaves' master; a frozen leaf has none, and no compute copy
+    beside it: it is stored once, replicated, as the forward reads it. Training still matches stage 0."""
+    trainer = _trainer(WideLoRA, stage, "shard_map", optax.adam(1e-3), precision="bf16", loss_fn=_mse)
+    state = trainer.init(jax.random.key(0), _wide_batch())
+    kernel = state.params["hidden"]["kernel"]
+    assert kernel.dtype == jax.numpy.bfloat16 and kernel.sharding.is_fully_replicated
+    assert state.compute["hidden"]["kernel"] is None and state.compute["hidden"]["lora"]["lora_a"] is not None
+    assert not state.params["hidden"]["lora"]["lora_a"].sharding.is_fully_replicated
+    losses, initial, final = trained(trainer, _wide_batch, 2)
+    stage_0 = _trainer(WideLoRA, 0, "gspmd", optax.adam(1e-3), precision="bf16", loss_fn=_mse)
+    want, _, _ = trained(stage_0, _wide_batch, 2)
+    np.testing.assert_allclose(losses, want, rtol=1e-2)
+    np.testing.assert_array_equal(final["out"]["kernel"], initial["out"]["kernel"])

@@ -88,6 +88,43 @@ class StateLayout:
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
 
+    # The params group: a trainable leaf is stored as its master; a frozen one (`LeafLayout.trainable`)
+    # has no master and no optimizer state, so it is kept once, as the compute params are: in the
+    # compute dtype, sharded only where they are (stage 3). The compute group has no copy of it (None).
+    def param_sharded(self, leaf: LeafLayout) -> bool:
+        return self.master_sharded if leaf.trainable else self.compute_sharded
+
+    def param_dtype(self, leaf: LeafLayout):
+        return self.precision.master_dtype if leaf.trainable else self.precision.compute_dtype
+
+    def param_shardings(self):
+        return jax.tree.map(
+            lambda l: NamedSharding(self.mesh, l.spec(self.param_sharded(l))), self.leaves, is_leaf=_is_layout
+        )
+
+    def param_shapes(self):
+        return jax.tree.map(
+            lambda l: l.padded_shape if self.param_sharded(l) else l.shape, self.leaves, is_leaf=_is_layout
+        )
+
+    def to_params(self, tree):
+        """Logical (or any-layout) params as the params group stores them: shape and dtype per leaf."""
+        return jax.tree.map(
+            lambda l, x: fit_to(x, l.padded_shape if self.param_sharded(l) else l.shape).astype(self.param_dtype(l)),
+            self.leaves,
+            tree,
+            is_leaf=_is_layout,
+        )
+
+    def trained(self, tree):
+        """`tree` (shaped like the params) with None for each frozen leaf: the compute group's leaves."""
+        return jax.tree.map(lambda l, x: x if l.trainable else None, self.leaves, tree, is_leaf=_is_layout)
+
+    def frozen_from(self, source, tree):
+        """`tree`'s trainable leaves and `source`'s frozen ones: the whole compute params from the
+        compute group (`tree`) and the params group (`source`); frozen leaves passed through an update."""
+        return jax.tree.map(lambda l, s, t: t if l.trainable else s, self.leaves, source, tree, is_leaf=_is_layout)
+
     def shardings(self, sharded: bool, leaves=None):
         leaves = self.leaves if leaves is None else leaves
         return jax.tree.map(lambda l: NamedSharding(self.mesh, l.spec(sharded)), leaves, is_leaf=_is_layout)
@@ -160,9 +197,9 @@ class StateLayout:
         """Each group's shardings; the `host_groups` in memory kind "pinned_host"."""
         shardings = TrainState(
             step=self.replicated,
-            params=self.shardings(self.master_sharded),
+            params=self.param_shardings(),
             opt_state=self.opt_state_shardings(opt_state_shapes),
-            compute=self.shardings(False) if self.keeps_compute_copy else None,
+            compute=self.trained(self.shardings(False)) if self.keeps_compute_copy else None,
         )
         host = {g: jax.tree.map(offload_lib.to_host, getattr(shardings, g)) for g in self.host_groups}
         return shardings.replace(**host)
@@ -170,43 +207,51 @@ class StateLayout:
     def abstract_state(self, tx, opt_state_shapes) -> TrainState:
         """The state as `jax.ShapeDtypeStruct`s carrying their shardings; traces nothing."""
         shardings = self.state_shardings(tx, opt_state_shapes)
-
-        def group(sharded: bool, dtype, placed):
-            return jax.tree.map(
-                lambda shape, sh: jax.ShapeDtypeStruct(shape, dtype, sharding=sh),
-                self.shapes(sharded),
-                placed,
-                is_leaf=_is_shape,
+        params = jax.tree.map(
+            lambda l, sh: jax.ShapeDtypeStruct(
+                l.padded_shape if self.param_sharded(l) else l.shape, self.param_dtype(l), sharding=sh
+            ),
+            self.leaves,
+            shardings.params,
+            is_leaf=_is_layout,
+        )
+        compute = None
+        if self.keeps_compute_copy:
+            compute = jax.tree.map(
+                lambda l, sh: jax.ShapeDtypeStruct(l.shape, self.precision.compute_dtype, sharding=sh),
+                self.leaves,
+                shardings.compute,
+                is_leaf=_is_layout,
             )
+            compute = self.trained(compute)
 
         opt_state = jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), opt_state_shapes, shardings.opt_state
         )
         return TrainState(
             step=jax.ShapeDtypeStruct((), np.int32, sharding=shardings.step),
-            params=group(self.master_sharded, self.precision.master_dtype, shardings.params),
+            params=params,
             opt_state=opt_state,
-            compute=(
-                group(False, self.precision.compute_dtype, shardings.compute) if self.keeps_compute_copy else None
-            ),
+            compute=compute,
         )
 
     def fresh_state(self, tx: optax.GradientTransformation, params) -> TrainState:
         """Step 0 from logical params (any dtype): master, optimizer and compute groups in their layouts."""
-        params = jax.tree.map(lambda x: x.astype(self.precision.master_dtype), params)
         compute = None
         if self.keeps_compute_copy:
-            compute = jax.tree.map(lambda x: x.astype(self.precision.compute_dtype), params)
+            compute = self.trained(jax.tree.map(lambda x: x.astype(self.precision.compute_dtype), params))
+        master = jax.tree.map(lambda x: x.astype(self.precision.master_dtype), params)
         return TrainState(
             step=jnp.zeros((), jnp.int32),
-            params=self.to_layout(params, self.master_sharded),
-            opt_state=tx.init(self.to_opt(params)),
+            params=self.to_params(params),
+            opt_state=tx.init(self.to_opt(master)),
             compute=compute,
         )
 
     def derive_compute(self, params):
-        """The persistent compute copy of master `params`: logical shapes, compute dtype, replicated."""
-        return cast_tree(self.to_layout(params, sharded=False), self.precision.compute_dtype)
+        """The persistent compute copy of master `params`: logical shapes, compute dtype, replicated
+        (None for the frozen leaves, which the params group holds as they are computed with)."""
+        return self.trained(cast_tree(self.to_layout(params, sharded=False), self.precision.compute_dtype))
 
 
 def _unpadded(leaf: LeafLayout) -> LeafLayout:

@@ -321,18 +321,21 @@ def _grads(layout: StateLayout, grads_fn):
 def _update(layout: StateLayout, tx, options: EngineOptions, reduce: Reduce):
     """The sharded update and, where the state keeps a replicated compute copy beside a sharded
     master, the new copy gathered from the cast shards."""
+    # The frozen leaves have no compute copy (`StateLayout.trained`): None in and out.
     gather_compute = _manual(
-        lambda params: jax.tree.map(lambda l, x: reduce.cast_gather(x, l), layout.leaves, params, is_leaf=is_layout),
+        lambda params: jax.tree.map(
+            lambda l, x: None if x is None else reduce.cast_gather(x, l), layout.leaves, params, is_leaf=is_layout
+        ),
         layout,
-        in_specs=(_specs(layout, True),),
-        out_specs=_specs(layout, False),
+        in_specs=(layout.trained(_specs(layout, True)),),
+        out_specs=layout.trained(_specs(layout, False)),
     )
 
     def update(state, loss, grads, model_state):
         new_state, metrics = apply_update(layout, tx, state, grads, loss, options.checked_update)
         new_state = keep_model_state(new_state, model_state, metrics["bad_step"])
-        if layout.keeps_compute_copy and layout.master_sharded:
-            new_state = new_state.replace(compute=gather_compute(new_state.params))  # params already kept if bad
+        if layout.keeps_compute_copy and layout.master_sharded:  # params already kept if bad
+            new_state = new_state.replace(compute=gather_compute(layout.trained(new_state.params)))
         return new_state, {"loss": loss, **metrics}
 
     return update

@@ -38,9 +38,9 @@ def compute_params(layout: StateLayout, state: TrainState):
     Stage 3 keeps no compute copy: it casts its fp32 shard first, so the gather moves bf16.
     """
     if layout.keeps_compute_copy:
-        return state.compute
+        return layout.frozen_from(state.params, state.compute)
     params = cast_tree(state.params, layout.precision.compute_dtype)
-    params = constrain(params, layout.shardings(layout.master_sharded))
+    params = constrain(params, layout.param_shardings())
     return layout.to_layout(params, sharded=False)
 
 
@@ -120,7 +120,7 @@ def _written_zeros(layout: StateLayout, params):
     """Per leaf of `params` (stored as the master is), an exact zero read from it as written
     (`ordering.zeros_after`), each device reading its own shard: read from the global array, one
     element of a sharded leaf is a scalar collective per leaf."""
-    specs = jax.tree.map(lambda s: s.spec, layout.shardings(layout.master_sharded))
+    specs = jax.tree.map(lambda s: s.spec, layout.param_shardings())
     out_specs = jax.tree.map(lambda _: P(), specs)
     # Every device's zero is 0, so the result is replicated in value, as out_specs says.
     return jax.shard_map(
@@ -167,14 +167,20 @@ def _updated(layout: StateLayout, tx: optax.GradientTransformation, state: Train
         opt_state = ordering.tie_tree(opt_state, verdict)  # elementwise: stays on its operand's sharding
     updates, opt_state = tx.update(cast_tree(grads, jnp.float32), opt_state, master)
     master = optax.apply_updates(master, updates)
-    params = constrain(layout.to_layout(master, layout.master_sharded), layout.shardings(layout.master_sharded))
+    # A frozen leaf's update is zero (`frozen_optimizer`): it is passed through, never rewritten.
+    master = layout.frozen_from(state.params, master)
+    params = constrain(layout.to_params(master), layout.param_shardings())
     new_state = {"params": params, "opt_state": opt_state}
-    checked = {"params": master, "opt_state": opt_state}  # on the optimizer's shards: checking gathers nothing
+    checked = {
+        "params": layout.trained(master),
+        "opt_state": opt_state,
+    }  # on the optimizer's shards: checking gathers nothing
     if layout.keeps_compute_copy:
         # Cast the shard before it is gathered, so the all-gather moves compute-dtype bytes; check
         # the cast shards, not the gathered copy, so the check itself gathers nothing (an engine
         # that gathers the copy its own way leaves this gather dead).
-        compute = constrain(cast_tree(params, layout.precision.compute_dtype), layout.shardings(layout.master_sharded))
-        checked["compute"] = compute
-        new_state["compute"] = constrain(layout.to_layout(compute, sharded=False), layout.shardings(False))
+        compute = constrain(cast_tree(params, layout.precision.compute_dtype), layout.param_shardings())
+        checked["compute"] = layout.trained(compute)
+        compute = layout.trained(layout.to_layout(compute, sharded=False))
+        new_state["compute"] = constrain(compute, layout.trained(layout.shardings(False)))
     return new_state, checked

@@ -94,10 +94,12 @@ def _leaf_table(tree, checksums=None) -> dict[str, dict]:
 
 
 def _sum_bits(x):
-    # Wrapping sum of the 32-bit patterns: exact in any reduction order, and zero padding adds 0.
+    # Wrapping sum of the bit patterns: exact in any reduction order, and zero padding adds 0.
+    # Leaves are 32-bit but for frozen parameters, kept in a 16-bit compute dtype.
     import jax.numpy as jnp
 
-    return jnp.sum(jax.lax.bitcast_convert_type(x, jnp.uint32), dtype=jnp.uint32)
+    bits = jnp.uint16 if x.dtype.itemsize == 2 else jnp.uint32
+    return jnp.sum(jax.lax.bitcast_convert_type(x, bits), dtype=jnp.uint32)
 
 
 @functools.lru_cache(maxsize=8)
@@ -109,7 +111,7 @@ def _checksum_fn(mesh):
 
 
 def _checksums(tree) -> list[int]:
-    """One checksum per leaf (all saved leaves are 32-bit), computed where the shards live."""
+    """One checksum per leaf, computed where the shards live."""
     sums = _checksum_fn(jax.tree.leaves(tree)[0].sharding.mesh)(tree)
     return [int(c) for c in jax.device_get(jax.tree.leaves(sums))]
 
@@ -120,7 +122,7 @@ def run_metadata(trainer, *, seed: int, config: dict | None = None, model: dict 
     params = {
         leaf.path: {
             "shape": list(leaf.shape),
-            "stored": list(leaf.padded_shape if layout.master_sharded else leaf.shape),
+            "stored": list(leaf.padded_shape if layout.param_sharded(leaf) else leaf.shape),
         }
         for leaf in jax.tree.leaves(layout.leaves, is_leaf=lambda x: hasattr(x, "padded_shape"))
     }
