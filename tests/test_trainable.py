@@ -15,10 +15,11 @@ from flax import nnx
 
 import zerojax as zj
 from tests.host_copies import trained
-from tests.models import LinenMLP, UnevenMLP, classification_batch
+from tests.models import LinenMLP, UnevenMLP, classification_batch, tiny_gpt, token_batch
 from tests.programs import lower_abstract
 from zerojax.accounting.hlo import collective_bytes
 from zerojax.accounting.partitioned import compile_partitioned
+from zerojax.core.loss import cross_entropy
 
 STEPS = 3
 RANK = 4
@@ -173,19 +174,31 @@ def _per_device_bytes(tree) -> int:
     )
 
 
+def _wide_gpt_lora():
+    """The shipped GPT, 256 wide, with rank-8 adapters on all seven targets; (model, loss, batch,
+    params frozen, params trained)."""
+    model, cfg = tiny_gpt(d_model=256, d_ff=512, lora={"rank": 8})
+    return model, cross_entropy, token_batch(0), cfg.num_params() - cfg.num_lora_params(), cfg.num_lora_params()
+
+
+def _wide_user_lora():
+    return WideLoRA, _mse, _wide_batch(), 2 * (512 * 512 + 512), 2 * 8 * (512 + 512)
+
+
+@pytest.mark.parametrize("model", [_wide_user_lora, _wide_gpt_lora])
 @pytest.mark.parametrize("precision, frozen_bytes", [("fp32", 4), ("bf16", 2)])
-def test_state_kept_per_device_is_the_fine_tuning_formula(precision, frozen_bytes):
+def test_state_kept_per_device_is_the_fine_tuning_formula(model, precision, frozen_bytes):
     """Stage 3 keeps `frozen_bytes * Psi_frozen / N + 12 * Psi_trainable / N` between steps: the frozen
     base in the compute dtype (no fp32 master, no moments), the adapters' fp32 master and Adam's two
     moments, all sharded over the 8 devices."""
-    trainer = _trainer(WideLoRA, 3, "shard_map", optax.adam(1e-3), precision=precision, loss_fn=_mse)
-    state = trainer.abstract_state(jax.random.key(0), _wide_batch())
-    frozen = 2 * (512 * 512 + 512)
-    adapters = 2 * 8 * (512 + 512)
+    model, loss_fn, batch, frozen, adapters = model()
+    trainer = _trainer(model, 3, "shard_map", optax.adam(1e-3), precision=precision, loss_fn=loss_fn)
+    state = trainer.abstract_state(jax.random.key(0), batch)
     formula = (frozen_bytes * frozen + 12 * adapters) / 8
     kept = _per_device_bytes(state)
     assert abs(kept - formula) <= 0.01 * formula, (kept, formula)
-    assert all(state.params[layer]["kernel"].dtype.itemsize == frozen_bytes for layer in ("hidden", "out"))
+    kinds = {x.dtype.itemsize for x in jax.tree.leaves(state.params)}
+    assert kinds == ({4} if frozen_bytes == 4 else {2, 4})
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -203,3 +216,38 @@ def test_bf16_frozen_leaves_are_kept_once_replicated_in_bf16(stage):
     want, _, _ = trained(stage_0, _wide_batch, 2)
     np.testing.assert_allclose(losses, want, rtol=1e-2)
     np.testing.assert_array_equal(final["out"]["kernel"], initial["out"]["kernel"])
+
+
+@functools.cache
+def _gpt_run(stage: int, engine: str):
+    model, _ = tiny_gpt(lora={"rank": 4, "alpha": 8})
+    return trained(_trainer(model, stage, engine), token_batch, STEPS)
+
+
+@pytest.mark.parametrize(
+    "stage, engine",
+    [
+        (s, e) if (s, e) in DEFAULT else pytest.param(s, e, marks=pytest.mark.slow)
+        for s in (0, 1, 2, 3)
+        for e in ("gspmd", "shard_map")
+        if (s, e) != (0, "gspmd")
+    ],
+)
+def test_gpt_lora_trains_like_stage_0_and_the_base_stays_bit_for_bit(stage, engine):
+    """`model.lora` on the shipped GPT: the adapters alone train (B starts at zero, so step 0 is the
+    base model's loss), at every stage and engine as at stage 0."""
+    losses, initial, final = _gpt_run(stage, engine)
+    want_losses, _, want_final = _gpt_run(0, "gspmd")
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-6, atol=0)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), final, want_final)
+    for name in ("embed", "head", "final_norm"):
+        np.testing.assert_array_equal(final[name], initial[name])
+    for name in ("wq", "w_down", "attn_norm"):
+        np.testing.assert_array_equal(final["blocks"][name], initial["blocks"][name])
+    assert not np.array_equal(final["blocks"]["q_lora_b"], initial["blocks"]["q_lora_b"])
+    assert losses[-1] < losses[0]
+
+
+def test_an_unknown_lora_target_is_one_sentence():
+    with pytest.raises(zj.UserError, match=r"model.lora.targets \['q', 'qq'\]: each must be one of"):
+        tiny_gpt(lora={"rank": 4, "targets": ["q", "qq"]})

@@ -40,6 +40,12 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class LoRASection(_Section):
+    rank: PositiveInt
+    alpha: Annotated[Float, Field(gt=0)] | None = None  # the update is scaled by alpha / rank; null: the rank
+    targets: list[str] = Field(default_factory=lambda: ["q", "k", "v", "o", "gate", "up", "down"])
+
+
 class ModelConfig(_Section):
     target: str | None = None  # "package.module:name": the user's model instead of the shipped GPT
     kwargs: dict = Field(default_factory=dict)  # passed to model.target
@@ -51,6 +57,7 @@ class ModelConfig(_Section):
     seq_len: Int | None = None
     vocab_size: Int | None = None  # default: 256 bytes, or the vocabulary of data.tokens
     remat: str | None = None  # the GPT config owns the valid policies and checks them
+    lora: LoRASection | None = None  # rank, alpha (null: the rank), targets (default: all seven); they alone train
 
 
 class ZeroConfig(_Section):
@@ -264,7 +271,7 @@ def validate(c: Config) -> None:
         )
     gpt_only = [
         k
-        for k in ("d_model", "n_layers", "n_heads", "d_ff", "seq_len", "vocab_size", "remat")
+        for k in ("d_model", "n_layers", "n_heads", "d_ff", "seq_len", "vocab_size", "remat", "lora")
         if c.model.target and getattr(c.model, k) is not None
     ]
     if gpt_only:

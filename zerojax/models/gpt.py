@@ -35,6 +35,42 @@ class LayerLoop(Protocol):
     ) -> jax.Array: ...
 
 
+# The weights a LoRA adapter may sit beside, by target name (`LoRAConfig.targets`): the block's
+# attribute and the logical names of its input and output axes (A keeps the input's, B the output's).
+LORA_TARGETS = {
+    "q": ("wq", "embed", "heads"),
+    "k": ("wk", "embed", "heads"),
+    "v": ("wv", "embed", "heads"),
+    "o": ("wo", "heads", "embed"),
+    "gate": ("w_gate", "embed", "mlp"),
+    "up": ("w_up", "embed", "mlp"),
+    "down": ("w_down", "mlp", "embed"),
+}
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Low-rank adapters beside the blocks' weights: `W x + (alpha / rank) B A x`, A random and B zero
+    at init, so step 0 computes the base model. The adapters are `nnx.LoRAParam`s: they alone train
+    unless `trainable=` says otherwise."""
+
+    rank: int
+    alpha: float | None = None  # None: the rank (a scale of 1)
+    targets: tuple[str, ...] = tuple(LORA_TARGETS)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "targets", tuple(self.targets))
+        if self.rank < 1:
+            raise UserError(f"model.lora.rank must be a positive integer, got {self.rank}.")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown or not self.targets:
+            raise UserError(f"model.lora.targets {list(self.targets)}: each must be one of {list(LORA_TARGETS)}.")
+
+    @property
+    def scale(self) -> float:
+        return (self.rank if self.alpha is None else self.alpha) / self.rank
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     d_model: int
@@ -45,8 +81,11 @@ class GPTConfig:
     vocab_size: int = 256
     remat: str = "full"  # see `zerojax.core.remat`: full, dots, none, or offload (dots' residuals on the host)
     rope_base: float = 10000.0
+    lora: LoRAConfig | None = None  # adapters beside the blocks' weights (a dict is read as one)
 
     def __post_init__(self) -> None:
+        if isinstance(self.lora, dict):
+            object.__setattr__(self, "lora", LoRAConfig(**self.lora))
         for key in ("d_model", "n_layers", "n_heads", "d_ff", "seq_len", "vocab_size"):
             if getattr(self, key) < 1:
                 raise UserError(f"model.{key} must be a positive integer, got {getattr(self, key)}.")
@@ -64,7 +103,16 @@ class GPTConfig:
     def num_params(self) -> int:
         d, f = self.d_model, self.d_ff
         per_layer = 2 * d + 4 * d * d + 3 * d * f  # two norms, q/k/v/o, gate/up/down
-        return 2 * self.vocab_size * d + d + self.n_layers * per_layer  # embed + head + final norm
+        base = 2 * self.vocab_size * d + d + self.n_layers * per_layer  # embed + head + final norm
+        return base + self.num_lora_params()
+
+    def num_lora_params(self) -> int:
+        """The adapters' parameters: rank x (inputs + outputs) per targeted weight and layer."""
+        if self.lora is None:
+            return 0
+        d, f = self.d_model, self.d_ff
+        sides = {"q": 2 * d, "k": 2 * d, "v": 2 * d, "o": 2 * d, "gate": d + f, "up": d + f, "down": f + d}
+        return self.n_layers * self.lora.rank * sum(sides[t] for t in self.lora.targets)
 
 
 # Every parameter dim is a multiple of 8 so any leaf can be sharded over up to 8 devices.
@@ -94,6 +142,10 @@ def _param(value: jax.Array, names: tuple[str, ...]) -> nnx.Param:
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, names: tuple[str, ...]) -> nnx.Param:
     return _param(std * jax.random.normal(rngs.params(), shape, jnp.float32), names)
+
+
+def _adapter(value: jax.Array, names: tuple) -> nnx.LoRAParam:
+    return nnx.LoRAParam(value, out_sharding=names, eager_sharding=False)
 
 
 def _ones(size: int) -> nnx.Param:
@@ -146,6 +198,25 @@ class Block(nnx.Module):
         self.w_gate = _normal(rngs, (d, f), 0.02, ("embed", "mlp"))
         self.w_up = _normal(rngs, (d, f), 0.02, ("embed", "mlp"))
         self.w_down = _normal(rngs, (f, d), out_std, ("mlp", "embed"))
+        self.lora_scale = cfg.lora.scale if cfg.lora else 0.0
+        if cfg.lora is not None:
+            self._add_adapters(cfg.lora, rngs)
+
+    def _add_adapters(self, lora: LoRAConfig, rngs: nnx.Rngs) -> None:
+        """A (inputs x rank) drawn from a normal scaled by the fan-in, B (rank x outputs) zero."""
+        for target in lora.targets:
+            attr, in_name, out_name = LORA_TARGETS[target]
+            d_in, d_out = getattr(self, attr).shape
+            a = jax.random.normal(rngs.params(), (d_in, lora.rank), jnp.float32) * d_in**-0.5
+            setattr(self, f"{target}_lora_a", _adapter(a, (in_name, None)))
+            setattr(self, f"{target}_lora_b", _adapter(jnp.zeros((lora.rank, d_out), jnp.float32), (None, out_name)))
+
+    def _lora(self, target: str, x: jax.Array, y: jax.Array) -> jax.Array:
+        """`y` (x times the target's weight) plus the target's adapter on `x`, where it has one."""
+        if not hasattr(self, f"{target}_lora_a"):
+            return y
+        a, b = getattr(self, f"{target}_lora_a")[...], getattr(self, f"{target}_lora_b")[...]
+        return y + self.lora_scale * ((x @ a.astype(x.dtype)) @ b.astype(x.dtype)).astype(y.dtype)
 
     def _attention(self, x_BxLxD: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         B, L, D = x_BxLxD.shape
@@ -155,21 +226,26 @@ class Block(nnx.Module):
         # input gradients are summed before their one all-reduce (three separate matmuls: three).
         w_3xDxD = jnp.stack([self.wq[...], self.wk[...], self.wv[...]])
         qkv_3xBxLxD = jnp.einsum("bld,tde->tble", x_BxLxD, w_3xDxD)
-        q_BxLxHxK = _apply_rope(qkv_3xBxLxD[0].reshape(B, L, H, K), cos, sin)
-        k_BxLxHxK = _apply_rope(qkv_3xBxLxD[1].reshape(B, L, H, K), cos, sin)
-        v_BxLxHxK = qkv_3xBxLxD[2].reshape(B, L, H, K)
+        q_BxLxD, k_BxLxD, v_BxLxD = (self._lora(t, x_BxLxD, qkv_3xBxLxD[i]) for i, t in enumerate("qkv"))
+        q_BxLxHxK = _apply_rope(q_BxLxD.reshape(B, L, H, K), cos, sin)
+        k_BxLxHxK = _apply_rope(k_BxLxD.reshape(B, L, H, K), cos, sin)
+        v_BxLxHxK = v_BxLxD.reshape(B, L, H, K)
         s_BxHxLxL = jnp.einsum("bqhk,bshk->bhqs", q_BxLxHxK, k_BxLxHxK, preferred_element_type=jnp.float32) * (K**-0.5)
         causal_LxL = jnp.tril(jnp.ones((L, L), dtype=bool))
         s_BxHxLxL = jnp.where(causal_LxL, s_BxHxLxL, jnp.finfo(jnp.float32).min)
         p_BxHxLxL = jax.nn.softmax(s_BxHxLxL, axis=-1).astype(v_BxLxHxK.dtype)
         o_BxLxHxK = jnp.einsum("bhqs,bshk->bqhk", p_BxHxLxL, v_BxLxHxK)
-        return o_BxLxHxK.reshape(B, L, D) @ self.wo[...]
+        o_BxLxD = o_BxLxHxK.reshape(B, L, D)
+        return self._lora("o", o_BxLxD, o_BxLxD @ self.wo[...])
 
     def __call__(self, x_BxLxD: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         x_BxLxD = x_BxLxD + self._attention(_rms_norm(x_BxLxD, self.attn_norm[...]), cos, sin)
         h_BxLxD = _rms_norm(x_BxLxD, self.mlp_norm[...])
         gate_up_2xBxLxF = jnp.einsum("bld,tdf->tblf", h_BxLxD, jnp.stack([self.w_gate[...], self.w_up[...]]))
-        return x_BxLxD + (jax.nn.silu(gate_up_2xBxLxF[0]) * gate_up_2xBxLxF[1]) @ self.w_down[...]
+        gate_BxLxF = self._lora("gate", h_BxLxD, gate_up_2xBxLxF[0])
+        up_BxLxF = self._lora("up", h_BxLxD, gate_up_2xBxLxF[1])
+        a_BxLxF = jax.nn.silu(gate_BxLxF) * up_BxLxF
+        return x_BxLxD + self._lora("down", a_BxLxF, a_BxLxF @ self.w_down[...])
 
 
 class GPT(nnx.Module):
