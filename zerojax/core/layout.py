@@ -116,6 +116,10 @@ class StateLayout:
             is_leaf=_is_layout,
         )
 
+    def trained_leaves(self) -> list[LeafLayout]:
+        """The trainable leaves' layouts (count them with `zerojax.core.trees.count_params`)."""
+        return [l for l in jax.tree.leaves(self.leaves, is_leaf=_is_layout) if l.trainable]
+
     def trained(self, tree):
         """`tree` (shaped like the params) with None for each frozen leaf: the compute group's leaves."""
         return jax.tree.map(lambda l, x: x if l.trainable else None, self.leaves, tree, is_leaf=_is_layout)

@@ -7,16 +7,15 @@ import os
 import zipfile
 
 import jax
+import ml_dtypes
 import numpy as np
 
 from zerojax.core.trees import path_str
 from zerojax.errors import UserError
 from zerojax.train.checkpoint import failure, find_step_dir, item_path, read_meta, state_handler, unreadable
+from zerojax.train.checksums import host_checksum
+from zerojax.train.frozen_part import fingerprint_of
 from zerojax.train.params_file import MODEL_STATE_ENTRY
-
-
-def _host_checksum(x: np.ndarray) -> int:
-    return int(np.ascontiguousarray(x).view(np.uint32).sum(dtype=np.uint64) % 2**32)
 
 
 def _nested(keys: tuple, leaf) -> dict:
@@ -62,8 +61,12 @@ def export_params(checkpoint: str, out_path: str) -> dict:
         zf = zipfile.ZipFile(partial, "w", allowZip64=True)
     except OSError as e:
         raise UserError(f"cannot write {partial!r}: {e.strerror or e}.") from None
+    frozen = _frozen_source(step_dir, meta)
     try:
         with zf:
+            for name, value in frozen:
+                with zf.open(f"{name}.npy", "w", force_zip64=True) as f:
+                    np.lib.format.write_array(f, value(), allow_pickle=False)
             for group, k in [("params", k) for k in keys] + [("model_state", k) for k in state_keys]:
                 name = path_str(k)
                 with zf.open(f"{name}.npy", "w", force_zip64=True) as f:
@@ -84,10 +87,35 @@ def export_params(checkpoint: str, out_path: str) -> dict:
     return {
         "step": meta["step"],
         "path": out_path,
-        "params": len(keys),
+        "params": len(keys) + len(frozen),
         "model_state": len(state_keys),
         "from": step_dir,
     }
+
+
+def _frozen_source(step_dir: str, meta: dict) -> list:
+    """[(path, () -> fp32 leaf)] of the frozen params a checkpoint left out (`trainable=`), read from
+    the params file the run started from, as the run computed with them (in its compute dtype), after
+    checking them against the checkpoint's fingerprint of its frozen part."""
+    frozen = meta.get("frozen")
+    if not frozen:
+        return []
+    source = frozen["source"]
+    if not os.path.isfile(source):
+        raise UserError(
+            f"checkpoint {step_dir!r} holds only the trainable params; its frozen part is {source}, which "
+            "export cannot rebuild: export a run that starts from a params file (train.init_from)."
+        )
+    compute = np.dtype(ml_dtypes.bfloat16) if meta["precision"] == "bf16" else np.dtype(np.float32)
+    with np.load(source, allow_pickle=False) as npz:
+        leaves = {name: npz[name].astype(compute) for name in frozen["params"] if name in npz.files}
+    sums = [host_checksum(x) for x in leaves.values()]
+    if len(leaves) != len(frozen["params"]) or fingerprint_of(leaves, sums) != frozen["fingerprint"]:
+        raise UserError(
+            f"checkpoint {step_dir!r} was trained on another frozen part than {source!r} now holds; "
+            "export needs the params file the run started from."
+        )
+    return [(name, lambda x=x: x.astype(np.float32)) for name, x in leaves.items()]
 
 
 def _check_target(out_path: str, partial: str) -> None:
@@ -118,7 +146,7 @@ def _read_leaf(handler, step_dir: str, meta: dict, group: str, k: tuple) -> np.n
     )
     stored = np.asarray(_dig(tree, (group, *k)))
     want = meta["leaves"][f"{group}/{name}"]
-    if "checksum" in want and want["checksum"] != _host_checksum(stored):
+    if "checksum" in want and want["checksum"] != host_checksum(stored):
         raise UserError(f"checkpoint {step_dir!r} is corrupted: {group + '/' + name!r} does not match its checksum.")
     if group == "params":  # model state is replicated: stored in its logical shape
         logical = tuple(meta["params"][name]["shape"])

@@ -17,7 +17,6 @@ is exact because padding is always zeros at the end of one axis.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import shutil
@@ -30,6 +29,8 @@ from zerojax.core.state import TrainState
 from zerojax.core.trees import path_str
 from zerojax.errors import UserError, WriteFailed
 from zerojax.log import warn
+from zerojax.train import frozen_part
+from zerojax.train.checksums import device_checksums
 
 FORMAT = 1
 _TMP_MARK = ".orbax-checkpoint-tmp"
@@ -93,31 +94,12 @@ def _leaf_table(tree, checksums=None) -> dict[str, dict]:
     return table
 
 
-def _sum_bits(x):
-    # Wrapping sum of the bit patterns: exact in any reduction order, and zero padding adds 0.
-    # Leaves are 32-bit but for frozen parameters, kept in a 16-bit compute dtype.
-    import jax.numpy as jnp
-
-    bits = jnp.uint16 if x.dtype.itemsize == 2 else jnp.uint32
-    return jnp.sum(jax.lax.bitcast_convert_type(x, bits), dtype=jnp.uint32)
-
-
-@functools.lru_cache(maxsize=8)
-def _checksum_fn(mesh):
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    # Replicated results: every process can read them, also in a multi-process run.
-    return jax.jit(lambda tree: jax.tree.map(_sum_bits, tree), out_shardings=NamedSharding(mesh, PartitionSpec()))
-
-
-def _checksums(tree) -> list[int]:
-    """One checksum per leaf, computed where the shards live."""
-    sums = _checksum_fn(jax.tree.leaves(tree)[0].sharding.mesh)(tree)
-    return [int(c) for c in jax.device_get(jax.tree.leaves(sums))]
-
-
-def run_metadata(trainer, *, seed: int, config: dict | None = None, model: dict | None = None) -> dict:
-    """The parts of a checkpoint's metadata fixed for a whole run."""
+def run_metadata(
+    trainer, *, seed: int, config: dict | None = None, model: dict | None = None, source: str | None = None
+) -> dict:
+    """The parts of a checkpoint's metadata fixed for a whole run. `source`: where the params of a
+    fresh start came from (a `train.init_from` file; None: the model's init), which a checkpoint
+    holding only the trainable part records for its frozen part."""
     layout = trainer.layout
     params = {
         leaf.path: {
@@ -137,6 +119,8 @@ def run_metadata(trainer, *, seed: int, config: dict | None = None, model: dict 
         "params": params,
         "config": config,
         "model": model,
+        # The frozen params are not saved: their names and source here, their fingerprint per save
+        "frozen": frozen_part.describe(layout, source or f"the model's init (seed {seed})"),
     }
 
 
@@ -258,12 +242,15 @@ class CheckpointWriter:
         """Returns once the shards are copied off the devices; files are written in the background.
         A failed write (this save's or the previous one's) is a `UserError` naming the step and why."""
         ocp = _ocp()
-        saved = state.saved()
+        frozen = self._run_meta.get("frozen")
+        if frozen and "fingerprint" not in frozen:  # the frozen part never changes: hashed once per run
+            frozen["fingerprint"] = frozen_part.fingerprint(state.params, frozen["params"])
+        saved = frozen_part.left_out(state.saved(), frozen["params"] if frozen else [])
         meta = {
             **self._run_meta,
             "step": step,
             "data": {"position": step, "seed": self._run_meta["seed"]},
-            "leaves": _leaf_table(saved, _checksums(saved)),
+            "leaves": _leaf_table(saved, device_checksums(saved)),
         }
         with self._writing(step):
             self._manager.save(
@@ -349,10 +336,13 @@ def _check_leaves(meta: dict, target: dict, step_dir: str) -> None:
         )
 
 
-def restore(trainer, step_dir: str, key=None, batch: dict | None = None) -> tuple[TrainState, dict]:
+def restore(trainer, step_dir: str, key=None, batch: dict | None = None, base=None) -> tuple[TrainState, dict]:
     """(state, meta): the checkpoint in `step_dir`, placed as `trainer` (any stage, any mesh) wants:
     a `Trainer` prepared for `key` and `batch` (the state is then the one it steps), or a
     `zerojax.train.shard.Sharded` (`zj.shard`; no key or batch needed).
+
+    A checkpoint without its frozen part takes it from `base` (a fresh state of this trainer, from
+    the same source), after checking it against the saved fingerprint.
 
     Each device reads only its own slice; nothing is gathered. Raises `UserError` for a checkpoint of
     another model or optimizer, or a damaged one, before any state is changed.
@@ -360,7 +350,12 @@ def restore(trainer, step_dir: str, key=None, batch: dict | None = None) -> tupl
     ocp = _ocp()
     meta = read_meta(step_dir)
     prep = trainer.prepare(key, batch) if hasattr(trainer, "prepare") else trainer
-    target = prep.abstract_state().saved()
+    frozen = (meta.get("frozen") or {}).get("params", [])
+    if frozen and base is None:
+        raise UserError(
+            f"checkpoint {step_dir!r} holds only the trainable params; restore it with the frozen part's source."
+        )
+    target = frozen_part.left_out(prep.abstract_state().saved(), frozen)
     _check_model(meta, prep.layout, step_dir)
     _check_leaves(meta, target, step_dir)
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
@@ -380,6 +375,8 @@ def restore(trainer, step_dir: str, key=None, batch: dict | None = None) -> tupl
     except Exception as e:  # noqa: BLE001 - tensorstore and orbax raise many types for damaged files
         raise unreadable(step_dir, "arrays", e) from None
     _verify(meta, saved, step_dir)
+    if frozen:
+        saved = frozen_part.rebuilt(meta, saved, base.params, step_dir)
     state = trainer.restore_state(saved, key, batch) if hasattr(trainer, "prepare") else prep.restore_state(saved)
     return state, meta
 
@@ -387,7 +384,7 @@ def restore(trainer, step_dir: str, key=None, batch: dict | None = None) -> tupl
 def _verify(meta: dict, saved: dict, step_dir: str) -> None:
     """Checksums of the leaves restored at their stored shape (padded or cropped ones can't match)."""
     flat = jax.tree_util.tree_flatten_with_path(saved)[0]
-    for (p, x), c in zip(flat, _checksums(saved)):
+    for (p, x), c in zip(flat, device_checksums(saved)):
         want = meta["leaves"][path_str(p)]
         if list(x.shape) == want["shape"] and want.get("checksum", c) != c:
             raise UserError(f"checkpoint {step_dir!r} is corrupted: {path_str(p)!r} does not match its checksum.")

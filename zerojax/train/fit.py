@@ -87,9 +87,7 @@ def _start(trainer, source, o: FitOptions, ckpt_dir: str, resume: bool, state=No
         return trainer.restore_state(state.saved(), key, sources.global_batch(source, step, sharding)), step
     step = step_to_resume(ckpt_dir, resume=resume, writes_checkpoints=bool(o.checkpoint_every))  # type: ignore[assignment]
     if step is None:
-        batch = sources.global_batch(source, 0, sharding)
-        params = None if o.init_from is None else init_from.initial_params(o.init_from, trainer, key, batch)
-        return trainer.init(key, batch, params=params), 0
+        return _fresh(trainer, o, key, sources.global_batch(source, 0, sharding)), 0
     step_dir = os.path.join(ckpt_dir, str(step))
     meta = checkpoint.read_meta(step_dir)
     check_checkpoint_matches(
@@ -102,8 +100,17 @@ def _start(trainer, source, o: FitOptions, ckpt_dir: str, resume: bool, state=No
         defaults=o.config_defaults,
     )
     # The data source is a pure function of (seed, step): the data position is the step.
-    state, meta = checkpoint.restore(trainer, step_dir, key, sources.global_batch(source, step, sharding))
+    batch = sources.global_batch(source, step, sharding)
+    # saved without its frozen part: that is rebuilt as a fresh start builds it
+    base = _fresh(trainer, o, key, batch) if meta.get("frozen") else None
+    state, meta = checkpoint.restore(trainer, step_dir, key, batch, base=base)
     return state, int(meta["step"])
+
+
+def _fresh(trainer, o: FitOptions, key, batch) -> TrainState:
+    """Step 0: the model's init, or its params from `train.init_from`."""
+    params = None if o.init_from is None else init_from.initial_params(o.init_from, trainer, key, batch)
+    return trainer.init(key, batch, params=params)
 
 
 @dataclass
@@ -147,7 +154,9 @@ class _Outputs:
         """The checkpoint writer (also opened on a termination request when checkpoint.every=0)."""
         if self.writer is None:
             o = self._o
-            meta = checkpoint.run_metadata(self._trainer, seed=o.seed, config=o.config, model=o.model)
+            meta = checkpoint.run_metadata(
+                self._trainer, seed=o.seed, config=o.config, model=o.model, source=o.init_from
+            )
             self.writer = checkpoint.CheckpointWriter(
                 _ckpt_dir(o, self._out_dir), keep=o.checkpoint_keep, run_meta=meta
             )
@@ -336,13 +345,7 @@ def _summary(trainer, o: FitOptions, run: _Run, all_records: list[dict], compile
         "devices": int(trainer.mesh.devices.size),
         "mesh": dict(trainer.mesh.shape),
         "params": count_params(trainer.layout.leaves),
-        "trainable_params": count_params(
-            [
-                l
-                for l in jax.tree.leaves(trainer.layout.leaves, is_leaf=lambda x: hasattr(x, "trainable"))
-                if l.trainable
-            ]
-        ),
+        "trainable_params": count_params(trainer.layout.trained_leaves()),
         "first_loss": _num(losses[0] if losses else None),
         "final_loss": _num(losses[-1] if losses else None),
         "eval_loss": run.eval_loss,

@@ -76,11 +76,12 @@ def _shapes(tree) -> dict[str, tuple[int, ...]]:
     return {path_str(p): tuple(np.shape(x)) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def check_fits(params, param_shapes, path: str) -> None:
-    """Every parameter of the model is in `params` with its shape, and nothing else is."""
+def check_fits(params, param_shapes, path: str, may_lack: frozenset = frozenset()) -> None:
+    """Every parameter of the model is in `params` with its shape, and nothing else is (but for those
+    named in `may_lack`, which it may lack)."""
     got, want = _shapes(params), _shapes(param_shapes)
     for name in sorted(set(got) | set(want)):
-        if got.get(name) != want.get(name):
+        if got.get(name) != want.get(name) and not (name in may_lack and name not in got):
             there = f"has shape {got[name]}" if name in got else "is missing"
             model = f"the model's is {want[name]}" if name in want else "the model has no such parameter"
             raise UserError(
@@ -89,7 +90,21 @@ def check_fits(params, param_shapes, path: str) -> None:
 
 
 def initial_params(path: str, trainer, key, batch: dict):
-    """The params of `path`, checked against the model `trainer` trains on `batch`."""
+    """The params of `path`, checked against the model `trainer` trains on `batch`. Where part of the
+    model is frozen (`trainable=`), the file may lack trainable leaves (a base model without the
+    adapters): those are None, and start from the model's init."""
     params = load_params(path)
-    check_fits(params, trainer.prepare(key, batch).param_shapes, path)
-    return params
+    prep = trainer.prepare(key, batch)
+    mask = prep.setup.trainable
+    trainable = () if mask is None else [path_str(p) for p, t in jax.tree_util.tree_flatten_with_path(mask)[0] if t]
+    check_fits(params, prep.param_shapes, path, may_lack=frozenset(trainable))
+    given = _shapes(params)
+    return jax.tree_util.tree_map_with_path(
+        lambda p, _: _dig(params, path_str(p)) if path_str(p) in given else None, prep.param_shapes
+    )
+
+
+def _dig(tree, name: str):
+    for key in name.split("/"):
+        tree = tree[int(key) if key.isdigit() and key not in tree else key]
+    return tree

@@ -170,11 +170,13 @@ class Sharded:
 
     def init(self, key, params=None) -> TrainState:
         """The train state, created inside `jit` directly into its shards (`params`: start from these
-        logical weights, e.g. `zerojax.load_params`, instead of `key`)."""
+        logical weights, e.g. `zerojax.load_params`, instead of `key`; a leaf given as None starts
+        from `key`'s init)."""
         if params is not None:
-            got = jax.tree.map(lambda x: tuple(np.shape(x)), params)
-            want = jax.tree.map(lambda x: tuple(x.shape), self.param_shapes)
-            if jax.tree.structure(got) != jax.tree.structure(want) or got != want:  # type: ignore[operator]
+            given = jax.tree_util.tree_flatten(params, is_leaf=lambda x: x is None)
+            want = jax.tree_util.tree_flatten(self.param_shapes)
+            shapes = [(None if x is None else tuple(np.shape(x)), tuple(w.shape)) for x, w in zip(given[0], want[0])]
+            if given[1] != want[1] or any(g not in (None, w) for g, w in shapes):  # type: ignore[operator]
                 raise UserError("the given params do not match the model's parameter names and shapes.")
         inputs = jnp.zeros(self.inputs.shape, self.inputs.dtype)
         return jax.jit(self.make_state, out_shardings=self.state_shardings)(key, inputs, params)
@@ -356,7 +358,9 @@ def _make_state(setup: Setup, layout: StateLayout, shardings: TrainState):
 
     def make_state(key, inputs, params=None):
         fresh, model_state, _ = model.init(key, inputs)
-        state = layout.fresh_state(tx, fresh if params is None else params)  # XLA drops an unused init
+        if params is not None:  # a leaf given as None (adapters a base file lacks) starts from the init
+            fresh = jax.tree.map(lambda f, p: f if p is None else p, fresh, params, is_leaf=lambda x: x is None)
+        state = layout.fresh_state(tx, fresh)  # XLA drops an unused init
         state = state.replace(rng=run_key(key), model_state=model_state if has_model_state else None)
         return offload_lib.place(state, shardings, layout.host_groups, offload_lib.HOST)
 
