@@ -65,6 +65,20 @@ def test_bf16_stage_1_specs_per_group_and_total():
     assert total["total"] == pytest.approx(kept["total"], rel=0.001)
 
 
+def test_bf16_stage_1_lora_keeps_the_frozen_base_once_replicated():
+    """rank-4 adapters on the tiny GPT: the base is held once, in bf16, replicated (no master, no
+    moments); the adapters as any stage-1 parameter. Totals as the planner counts them."""
+    out = _inspect("--devices", "8", "--stage", "1", "--set", "precision=bf16", "--set", "model.lora={rank: 4}")
+    leaves = {l["path"]: l for l in out["leaves"]}
+    assert out["params"] == PSI + 8704 and out["trainable_params"] == 8704
+    wq, adapter = leaves["blocks/wq"], leaves["blocks/q_lora_a"]
+    assert not wq["trainable"] and wq["spec"]["master"] == wq["spec"]["optimizer"] == "-"
+    assert wq["bytes_per_device"] == {"compute_params": 2 * 64 * 64 * 2, "master": 0, "optimizer": 0, "total": 16384}
+    assert adapter["trainable"] and adapter["bytes_per_device"]["master"] == 2 * 64 * 4 * 4 // 8
+    kept = A.kept_state_bytes(PSI + 8704, 8, 1, PRECISIONS["bf16"], OPTIMIZERS["adamw"], trainable=8704)
+    assert out["persistent_bytes_per_device"]["total"] == pytest.approx(kept["total"], rel=0.001)
+
+
 def test_table_lists_replicated_and_padded_leaves(three_devices, capsys):
     from zerojax.cli.commands.inspect import print_report
 

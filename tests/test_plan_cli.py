@@ -32,6 +32,25 @@ def test_json_7b_on_8_matches_the_zero_paper():
     assert out["recommendation"] == out["best"]  # one recommendation: the best combination that fits
 
 
+def test_fine_tuning_7b_on_8_is_the_frozen_and_trainable_formula():
+    """1% of 7B trains (bf16 + Adam): stage 3 keeps 2*Psi_frozen/N + 12*Psi_trainable/N, the textbook
+    state adds the trainable gradient (16 per trainable parameter); the frozen part is gathered
+    twice and never reduced, and stages 0-2 hold it replicated."""
+    r = _plan("--params", "7e9", "--devices", "8", "--trainable", "0.01", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    frozen, trains = 0.99 * 7e9, 0.01 * 7e9
+    stages = out["stages"]
+    assert out["trainable_params"] == pytest.approx(trains)
+    assert stages[3]["kept_bytes_per_device"] == pytest.approx((2 * frozen + 12 * trains) / 8)
+    assert stages[3]["persistent_bytes_per_device"] == pytest.approx((2 * frozen + 16 * trains) / 8)
+    assert stages[1]["kept_bytes_per_device"] == pytest.approx(2 * 7e9 + 12 * trains / 8)
+    ring = 7 / 8
+    assert stages[3]["param_allgather_bytes_per_device_per_step"] == pytest.approx(2 * 2 * 7e9 * ring)
+    assert stages[3]["grad_reduce_bytes_per_device_per_step"] == pytest.approx(2 * trains * ring)
+    assert stages[0]["param_allgather_bytes_per_device_per_step"] == 0
+
+
 def test_table_output_names_the_recommendation():
     r = _plan("--params", "125M", "--devices", "4", "--hardware", "tpu-v5e")
     assert r.returncode == 0, r.stderr
@@ -59,6 +78,8 @@ def test_a_small_model_is_shown_in_units_it_can_be_read_in():
         (["--params", "7e9"], "--devices"),
         (["configs/some.yaml", "--devices", "8"], "--params"),
         (["--params", "7e9", "--devices", "eight"], "--devices"),
+        (["--params", "7e9", "--devices", "8", "--trainable", "1.5"], "--trainable"),
+        (["--params", "7e9", "--devices", "8", "--lora-rank", "8"], "--lora-rank needs a CONFIG"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args, needle):

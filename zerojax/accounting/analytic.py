@@ -54,6 +54,15 @@ def check_inputs(params: float, devices: int) -> None:
         raise UserError(f"the device count must be a positive integer, got {devices!r}.")
 
 
+def trained(params: float, trainable: float | None) -> float:
+    """The parameters that train: `trainable` of `params` (None: all of them)."""
+    if trainable is None:
+        return params
+    if not 0 < trainable <= params:
+        raise UserError(f"the trainable parameter count must be in (0, {params:g}], got {trainable!r}.")
+    return trainable
+
+
 def model_state_bytes(
     params: float,
     devices: int,
@@ -62,18 +71,22 @@ def model_state_bytes(
     optimizer: Optimizer,
     include_grads: bool = True,
     shapes: list[tuple[int, ...]] | None = None,
+    trainable: float | None = None,
 ) -> dict[str, float]:
     """Persistent bytes one device holds, by group (and `total`), for a ZeRO stage.
 
-    Sharding is taken as exact 1/devices; `zerojax.core.stages` pads uneven leaves, which adds at most
-    one row per leaf.
+    `trainable` of the `params` train (None: all); the frozen rest is held only as compute params
+    (in the compute dtype, sharded where they are: stage 3), with no master, optimizer state or
+    gradient. Sharding is taken as exact 1/devices; `zerojax.core.stages` pads uneven leaves, which
+    adds at most one row per leaf.
     """
     check_inputs(params, devices)
+    trains = trained(params, trainable)
     full = {
         "compute_params": float(policy.param_bytes * params),
-        "master": float(policy.master_bytes * params),
-        "optimizer": optimizer_state_bytes(optimizer, params, shapes),
-        "grads": float(policy.grad_bytes * params) if include_grads else 0.0,
+        "master": float(policy.master_bytes * trains),
+        "optimizer": optimizer_state_bytes(optimizer, trains, shapes if trainable is None else None),
+        "grads": float(policy.grad_bytes * trains) if include_grads else 0.0,
     }
     sharded = sharded_groups(get_stage(stage))
     out = {g: full[g] / devices if sharded[g] else full[g] for g in GROUPS}
@@ -88,17 +101,21 @@ def kept_state_bytes(
     policy: Precision,
     optimizer: Optimizer,
     shapes: list[tuple[int, ...]] | None = None,
+    trainable: float | None = None,
 ) -> dict[str, float]:
     """The persistent bytes zerojax itself keeps per device, by group (and `total`).
 
     Unlike the textbook `model_state_bytes`: no gradients (they live only inside the step), and at
-    stage 3 no separate compute copy (each fp32 shard is cast right before it is gathered), so bf16
-    stage 3 keeps 12 bytes per parameter over p, not 14 (or 16 with gradients).
+    stage 3 no separate compute copy of what trains (each fp32 shard is cast right before it is
+    gathered), so bf16 stage 3 keeps 12 bytes per parameter over p, not 14 (or 16 with gradients).
+    Frozen parameters are kept as their compute copy alone: `2 * Psi_frozen / p` more in bf16.
     """
-    out = model_state_bytes(params, devices, stage, policy, optimizer, include_grads=False, shapes=shapes)
+    out = model_state_bytes(params, devices, stage, policy, optimizer, False, shapes, trainable)
     if get_stage(stage).compute_params and policy.master_bytes:
-        out["total"] -= out["compute_params"]
-        out["compute_params"] = 0.0
+        frozen = params - trained(params, trainable)
+        kept = policy.param_bytes * frozen / devices
+        out["total"] -= out["compute_params"] - kept
+        out["compute_params"] = kept
     return out
 
 
@@ -134,18 +151,27 @@ def traffic_bytes(
     reduce_bytes: float | None = None,
     grad_accum: int = 1,
     reshard_after_forward: bool = True,
+    trainable: float | None = None,
 ) -> dict[str, float]:
     """Bytes one device sends per optimizer step (ring collectives; `grad_accum` micro-batches per
     step, see `traffic_units`).
 
     Parameters are gathered in the compute dtype (`compute_bytes`), gradients reduced in the reduce
-    dtype (`reduce_bytes`, default: the compute dtype).
+    dtype (`reduce_bytes`, default: the compute dtype). Of `trainable` parameters only (None: all)
+    are gradients reduced, and at stages 1-2 the updated params gathered; stage 3 gathers the frozen
+    ones too, as any weight.
     """
     check_inputs(params, devices)
-    ring = params * (devices - 1) / devices
-    gathers, reductions = traffic_units(get_stage(stage), grad_accum, reshard_after_forward)
+    trains = trained(params, trainable)
+    st = get_stage(stage)
+    ring = (devices - 1) / devices
+    gathers, reductions = traffic_units(st, grad_accum, reshard_after_forward)
     reduce_bytes = compute_bytes if reduce_bytes is None else reduce_bytes
-    out = {"param_allgather": gathers * compute_bytes * ring, "grad_reduce": reductions * reduce_bytes * ring}
+    gathered = params if st.compute_params else trains
+    out = {
+        "param_allgather": gathers * compute_bytes * gathered * ring,
+        "grad_reduce": reductions * reduce_bytes * trains * ring,
+    }
     out["total"] = out["param_allgather"] + out["grad_reduce"]
     return out
 
@@ -162,6 +188,7 @@ def step_temp_bytes(
     streamed: float = 0.0,
     grad_accum: int = 1,
     reshard_after_forward: bool = True,
+    trainable: float | None = None,
 ) -> float:
     """Temporaries of one train step per device (beside the kept state): the activations, the
     gradients (whole at stages 0-1, only this device's shard at 2-3) and one fp32 update-sized buffer
@@ -181,13 +208,14 @@ def step_temp_bytes(
     operands upcast to f32 on CPU). `zerojax compare` prints measured / this ratio beside it.
     """
     st = get_stage(stage)
-    grads = policy.grad_bytes * params / (devices if st.gradients else 1)
-    update = 4.0 * params / (devices if st.optimizer else 1)
+    trains = trained(params, trainable)  # gradients, updates and accumulators: of these only
+    grads = policy.grad_bytes * trains / (devices if st.gradients else 1)
+    update = 4.0 * trains / (devices if st.optimizer else 1)
     accumulate = 0.0
     if grad_accum > 1:
         per_micro_batch = st.compute_params and reshard_after_forward  # reduced inside the loop
-        grads = policy.grad_bytes * params / (devices if per_micro_batch else 1)
-        accumulate = 4.0 * params / (devices if per_micro_batch else 1)
+        grads = policy.grad_bytes * trains / (devices if per_micro_batch else 1)
+        accumulate = 4.0 * trains / (devices if per_micro_batch else 1)
         if st.compute_params and not reshard_after_forward:
             accumulate += policy.param_bytes * params  # the gathered weights, kept across micro-batches
     return max(activations, streamed) + grads + update + accumulate
@@ -202,12 +230,16 @@ def peak_bytes(arguments: float, outputs: float, aliased: float, temporaries: fl
 # --- time ----------------------------------------------------------------------------------
 
 
-def flops_per_step(params: float, tokens: float, n_layers: int = 0, d_model: int = 0, seq_len: int = 0) -> float:
-    """Training FLOPs: 6 per parameter per token (forward 2, backward 4) plus causal attention's
-    score and value matmuls, 12 * n_layers * d_model * seq_len per token (omitted without a shape).
-    Full remat re-runs the forward, which this deliberately does not count: MFU conventions don't.
+def flops_per_step(
+    params: float, tokens: float, n_layers: int = 0, d_model: int = 0, seq_len: int = 0, trainable: float | None = None
+) -> float:
+    """Training FLOPs: 6 per parameter per token (forward 2, backward 4: 2 for the input's gradient,
+    2 for the weight's, which a frozen parameter skips) plus causal attention's score and value
+    matmuls, 12 * n_layers * d_model * seq_len per token (omitted without a shape). Full remat re-runs
+    the forward, which this deliberately does not count: MFU conventions don't.
     """
-    return 6.0 * params * tokens + 12.0 * n_layers * d_model * seq_len * tokens
+    weights = 4.0 * params + 2.0 * trained(params, trainable)
+    return weights * tokens + 12.0 * n_layers * d_model * seq_len * tokens
 
 
 @dataclass(frozen=True)
@@ -237,13 +269,20 @@ def step_time_estimate(
     mfu: float = 1.0,
     grad_accum: int = 1,
     reshard_after_forward: bool = True,
+    trainable: float | None = None,
 ) -> StepTime:
     """Compute at `mfu` x peak (default 1.0: the ideal, so times are lower bounds) and traffic at
     the per-direction interconnect rate."""
     attn = (shape.n_layers, shape.d_model, seq_len) if shape else (0, 0, 0)
-    flops = flops_per_step(params, tokens_per_device, *attn)
+    flops = flops_per_step(params, tokens_per_device, *attn, trainable=trainable)
     traffic = traffic_bytes(
-        params, devices, stage, compute_bytes, grad_accum=grad_accum, reshard_after_forward=reshard_after_forward
+        params,
+        devices,
+        stage,
+        compute_bytes,
+        grad_accum=grad_accum,
+        reshard_after_forward=reshard_after_forward,
+        trainable=trainable,
     )["total"]
     return StepTime(flops / (hardware.peak_flops * mfu), traffic / hardware.link_bytes_per_s)
 

@@ -65,11 +65,17 @@ def host_groups(offload: str, precision: Precision) -> tuple[str, ...]:
 
 
 def placed_state_bytes(
-    params: float, devices: int, stage: int, precision: Precision, optimizer: Optimizer, offload: str = "none"
+    params: float,
+    devices: int,
+    stage: int,
+    precision: Precision,
+    optimizer: Optimizer,
+    offload: str = "none",
+    trainable: float | None = None,
 ) -> dict[str, float]:
     """Kept bytes per device in device memory (`device`) and host memory (`host`), and of them the
     compute copy on the host (`host_compute`: the forward needs it back on the device)."""
-    kept = analytic.kept_state_bytes(params, devices, stage, precision, optimizer)
+    kept = analytic.kept_state_bytes(params, devices, stage, precision, optimizer, trainable=trainable)
     moved = host_groups(offload, precision)
     host = sum(kept[g] for g in moved)
     compute_on_host = kept["compute_params"] if "compute_params" in moved and precision.master_bytes else 0.0
@@ -167,25 +173,25 @@ def evaluate(
     reshard_after_forward: bool = True,
     memory: float | None = None,
     host_memory: float = math.inf,
+    trainable: float | None = None,
 ) -> Pick:
     """One combination's memory and time per device (`memory`: the device budget, default the
-    hardware's; `host_memory`: the host budget per device, default unbounded)."""
+    hardware's; `host_memory`: the host budget per device, default unbounded; `trainable`: the
+    parameters that train, None: all)."""
     b, tokens = precision.param_bytes, grad_accum * micro_batch * seq_len
     act, host_act = micro_batch_activations(shape, seq_len, micro_batch, b, remat)
-    placed = placed_state_bytes(params, devices, stage, precision, optimizer, offload)
+    placed = placed_state_bytes(params, devices, stage, precision, optimizer, offload, trainable)
     # A compute copy kept on the host is on the device again for the whole forward and backward.
     held = gathered_weights_kept(params, stage, remat, b, reshard_after_forward) if shape is not None else 0.0
     on_device = act + held + placed["host_compute"]
     temp = analytic.step_temp_bytes(
-        params, devices, stage, precision, on_device, placed["host"], grad_accum, reshard_after_forward
+        params, devices, stage, precision, on_device, placed["host"], grad_accum, reshard_after_forward, trainable
     )
     base = analytic.step_time_estimate(
-        params, devices, stage, hardware, tokens, b, shape, seq_len, mfu, grad_accum, reshard_after_forward
+        params, devices, stage, hardware, tokens, b, shape, seq_len, mfu, grad_accum, reshard_after_forward, trainable
     )
     recompute_s = recompute_flops(params, tokens, remat, shape, seq_len) / (hardware.peak_flops * mfu)
-    traffic = analytic.traffic_bytes(
-        params, devices, stage, b, grad_accum=grad_accum, reshard_after_forward=reshard_after_forward
-    )
+    traffic = analytic.traffic_bytes(params, devices, stage, b, None, grad_accum, reshard_after_forward, trainable)
     host_link = placed["host"] + grad_accum * host_act  # each way: in and out
     return Pick(
         stage=stage,
@@ -248,6 +254,7 @@ def rank(
     host_memory: float = math.inf,
     remats=None,
     offloads=None,
+    trainable: float | None = None,
 ) -> list[Pick]:
     """Every combination for a per-device batch of `rows_per_device` sequences per step, in
     `rank_key`'s order. Without a model shape the remat policy changes nothing the planner can
@@ -265,6 +272,7 @@ def rank(
         reshard_after_forward=reshard_after_forward,
         memory=memory,
         host_memory=host_memory,
+        trainable=trainable,
     )
     evaluated = [
         evaluate(

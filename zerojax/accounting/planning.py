@@ -57,6 +57,7 @@ class Plan:
     recommendation: Recommendation
     grad_accum: int = 1  # micro-batches per step
     reshard_after_forward: bool = True
+    trainable: float | None = None  # the parameters that train; None: all
 
 
 def check_plan_inputs(params: float, devices: int, seq_len: int, micro_batch: int, grad_accum: int, mfu: float) -> None:
@@ -84,23 +85,41 @@ def stage_plan(
     mfu: float,
     grad_accum: int,
     reshard_after_forward: bool,
+    trainable: float | None = None,
 ) -> StagePlan:
     """One stage's memory, traffic and time, and whether its state and one micro-batch's activations
     (with the gathered weights the shipped GPT keeps for its backward) fit the device."""
     b = precision.param_bytes
     act = gpt_activation_bytes(shape, seq_len, micro_batch, b, remat) if shape is not None else None
     held = gathered_weights_kept(params, stage, remat, b, reshard_after_forward) if shape is not None else 0.0
-    memory = model_state_bytes(params, devices, stage, precision, optimizer)
+    memory = model_state_bytes(params, devices, stage, precision, optimizer, trainable=trainable)
     tokens = grad_accum * micro_batch * seq_len
     return StagePlan(
         stage=stage,
         memory=memory,
         activation_bytes=act,
         traffic=traffic_bytes(
-            params, devices, stage, b, grad_accum=grad_accum, reshard_after_forward=reshard_after_forward
+            params,
+            devices,
+            stage,
+            b,
+            grad_accum=grad_accum,
+            reshard_after_forward=reshard_after_forward,
+            trainable=trainable,
         ),
         time=step_time_estimate(
-            params, devices, stage, hardware, tokens, b, shape, seq_len, mfu, grad_accum, reshard_after_forward
+            params,
+            devices,
+            stage,
+            hardware,
+            tokens,
+            b,
+            shape,
+            seq_len,
+            mfu,
+            grad_accum,
+            reshard_after_forward,
+            trainable,
         ),
         fits=memory["total"] + (act or 0.0) + held <= hardware.hbm_bytes,
         comm_bound_below_tokens=comm_bound_tokens_per_device(
@@ -122,6 +141,7 @@ def plan(
     mfu: float = 1.0,
     grad_accum: int = 1,
     reshard_after_forward: bool = True,
+    trainable: float | None = None,
 ) -> Plan:
     """Every stage side by side, and the one to use. `micro_batch` sequences per device per
     micro-batch, `grad_accum` micro-batches per step: activations are one micro-batch's, compute is
@@ -142,10 +162,11 @@ def plan(
             mfu=mfu,
             grad_accum=grad_accum,
             reshard_after_forward=reshard_after_forward,
+            trainable=trainable,
         )
         for st in STAGES
     )
-    recommendation = _recommend(rows, params, hardware, precision, optimizer, seq_len)
+    recommendation = _recommend(rows, params, hardware, precision, optimizer, seq_len, trainable)
     return Plan(
         params,
         devices,
@@ -160,6 +181,7 @@ def plan(
         recommendation,
         grad_accum,
         reshard_after_forward,
+        trainable,
     )
 
 
@@ -170,11 +192,12 @@ def _recommend(
     precision: Precision,
     optimizer: Optimizer,
     seq_len: int,
+    trainable: float | None = None,
 ) -> Recommendation:
     fitting = [r for r in rows if r.fits]
     if not fitting:
         # Stage 3 shards everything, so its state shrinks as 1/p: that many devices would hold it.
-        full = model_state_bytes(params, 1, 0, precision, optimizer)["total"]
+        full = model_state_bytes(params, 1, 0, precision, optimizer, trainable=trainable)["total"]
         need = math.ceil(full / hardware.hbm_bytes)
         return Recommendation(
             None,
@@ -199,6 +222,7 @@ def plan_dict(p: Plan) -> dict:
     hw = p.hardware
     return {
         "params": p.params,
+        "trainable_params": p.params if p.trainable is None else p.trainable,
         "devices": p.devices,
         "hardware": {
             "name": hw.name,
@@ -218,9 +242,9 @@ def plan_dict(p: Plan) -> dict:
             {
                 "stage": r.stage,
                 "persistent_bytes_per_device": r.memory["total"],  # textbook model state, grads included
-                "kept_bytes_per_device": kept_state_bytes(p.params, p.devices, r.stage, p.precision, p.optimizer)[
-                    "total"
-                ],  # what zerojax keeps
+                "kept_bytes_per_device": kept_state_bytes(
+                    p.params, p.devices, r.stage, p.precision, p.optimizer, trainable=p.trainable
+                )["total"],  # what zerojax keeps
                 "persistent_bytes_by_group": {g: r.memory[g] for g in GROUPS},
                 "activation_bytes_per_device": r.activation_bytes,
                 "param_allgather_bytes_per_device_per_step": r.traffic["param_allgather"],

@@ -93,6 +93,7 @@ def layout_report(c) -> dict:
         # logical axis names no rule maps and no mesh axis is: free for FSDP (`zerojax.core.axis_rules`)
         "unmapped_axis_names": list(layout.unmapped_names),
         "params": count_params(layout.leaves),
+        "trainable_params": count_params(layout.trained_leaves()),
         "groups_sharded": dict(
             zip(GROUPS, (layout.compute_sharded, layout.master_sharded, layout.optimizer_sharded, layout.grads_sharded))
         ),
@@ -137,7 +138,9 @@ def _leaf_row(layout, name: str, l, m, opt: list) -> dict:
     from jax.sharding import NamedSharding
 
     prec = layout.precision
-    if layout.keeps_compute_copy:
+    if not l.trainable:
+        compute_spec, compute_bytes, compute_note = _spec(m.sharding), _shard_bytes(m), "frozen: kept once, no master"
+    elif layout.keeps_compute_copy:
         tensor = l.tensor_size if l.tensor_axis is not None else 1
         compute_spec = _spec(NamedSharding(layout.mesh, l.spec(False)))
         compute_bytes, compute_note = math.prod(l.shape) * prec.param_bytes // tensor, "kept"
@@ -149,7 +152,7 @@ def _leaf_row(layout, name: str, l, m, opt: list) -> dict:
     status = "replicated" if l.axis is None else ("padded" if l.padded else "sharded")
     nbytes = {
         "compute_params": compute_bytes,
-        "master": _shard_bytes(m),
+        "master": _shard_bytes(m) if l.trainable else 0,
         "optimizer": sum(_shard_bytes(s) for s in opt),
     }
     nbytes["total"] = sum(nbytes.values())
@@ -158,13 +161,14 @@ def _leaf_row(layout, name: str, l, m, opt: list) -> dict:
         "shape": list(l.shape),
         "stored_shape": list(m.shape),
         "status": status,
+        "trainable": l.trainable,
         "tensor_axis": l.tensor_axis,  # the dimension split over the mesh's tensor axis in every group
         "reason": l.reason,
         "spec": {
             "compute_params": compute_spec,
-            "master": _spec(m.sharding),
+            "master": _spec(m.sharding) if l.trainable else "-",
             "optimizer": _spec(opt[0].sharding) if opt else "-",
-            "grads": _spec(grads),
+            "grads": _spec(grads) if l.trainable else "-",
         },
         "compute_note": compute_note,
         "bytes_per_device": nbytes,
@@ -179,7 +183,8 @@ def print_report(r: dict) -> None:
 
     sharded = ", ".join(g for g, on in r["groups_sharded"].items() if on) or "nothing"
     table = Table(
-        title=f"zerojax inspect: stage {r['stage']}, {r['precision']}, {r['params']:,} params, fsdp={r['fsdp']}, "
+        title=f"zerojax inspect: stage {r['stage']}, {r['precision']}, {r['params']:,} params "
+        f"({r['trainable_params']:,} trainable, {r['trainable_params'] / r['params']:.1%}), fsdp={r['fsdp']}, "
         f"tensor={r['tensor']} "
         f"(mesh {r['mesh']}); sharded groups: {sharded}",
         caption="PartitionSpec per group; bytes = what one device keeps between steps (compute copy + fp32 master "

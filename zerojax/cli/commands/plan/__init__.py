@@ -65,6 +65,17 @@ def add_step_arguments(p) -> None:
         "--precision", help=f"{' or '.join(DTYPES)}, bf16 with an fp32 master (default: CONFIG's, else bf16)"
     )
     p.add_argument(
+        "--trainable",
+        type=float,
+        help="fine-tuning: the fraction of the parameters that train, the rest frozen (default: "
+        "CONFIG's model.lora adapters, else all)",
+    )
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        help="fine-tuning: LoRA adapters of this rank on all seven block weights of CONFIG's shipped GPT",
+    )
+    p.add_argument(
         "--mfu",
         type=float,
         default=None,
@@ -168,6 +179,7 @@ def _plan(args: argparse.Namespace, inputs: dict, hardware):
         mfu=_mfu(args),
         grad_accum=inputs["grad_accum"],
         reshard_after_forward=inputs["reshard_after_forward"],
+        trainable=inputs["trainable"],
     )
 
 
@@ -188,6 +200,7 @@ def _rank(args: argparse.Namespace, result, inputs: dict, hardware, host_memory:
         reshard_after_forward=result.reshard_after_forward,
         memory=hardware.hbm_bytes * (1 - args.headroom),
         host_memory=host_memory,
+        trainable=result.trainable,
     )
 
 
@@ -217,7 +230,11 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError("give either CONFIG or --params, not both.")
     if args.overrides and args.config is None:
         raise UserError("--set needs a CONFIG to override; pass CONFIG or plan with --params alone.")
-    for key in ("devices", "seq", "micro_batch", "grad_accum"):
+    if args.trainable is not None and not 0 < args.trainable <= 1:
+        raise UserError(f"--trainable is the fraction of the parameters that train, in (0, 1]; got {args.trainable}.")
+    if args.trainable is not None and args.lora_rank is not None:
+        raise UserError("give either --trainable or --lora-rank, not both.")
+    for key in ("devices", "seq", "micro_batch", "grad_accum", "lora_rank"):
         value = getattr(args, key)
         if value is not None and value < 1:
             raise UserError(f"--{key.replace('_', '-')} must be a positive integer, got {value}.")

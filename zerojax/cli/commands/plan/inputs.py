@@ -5,6 +5,7 @@ allocated) with its mesh, batch, precision and optimizer; flags given explicitly
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 
@@ -42,6 +43,11 @@ def inputs_from_flags(args: argparse.Namespace) -> dict:
         "zeropp": None,
     }
     inputs["rows_per_device"] = inputs["micro_batch"] * inputs["grad_accum"]
+    if args.lora_rank is not None:
+        raise UserError(
+            "--lora-rank needs a CONFIG of the shipped GPT (the adapters' shapes); give --trainable instead."
+        )
+    inputs["trainable"] = None if args.trainable is None else args.trainable * inputs["params"]
     return inputs
 
 
@@ -50,15 +56,21 @@ def counted_model(c, args: argparse.Namespace) -> dict:
     from zerojax.accounting.activations import GPTShape
     from zerojax.accounting.params import gpt_params
     from zerojax.cli.experiment import model_config
+    from zerojax.models.gpt import LoRAConfig
 
     if c.model.target:
         return target_inputs(c, args)
     gpt = model_config(c)
+    if args.lora_rank is not None:
+        gpt = dataclasses.replace(gpt, lora=LoRAConfig(rank=args.lora_rank))
+    params = float(gpt_params(gpt))
     return {
-        "params": float(gpt_params(gpt)),
+        "params": params,
         "seq_len": args.seq or gpt.seq_len,
         "shape": GPTShape.of(gpt),
         "remat": gpt.remat,
+        # what trains: --trainable's fraction, else the adapters (model.lora or --lora-rank), else all
+        "trainable": args.trainable * params if args.trainable else (gpt.num_lora_params() or None),
     }
 
 
@@ -102,6 +114,7 @@ def inputs_from_config(args: argparse.Namespace) -> dict:
         "optimizer": args.optimizer or c.optimizer.name,
         "shape": counted["shape"],
         "remat": counted["remat"],
+        "trainable": counted["trainable"],
         "replicas": c.mesh.data,
         "tensor": c.mesh.tensor,
         "zeropp": {
@@ -130,9 +143,12 @@ def target_inputs(c, args: argparse.Namespace) -> dict:
     inputs = jax.ShapeDtypeStruct((1, *x.shape[1:]), x.dtype)
     params = count_params(param_shapes(functional(model), jax.random.key(0), inputs))
     tokens = x.ndim >= 2 and np.issubdtype(x.dtype, np.integer)
+    if args.lora_rank is not None:
+        raise UserError("--lora-rank adds adapters to the shipped GPT, not to model.target; give --trainable instead.")
     return {
         "params": float(params),
         "seq_len": args.seq or (int(x.shape[1]) if tokens else 1),
         "shape": None,
         "remat": "none",
+        "trainable": None if args.trainable is None else args.trainable * params,
     }

@@ -44,8 +44,9 @@ def duration(s: float) -> str:
 def stage_table_title(p, config: str | None, replicas: int) -> str:
     hw = p.hardware
     source = f" ({config}: {p.shape.n_layers} layers, d_model {p.shape.d_model})" if config and p.shape else ""
+    tuning = "" if p.trainable is None else f" ({param_count(p.trainable)} trainable, the rest frozen)"
     return (
-        f"ZeRO plan: {param_count(p.params)} params{source} on {p.devices * replicas} x {hw.name}"
+        f"ZeRO plan: {param_count(p.params)} params{tuning}{source} on {p.devices * replicas} x {hw.name}"
         f"{f' (state sharded over {p.devices}, {replicas} replicas)' if replicas > 1 else ''} "
         f"({hw.hbm_bytes / 1e9:.0f} GB, {hw.peak_flops / 1e12:.0f} TFLOP/s, "
         f"{hw.link_bytes_per_s / 1e9:.0f} GB/s per direction), {p.precision.name} + {p.optimizer.name}"
@@ -126,7 +127,9 @@ def print_stage_table(p, config: str | None = None, remat: str = "full", replica
     from rich.table import Table
 
     kept = {
-        r.stage: analytic.kept_state_bytes(p.params, p.devices, r.stage, p.precision, p.optimizer)["total"]
+        r.stage: analytic.kept_state_bytes(
+            p.params, p.devices, r.stage, p.precision, p.optimizer, trainable=p.trainable
+        )["total"]
         for r in p.stages
     }
     unit, scale = unit_for(
