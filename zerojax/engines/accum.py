@@ -89,4 +89,5 @@ def zeros_f32(tree):
 
 
 def add_scaled(acc, tree, scale):
-    return jax.tree.map(lambda a, g: a + scale * g.astype(a.dtype), acc, tree)
+    """`acc + scale * tree`; a leaf with no accumulator (None: a frozen one, whose gradient is zero) stays None."""
+    return jax.tree.map(lambda g, a: None if a is None else a + scale * g.astype(a.dtype), tree, acc)

@@ -51,6 +51,7 @@ def _sharded_micro(layout, loss_fn, run, k: int):
         params = compute_params(layout, state)
         zeros = constrain(layout.to_layout(accum.zeros_f32(params), True), shardings)
         micro = jax.tree.map(lambda x: accum.split(x, k, dp).reshape(k, -1, *x.shape[1:]), batch)
+        trained_shardings = layout.trained(shardings)  # no accumulator for a frozen leaf
 
         def micro_grads(acc, model_state, xs):
             key, mb = xs
@@ -63,9 +64,12 @@ def _sharded_micro(layout, loss_fn, run, k: int):
             (loss, (scale, weight, new_state)), g = jax.value_and_grad(loss_of, has_aux=True)(params)
             model_state = new_state if model_state is not None else None
             g = constrain(layout.to_layout(g, True), shardings)
-            return constrain(accum.add_scaled(acc, g, scale), shardings), scale * loss, weight, model_state
+            return constrain(accum.add_scaled(acc, g, scale), trained_shardings), scale * loss, weight, model_state
 
-        return _scan(micro_grads, zeros, state.model_state, key, micro, k, layout.mesh)
+        loss, grads, model_state = _scan(
+            micro_grads, layout.trained(zeros), state.model_state, key, micro, k, layout.mesh
+        )
+        return loss, layout.frozen_from(zeros, grads), model_state
 
     return grads
 
@@ -96,13 +100,14 @@ def _grouped(layout, model, static, loss_fn, k: int):
         if layout.compute_sharded:  # stage 3: gathered once, kept for every micro-batch
             params = constrain(params, layout.shardings(False))
         zeros = jax.tree.map(lambda p: jnp.zeros((dp, *p.shape), jnp.promote_types(p.dtype, jnp.float32)), params)
-        zeros = constrain(zeros, jax.tree.map(lambda _: group_sharding, zeros))
+        zeros = layout.trained(constrain(zeros, jax.tree.map(lambda _: group_sharding, zeros)))  # none if frozen
         micro = jax.tree.map(lambda x: accum.split(x, k, dp), batch)  # (k, dp, rows / k, ...)
 
         def micro_grads(acc, model_state, xs):
             key, mb = xs
             (loss, (scale, weight, new_state)), g = per_group(params, model_state, mb, key, jnp.arange(dp))
-            acc = jax.tree.map(lambda a, x: a + scale.reshape((dp,) + (1,) * (x.ndim - 1)) * x.astype(a.dtype), acc, g)
+            per_group_scale = lambda x: scale.reshape((dp,) + (1,) * (x.ndim - 1))  # noqa: E731
+            acc = jax.tree.map(lambda x, a: None if a is None else a + per_group_scale(x) * x.astype(a.dtype), g, acc)
             acc = constrain(acc, jax.tree.map(lambda _: group_sharding, acc))
             if model_state is not None:  # the same in every group: its statistics are averaged over them
                 model_state = jax.tree.map(lambda x: x[0], new_state)
@@ -110,6 +115,7 @@ def _grouped(layout, model, static, loss_fn, k: int):
 
         loss, acc, model_state = _scan(micro_grads, zeros, state.model_state, key, micro, k, layout.mesh)
         grads = jax.tree.map(lambda a: jnp.sum(a, axis=0), acc)  # the step's one reduction
+        grads = layout.frozen_from(accum.zeros_f32(params), grads)
         grads = constrain(layout.to_layout(grads, layout.grads_sharded), layout.shardings(layout.grads_sharded))
         return loss, grads, model_state
 

@@ -148,10 +148,11 @@ def _accum_grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: R
             (loss, (scale, weight, new_state)), g = jax.value_and_grad(loss_of, has_aux=True)(params)
             return accum.add_scaled(acc, g, scale), scale * loss, weight, new_state
 
+        zeros = accum.zeros_f32(params)  # no accumulator for a frozen leaf: its gradient is zero
         loss, acc, weight, new_model_state = accum.accumulate(
-            micro_grads, accum.zeros_f32(params), model_state, (jnp.arange(k), micro)
+            micro_grads, layout.trained(zeros), model_state, (jnp.arange(k), micro)
         )
-        grads = jax.tree.map(lambda a: a / weight, acc)
+        grads = layout.frozen_from(zeros, jax.tree.map(lambda a: a / weight, acc))
         if not stage.compute_params or gather_first:  # whole local gradients: reduced once, now
             grads = _reduced(reduce, stage, leaves, grads)
         if stage.compute_params:  # fp32 shard sums, in the master's dtype
