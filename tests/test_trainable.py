@@ -130,6 +130,21 @@ def test_frozen_gradients_are_never_reduced(engine, stage):
 
 
 @pytest.mark.parametrize("engine", ["gspmd", "shard_map"])
+def test_gpt_lora_reduces_only_its_adapters(engine):
+    """The shipped GPT with rank-4 adapters at stage 3: the scanned blocks' reductions are the
+    adapters' (the base, gathered per layer forward and backward, is never reduced)."""
+    model, cfg = tiny_gpt(lora={"rank": 4})
+    trainer = zj.Trainer(model, _adamw(), mesh=zj.make_mesh(fsdp=8), stage=3, engine=engine)
+    batch = token_batch(0)
+    _, hlo = compile_partitioned(lower_abstract(trainer, batch), tempfile.mkdtemp(prefix="zerojax-hlo-"))
+    moved = collective_bytes(hlo)["bytes"]
+    adapters, base = 4 * cfg.num_lora_params(), 4 * (cfg.num_params() - cfg.num_lora_params())
+    reduced = moved["all-reduce"] + moved["reduce-scatter"]
+    assert RING / 2 * adapters <= reduced < RING * (adapters + base / 10), (reduced, adapters, base)
+    assert moved["all-gather"] >= 7 / 8 * base  # the frozen base is still gathered
+
+
+@pytest.mark.parametrize("engine", ["gspmd", "shard_map"])
 def test_linen_units_never_reduce_frozen_gradients(engine):
     """A Linen model's FSDP units (its three `nn.Dense`) at stage 3, the biases alone trained: each
     unit holds frozen and trainable leaves, and its backward differentiates only what its caller
