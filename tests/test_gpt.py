@@ -189,3 +189,66 @@ def test_adam_steps_reduce_loss_on_random_bytes():
         losses.append(float(loss))
     assert abs(losses[0] - math.log(256)) < 0.1
     assert losses[-1] < losses[0] - 1.5, losses  # memorising one fixed batch
+
+
+LLAMA_FAMILY = {
+    "gqa": {"n_kv_heads": 2},
+    "rope_scaling": {
+        "n_kv_heads": 2,
+        "rope_scaling": {  # wavelengths 6.3 (kept), 19.9 (interpolated) and longer (slowed 8x)
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    },
+    "tied": {"n_kv_heads": 1, "head_dim": 8, "tie_embeddings": True, "norm_eps": 1e-5},
+    "biases": {"n_kv_heads": 2, "qkv_bias": True, "norm_eps": 1e-5},
+}
+
+
+@pytest.mark.parametrize("name", sorted(LLAMA_FAMILY))
+def test_llama_family_shapes_match_a_numpy_reference(name):
+    """Grouped-query attention, Llama 3.1's rope scaling, an explicit head size with tied embeddings,
+    and Qwen2's q/k/v biases: the GPT's fp32 logits equal an independent numpy forward written
+    from Hugging Face's Llama code within 1e-4."""
+    from flax import nnx
+
+    from tests.llama_reference import forward
+    from zerojax.core.trees import path_str
+    from zerojax.models.gpt import GPT, gpt_config
+
+    cfg = gpt_config("tiny", remat="none", **LLAMA_FAMILY[name])
+    model = GPT(cfg, rngs=nnx.Rngs(3))
+    state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    flat = {path_str(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+    rng = np.random.default_rng(0)
+    for key in [k for k in flat if k.startswith("blocks/b")]:  # biases start at zero: make them count
+        flat[key] = rng.normal(size=flat[key].shape).astype(np.float32) * 0.5
+    nnx.update(model, nnx.State(jax.tree.map(np.asarray, _nested(flat))))
+    tokens = rng.integers(0, cfg.vocab_size, size=(2, 24))
+    got = np.asarray(model(jnp.asarray(tokens)))
+    want = forward(
+        flat,
+        tokens,
+        n_heads=cfg.n_heads,
+        n_kv_heads=cfg.kv_heads,
+        head_dim=cfg.head_size,
+        eps=cfg.norm_eps,
+        theta=cfg.rope_base,
+        scaling=LLAMA_FAMILY[name].get("rope_scaling"),
+        tied=cfg.tie_embeddings,
+    )
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert sum(x.size for x in flat.values()) == cfg.num_params()
+
+
+def _nested(flat: dict) -> dict:
+    out: dict = {}
+    for path, value in flat.items():
+        *parents, last = path.split("/")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return out

@@ -231,10 +231,11 @@ def _reshaped(t: dict) -> dict:
 
 
 BAD_FOLDERS = {
-    "gqa": ({"num_key_value_heads": 2}, None, "uses grouped-query attention (num_key_value_heads=2 < "),
+    "kv-heads": ({"num_key_value_heads": 3}, None, "model.n_kv_heads=3 must divide model.n_heads=4"),
+    "rope-type": ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, None, "rope_scaling of type 'yarn' does"),
     "not-llama": ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, None, "is not a Llama config"),
     "vocab": ({"vocab_size": 32000}, None, "tensor 'lm_head.weight' of "),  # the sizes come from config.json
-    "eps": ({"rms_norm_eps": 1e-5}, None, "rms_norm_eps=1e-05 does not map"),
+    "act": ({"hidden_act": "gelu"}, None, "hidden_act='gelu' does not map"),
     "bias": ({"attention_bias": True}, None, "attention_bias=True does not map"),
     "size": ({"hidden_size": "big"}, None, "hidden_size must be a positive integer, got 'big'"),
     "extra-tensor": (None, _renamed, "tensor 'model.layers.0.self_attn.q_proj.bias' of "),

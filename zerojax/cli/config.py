@@ -46,6 +46,14 @@ class LoRASection(_Section):
     targets: list[str] = Field(default_factory=lambda: ["q", "k", "v", "o", "gate", "up", "down"])
 
 
+class RopeScalingSection(_Section):
+    rope_type: Literal["llama3"] = "llama3"
+    factor: Annotated[Float, Field(gt=0)]
+    low_freq_factor: Annotated[Float, Field(gt=0)]
+    high_freq_factor: Annotated[Float, Field(gt=0)]
+    original_max_position_embeddings: PositiveInt
+
+
 class ModelConfig(_Section):
     target: str | None = None  # "package.module:name": the user's model instead of the shipped GPT
     kwargs: dict = Field(default_factory=dict)  # passed to model.target
@@ -57,6 +65,13 @@ class ModelConfig(_Section):
     seq_len: Int | None = None
     vocab_size: Int | None = None  # default: 256 bytes, or the vocabulary of data.tokens
     remat: str | None = None  # the GPT config owns the valid policies and checks them
+    n_kv_heads: PositiveInt | None = None  # key/value heads (grouped-query attention); null: model.n_heads
+    head_dim: PositiveInt | None = None  # the size of a head; null: d_model / n_heads
+    norm_eps: Annotated[Float, Field(gt=0)] | None = None  # RMSNorm's epsilon; null: 1e-6
+    rope_base: Annotated[Float, Field(gt=0)] | None = None  # the rotary base (rope_theta); null: 10000
+    rope_scaling: RopeScalingSection | None = None  # Llama 3.1's: factor, low/high_freq_factor, original length
+    qkv_bias: StrictBool | None = None  # biases on q, k and v (Qwen2); null: none
+    tie_embeddings: StrictBool | None = None  # the head is the embedding transposed (Llama 3.2); null: untied
     lora: LoRASection | None = None  # rank, alpha (null: the rank), targets (default: all seven); they alone train
 
 
@@ -271,7 +286,8 @@ def validate(c: Config) -> None:
         )
     gpt_only = [
         k
-        for k in ("d_model", "n_layers", "n_heads", "d_ff", "seq_len", "vocab_size", "remat", "lora")
+        for k in ModelConfig.model_fields
+        if k not in ("target", "kwargs", "preset")
         if c.model.target and getattr(c.model, k) is not None
     ]
     if gpt_only:

@@ -48,13 +48,14 @@ def gpt_of_checkpoint(step_dir: str, meta: dict) -> GPTConfig:
     """The shipped GPT's config a checkpoint recorded; a checkpoint of another model is one UserError."""
     model = meta.get("model") or {}
     names = [f.name for f in dataclasses.fields(GPTConfig)]
-    if "target" in model or not all(n in model for n in names):
+    required = ("d_model", "n_layers", "n_heads", "d_ff", "seq_len")  # older checkpoints lack the rest
+    if "target" in model or not all(n in model for n in required):
         what = f"model.target={model['target']!r}" if "target" in model else "a model that is not the shipped GPT"
         raise UserError(
             f"checkpoint {step_dir!r} holds {what}; --format safetensors writes the shipped GPT's Llama "
             "layout only (export other models with --format npz)."
         )
-    return GPTConfig(**{n: model[n] for n in names})
+    return GPTConfig(**{n: model[n] for n in names if n in model})
 
 
 def _check_params(params: dict[str, np.ndarray], cfg: GPTConfig, step_dir: str) -> None:
@@ -148,15 +149,14 @@ def import_llama(hf_dir: str, out: str) -> dict:
     sizes = gpt_sizes(hf, os.path.join(hf_dir, "config.json"))
     cfg = gpt_config("tiny", **sizes)
     tensors = _read_tensors(hf_dir)
-    if hf.get("tie_word_embeddings") and "lm_head.weight" not in tensors:
-        tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight")  # type: ignore[assignment]  # the GPT's head is its own copy
-    tensors = {k: v for k, v in tensors.items() if v is not None}
+    if cfg.tie_embeddings:  # some tied checkpoints also carry the head: the embedding's copy
+        tensors.pop("lm_head.weight", None)
     _check_tensors(tensors, llama_shapes(cfg), hf_dir)
     check_out_folder(out, IMPORT_FILES, "zerojax import")
     params_path = os.path.join(os.path.abspath(out), "params.npz")
 
     def write(folder: str) -> None:
-        np.savez(os.path.join(folder, "params.npz"), **from_llama(tensors, cfg.n_layers))  # type: ignore[arg-type]
+        np.savez(os.path.join(folder, "params.npz"), **from_llama(tensors, cfg))  # type: ignore[arg-type]
         with open(os.path.join(folder, "config.yaml"), "w") as f:
             f.write(run_config(sizes, params_path, hf_dir))
 

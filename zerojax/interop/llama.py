@@ -11,18 +11,18 @@ weight (no +1 offset) with the epsilon inside the square root.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from zerojax.errors import UserError
-from zerojax.models.gpt import GPTConfig, gpt_config
-
-NORM_EPS = 1e-6  # the GPT's RMSNorm epsilon (zerojax.models.gpt)
+from zerojax.models.gpt import GPTConfig
 
 # zerojax path -> (Llama name, transposed); "{i}" is the layer.
 TOP = {
     "embed": ("model.embed_tokens.weight", False),
     "final_norm": ("model.norm.weight", False),
-    "head": ("lm_head.weight", True),
+    "head": ("lm_head.weight", True),  # absent where the embeddings are tied
 }
 LAYER = {
     "attn_norm": ("model.layers.{i}.input_layernorm.weight", False),
@@ -34,6 +34,9 @@ LAYER = {
     "w_gate": ("model.layers.{i}.mlp.gate_proj.weight", True),
     "w_up": ("model.layers.{i}.mlp.up_proj.weight", True),
     "w_down": ("model.layers.{i}.mlp.down_proj.weight", True),
+    "bq": ("model.layers.{i}.self_attn.q_proj.bias", False),  # the q/k/v biases, where the GPT has them
+    "bk": ("model.layers.{i}.self_attn.k_proj.bias", False),
+    "bv": ("model.layers.{i}.self_attn.v_proj.bias", False),
 }
 # Buffers some Llama checkpoints carry that hold no parameter.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -44,19 +47,31 @@ def _layout(x: np.ndarray, transposed: bool) -> np.ndarray:
 
 
 def gpt_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """The GPT's parameter shapes by zerojax path."""
+    """The GPT's parameter shapes by zerojax path (adapters left out)."""
     d, f, n = cfg.d_model, cfg.d_ff, cfg.n_layers
-    layer = {"attn_norm": (d,), "wq": (d, d), "wk": (d, d), "wv": (d, d), "wo": (d, d)}
+    q, kv = cfg.n_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
+    layer = {"attn_norm": (d,), "wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d)}
     layer |= {"mlp_norm": (d,), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
-    top = {"embed": (cfg.vocab_size, d), "final_norm": (d,), "head": (d, cfg.vocab_size)}
+    if cfg.qkv_bias:
+        layer |= {"bq": (q,), "bk": (kv,), "bv": (kv,)}
+    top = {"embed": (cfg.vocab_size, d), "final_norm": (d,)}
+    if not cfg.tie_embeddings:
+        top["head"] = (d, cfg.vocab_size)
     return top | {f"blocks/{k}": (n, *s) for k, s in layer.items()}
+
+
+def _names(cfg_or_params) -> tuple[dict, dict]:
+    """The TOP and LAYER entries a GPT has: of a config, or of a flat params dict."""
+    have = gpt_shapes(cfg_or_params) if isinstance(cfg_or_params, GPTConfig) else cfg_or_params
+    top = {k: v for k, v in TOP.items() if k in have}
+    return top, {k: v for k, v in LAYER.items() if f"blocks/{k}" in have}
 
 
 def llama_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
     """The Llama tensors' shapes by name, for a GPT of `cfg`."""
-    shapes = gpt_shapes(cfg)
-    out = {name: shapes[k][::-1] if t else shapes[k] for k, (name, t) in TOP.items()}
-    for k, (name, t) in LAYER.items():
+    shapes, (top, layer) = gpt_shapes(cfg), _names(cfg)
+    out = {name: shapes[k][::-1] if t else shapes[k] for k, (name, t) in top.items()}
+    for k, (name, t) in layer.items():
         shape = shapes[f"blocks/{k}"][1:]
         out |= {name.format(i=i): shape[::-1] if t else shape for i in range(cfg.n_layers)}
     return out
@@ -64,38 +79,43 @@ def llama_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
 
 def to_llama(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The GPT's params by zerojax path -> Llama tensors by name (layers split, Linear weights [out, in])."""
-    out = {name: _layout(params[k], t) for k, (name, t) in TOP.items()}
-    for k, (name, t) in LAYER.items():
+    top, layer = _names(params)
+    out = {name: _layout(params[k], t) for k, (name, t) in top.items()}
+    for k, (name, t) in layer.items():
         out |= {name.format(i=i): _layout(w, t) for i, w in enumerate(params[f"blocks/{k}"])}
     return out
 
 
-def from_llama(tensors: dict[str, np.ndarray], n_layers: int) -> dict[str, np.ndarray]:
+def from_llama(tensors: dict[str, np.ndarray], cfg: GPTConfig) -> dict[str, np.ndarray]:
     """`to_llama`'s inverse: Llama tensors by name -> the GPT's params by zerojax path, fp32."""
-    params = {k: _layout(tensors[name], t).astype(np.float32) for k, (name, t) in TOP.items()}
-    for k, (name, t) in LAYER.items():
-        layers = [_layout(tensors[name.format(i=i)], t) for i in range(n_layers)]
+    top, layer = _names(cfg)
+    params = {k: _layout(tensors[name], t).astype(np.float32) for k, (name, t) in top.items()}
+    for k, (name, t) in layer.items():
+        layers = [_layout(tensors[name.format(i=i)], t) for i in range(cfg.n_layers)]
         params[f"blocks/{k}"] = np.stack(layers).astype(np.float32)
     return params
 
 
 def llama_config(cfg: GPTConfig) -> dict:
     """config.json for a GPT of `cfg`, as transformers' LlamaConfig reads it."""
+    if cfg.qkv_bias:  # Llama's attention_bias also puts one on o_proj, which the GPT has not
+        raise UserError("a GPT with model.qkv_bias has no Llama layout (Llama's attention_bias biases o_proj too).")
+    scaling = None if cfg.rope_scaling is None else dataclasses.asdict(cfg.rope_scaling)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.d_ff,
         "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads,
         "num_hidden_layers": cfg.n_layers,
-        "head_dim": cfg.head_dim,
+        "head_dim": cfg.head_size,
         "vocab_size": cfg.vocab_size,
         "max_position_embeddings": cfg.seq_len,
-        "rms_norm_eps": NORM_EPS,
+        "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_base,
-        "rope_scaling": None,
-        "tie_word_embeddings": False,  # the GPT's head is its own parameter
+        "rope_scaling": scaling,
+        "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
@@ -113,40 +133,43 @@ SIZES = {  # Llama config key -> the GPT's model.* key
 }
 
 
-def gpt_sizes(hf: dict, where: str) -> dict[str, int]:
-    """The GPT's model.* sizes for a Llama config.json; a config the GPT cannot hold is one UserError."""
+def gpt_sizes(hf: dict, where: str) -> dict:
+    """The GPT's model.* settings for a Llama config.json; a field it cannot honour is one UserError
+    naming the field and value."""
     if "LlamaForCausalLM" not in (hf.get("architectures") or []) and hf.get("model_type") != "llama":
         raise UserError(f"{where} is not a Llama config (architectures {hf.get('architectures')!r}).")
-    sizes = {}
+    sizes: dict = {}
     for key, ours in SIZES.items():
         value = hf.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UserError(f"{where}: {key} must be a positive integer, got {value!r}.")
         sizes[ours] = value
-    heads = sizes["n_heads"]
-    kv_heads = hf.get("num_key_value_heads") or heads
-    if kv_heads != heads:
-        raise UserError(
-            f"{where} uses grouped-query attention (num_key_value_heads={kv_heads} < num_attention_heads="
-            f"{heads}); the shipped GPT has a key/value head per query head."
-        )
-    _check_fixed(hf, where, sizes["d_model"] // heads)
+    rope = hf.get("rope_parameters") or {}
+    # Left to their defaults where they hold them, as the GPT's own config would
+    if (hf.get("num_key_value_heads") or sizes["n_heads"]) != sizes["n_heads"]:
+        sizes["n_kv_heads"] = hf["num_key_value_heads"]
+    if (hf.get("head_dim") or sizes["d_model"] // sizes["n_heads"]) * sizes["n_heads"] != sizes["d_model"]:
+        sizes["head_dim"] = hf["head_dim"]
+    sizes["norm_eps"] = float(hf.get("rms_norm_eps", 1e-6))
+    sizes["rope_base"] = float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
+    sizes["tie_embeddings"] = bool(hf.get("tie_word_embeddings", False))
+    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind != "llama3":
+            raise UserError(f"{where}: rope_scaling of type {kind!r} does not map to the shipped GPT (only 'llama3').")
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        sizes["rope_scaling"] = {k: scaling[k] for k in keys}
+    _check_fixed(hf, where)
     return sizes
 
 
-def _check_fixed(hf: dict, where: str, head_dim: int) -> None:
+def _check_fixed(hf: dict, where: str) -> None:
     """The keys the GPT has no setting for hold the GPT's values."""
-    rope = hf.get("rope_parameters") or {}
-    theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
-    base = gpt_config("tiny")
     wanted = [
         ("hidden_act", hf.get("hidden_act", "silu"), "silu", "its MLP is SwiGLU"),
-        ("attention_bias", bool(hf.get("attention_bias")), False, "it has no biases"),
-        ("mlp_bias", bool(hf.get("mlp_bias")), False, "it has no biases"),
-        ("rope_scaling", hf.get("rope_scaling") or rope.get("rope_type", "default"), "default", "plain RoPE"),
-        ("head_dim", hf.get("head_dim") or head_dim, head_dim, "hidden_size / num_attention_heads"),
-        ("rms_norm_eps", hf.get("rms_norm_eps"), NORM_EPS, "its RMSNorm's epsilon"),
-        ("rope_theta", theta, base.rope_base, "its rotary base"),
+        ("attention_bias", bool(hf.get("attention_bias")), False, "it has no o_proj bias"),
+        ("mlp_bias", bool(hf.get("mlp_bias")), False, "it has no MLP biases"),
     ]
     for key, got, want, why in wanted:
         if got != want:

@@ -1,4 +1,6 @@
-"""Decoder-only byte-level GPT in Flax NNX: RMSNorm, RoPE, SwiGLU, scanned + rematerialised blocks."""
+"""Decoder-only GPT in Flax NNX: RMSNorm, RoPE, SwiGLU, scanned + rematerialised blocks; byte-level
+by default, and wide enough for the Llama family (grouped-query attention, an explicit head size,
+rope scaling, q/k/v biases, tied embeddings)."""
 
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ from zerojax.core import remat as remat_lib
 from zerojax.core.constraints import with_logical_constraint
 from zerojax.core.remat import check as check_remat
 from zerojax.errors import UserError
-
-_NORM_EPS = 1e-6
+from zerojax.models import rope
+from zerojax.models.rope import RopeScaling
 
 
 class LayerHook(Protocol):
@@ -39,8 +41,8 @@ class LayerLoop(Protocol):
 # attribute and the logical names of its input and output axes (A keeps the input's, B the output's).
 LORA_TARGETS = {
     "q": ("wq", "embed", "heads"),
-    "k": ("wk", "embed", "heads"),
-    "v": ("wv", "embed", "heads"),
+    "k": ("wk", "embed", "kv_heads"),
+    "v": ("wv", "embed", "kv_heads"),
     "o": ("wo", "heads", "embed"),
     "gate": ("w_gate", "embed", "mlp"),
     "up": ("w_up", "embed", "mlp"),
@@ -80,38 +82,53 @@ class GPTConfig:
     seq_len: int  # longest sequence the model accepts
     vocab_size: int = 256
     remat: str = "full"  # see `zerojax.core.remat`: full, dots, none, or offload (dots' residuals on the host)
-    rope_base: float = 10000.0
+    rope_base: float = 10000.0  # rotary base (Hugging Face's rope_theta)
     lora: LoRAConfig | None = None  # adapters beside the blocks' weights (a dict is read as one)
+    n_kv_heads: int | None = None  # key/value heads (grouped-query attention); None: n_heads
+    head_dim: int | None = None  # the size of a head; None: d_model / n_heads
+    norm_eps: float = 1e-6  # RMSNorm's epsilon
+    rope_scaling: RopeScaling | None = None  # Llama 3.1's rescaled frequencies (a dict is read as one)
+    qkv_bias: bool = False  # biases on q, k and v (Qwen2)
+    tie_embeddings: bool = False  # the head is the embedding, transposed (Llama 3.2)
 
     def __post_init__(self) -> None:
-        if isinstance(self.lora, dict):
-            object.__setattr__(self, "lora", LoRAConfig(**self.lora))
-        for key in ("d_model", "n_layers", "n_heads", "d_ff", "seq_len", "vocab_size"):
+        for key, kind in (("lora", LoRAConfig), ("rope_scaling", RopeScaling)):
+            if isinstance(getattr(self, key), dict):
+                object.__setattr__(self, key, kind(**getattr(self, key)))
+        for key in ("d_model", "n_layers", "n_heads", "d_ff", "seq_len", "vocab_size", "kv_heads", "head_size"):
             if getattr(self, key) < 1:
                 raise UserError(f"model.{key} must be a positive integer, got {getattr(self, key)}.")
-        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
+        if self.head_dim is None and self.d_model % self.n_heads or self.head_size % 2:
             raise UserError(
                 f"model.d_model={self.d_model} must split into model.n_heads={self.n_heads} heads "
-                "of even size (rotary embeddings rotate pairs)."
+                "of even size (rotary embeddings rotate pairs), or give model.head_dim."
             )
+        if self.n_heads % self.kv_heads:
+            raise UserError(f"model.n_kv_heads={self.kv_heads} must divide model.n_heads={self.n_heads}.")
         check_remat(self.remat)
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
 
     def num_params(self) -> int:
-        d, f = self.d_model, self.d_ff
-        per_layer = 2 * d + 4 * d * d + 3 * d * f  # two norms, q/k/v/o, gate/up/down
-        base = 2 * self.vocab_size * d + d + self.n_layers * per_layer  # embed + head + final norm
+        d, f, q, kv = self.d_model, self.d_ff, self.n_heads * self.head_size, self.kv_heads * self.head_size
+        attention = 2 * d * q + 2 * d * kv + ((q + 2 * kv) if self.qkv_bias else 0)  # q, o; k, v; biases
+        per_layer = 2 * d + attention + 3 * d * f  # two norms, attention, gate/up/down
+        head = 0 if self.tie_embeddings else d * self.vocab_size
+        base = self.vocab_size * d + head + d + self.n_layers * per_layer  # embed + head + final norm
         return base + self.num_lora_params()
 
     def num_lora_params(self) -> int:
         """The adapters' parameters: rank x (inputs + outputs) per targeted weight and layer."""
         if self.lora is None:
             return 0
-        d, f = self.d_model, self.d_ff
-        sides = {"q": 2 * d, "k": 2 * d, "v": 2 * d, "o": 2 * d, "gate": d + f, "up": d + f, "down": f + d}
+        d, f, q, kv = self.d_model, self.d_ff, self.n_heads * self.head_size, self.kv_heads * self.head_size
+        sides = {"q": d + q, "k": d + kv, "v": d + kv, "o": q + d, "gate": d + f, "up": d + f, "down": f + d}
         return self.n_layers * self.lora.rank * sum(sides[t] for t in self.lora.targets)
 
 
@@ -152,25 +169,11 @@ def _ones(size: int) -> nnx.Param:
     return _param(jnp.ones((size,), jnp.float32), ("embed",))
 
 
-def _rms_norm(x_BxLxD: jax.Array, scale_D: jax.Array) -> jax.Array:
+def _rms_norm(x_BxLxD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
     # Statistics in float32 even when activations are bf16.
     x32 = x_BxLxD.astype(jnp.float32)
-    y32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + _NORM_EPS)
+    y32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (y32 * scale_D.astype(jnp.float32)).astype(x_BxLxD.dtype)
-
-
-def _rope_tables(length: int, head_dim: int, base: float) -> tuple[jax.Array, jax.Array]:
-    inv_freq_K2 = base ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angle_LxK2 = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq_K2[None, :]
-    return jnp.cos(angle_LxK2), jnp.sin(angle_LxK2)
-
-
-def _apply_rope(x_BxLxHxK: jax.Array, cos_LxK2: jax.Array, sin_LxK2: jax.Array) -> jax.Array:
-    x32 = x_BxLxHxK.astype(jnp.float32)
-    x1, x2 = jnp.split(x32, 2, axis=-1)  # rotate (first half, second half) pairs
-    cos, sin = cos_LxK2[None, :, None, :], sin_LxK2[None, :, None, :]
-    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return rotated.astype(x_BxLxHxK.dtype)
 
 
 def _residual(x_BxLxD: jax.Array) -> jax.Array:
@@ -181,19 +184,24 @@ def _residual(x_BxLxD: jax.Array) -> jax.Array:
 
 
 class Block(nnx.Module):
-    """Pre-norm transformer block: causal multi-head attention, then a SwiGLU MLP; no biases."""
+    """Pre-norm transformer block: causal attention (grouped-query where there are fewer key/value
+    heads), then a SwiGLU MLP; biases on q, k and v only where the config asks."""
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
-        d, f = cfg.d_model, cfg.d_ff
+        d, f, q, kv = cfg.d_model, cfg.d_ff, cfg.n_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
         out_std = 0.02 / (2 * cfg.n_layers) ** 0.5  # GPT-2: residual writes shrink with depth
-        self.n_heads = cfg.n_heads
+        self.n_heads, self.kv_heads, self.head_size, self.eps = cfg.n_heads, cfg.kv_heads, cfg.head_size, cfg.norm_eps
         # Megatron: q/k/v and gate/up split their outputs (heads, mlp) over `tensor`, o and down their
         # inputs, so each block's forward needs one all-reduce after attention and one after the MLP.
         self.attn_norm = _ones(d)
-        self.wq = _normal(rngs, (d, d), 0.02, ("embed", "heads"))
-        self.wk = _normal(rngs, (d, d), 0.02, ("embed", "heads"))
-        self.wv = _normal(rngs, (d, d), 0.02, ("embed", "heads"))
-        self.wo = _normal(rngs, (d, d), out_std, ("heads", "embed"))
+        self.wq = _normal(rngs, (d, q), 0.02, ("embed", "heads"))
+        self.wk = _normal(rngs, (d, kv), 0.02, ("embed", "kv_heads"))
+        self.wv = _normal(rngs, (d, kv), 0.02, ("embed", "kv_heads"))
+        self.wo = _normal(rngs, (q, d), out_std, ("heads", "embed"))
+        if cfg.qkv_bias:
+            self.bq = _param(jnp.zeros((q,), jnp.float32), ("heads",))
+            self.bk = _param(jnp.zeros((kv,), jnp.float32), ("kv_heads",))
+            self.bv = _param(jnp.zeros((kv,), jnp.float32), ("kv_heads",))
         self.mlp_norm = _ones(d)
         self.w_gate = _normal(rngs, (d, f), 0.02, ("embed", "mlp"))
         self.w_up = _normal(rngs, (d, f), 0.02, ("embed", "mlp"))
@@ -218,29 +226,39 @@ class Block(nnx.Module):
         a, b = getattr(self, f"{target}_lora_a")[...], getattr(self, f"{target}_lora_b")[...]
         return y + self.lora_scale * ((x @ a.astype(x.dtype)) @ b.astype(x.dtype)).astype(y.dtype)
 
+    def _qkv(self, x_BxLxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        weights = (self.wq[...], self.wk[...], self.wv[...])
+        if weights[0].shape == weights[1].shape:
+            # One contraction for q, k and v: with heads split over `tensor`, the backward's three
+            # partial input gradients are summed before their one all-reduce (three matmuls: three).
+            qkv_3xBxLxE = jnp.einsum("bld,tde->tble", x_BxLxD, jnp.stack(weights))
+            outs = [qkv_3xBxLxE[i] for i in range(3)]
+        else:  # grouped-query attention: k and v are narrower than q
+            outs = [x_BxLxD @ w for w in weights]
+        outs = [self._lora(t, x_BxLxD, y) for t, y in zip("qkv", outs)]
+        if hasattr(self, "bq"):
+            outs = [y + b[...].astype(y.dtype) for y, b in zip(outs, (self.bq, self.bk, self.bv))]
+        return outs[0], outs[1], outs[2]
+
     def _attention(self, x_BxLxD: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        B, L, D = x_BxLxD.shape
-        H = self.n_heads
-        K = D // H
-        # One contraction for q, k and v: with heads split over `tensor`, the backward's three partial
-        # input gradients are summed before their one all-reduce (three separate matmuls: three).
-        w_3xDxD = jnp.stack([self.wq[...], self.wk[...], self.wv[...]])
-        qkv_3xBxLxD = jnp.einsum("bld,tde->tble", x_BxLxD, w_3xDxD)
-        q_BxLxD, k_BxLxD, v_BxLxD = (self._lora(t, x_BxLxD, qkv_3xBxLxD[i]) for i, t in enumerate("qkv"))
-        q_BxLxHxK = _apply_rope(q_BxLxD.reshape(B, L, H, K), cos, sin)
-        k_BxLxHxK = _apply_rope(k_BxLxD.reshape(B, L, H, K), cos, sin)
-        v_BxLxHxK = v_BxLxD.reshape(B, L, H, K)
+        B, L, _ = x_BxLxD.shape
+        H, G, K = self.n_heads, self.kv_heads, self.head_size
+        q_BxLxE, k_BxLxE, v_BxLxE = self._qkv(x_BxLxD)
+        q_BxLxHxK = rope.apply(q_BxLxE.reshape(B, L, H, K), cos, sin)
+        # Each key/value head serves H / G consecutive query heads (Hugging Face's `repeat_kv`).
+        k_BxLxHxK = jnp.repeat(rope.apply(k_BxLxE.reshape(B, L, G, K), cos, sin), H // G, axis=2)
+        v_BxLxHxK = jnp.repeat(v_BxLxE.reshape(B, L, G, K), H // G, axis=2)
         s_BxHxLxL = jnp.einsum("bqhk,bshk->bhqs", q_BxLxHxK, k_BxLxHxK, preferred_element_type=jnp.float32) * (K**-0.5)
         causal_LxL = jnp.tril(jnp.ones((L, L), dtype=bool))
         s_BxHxLxL = jnp.where(causal_LxL, s_BxHxLxL, jnp.finfo(jnp.float32).min)
         p_BxHxLxL = jax.nn.softmax(s_BxHxLxL, axis=-1).astype(v_BxLxHxK.dtype)
         o_BxLxHxK = jnp.einsum("bhqs,bshk->bqhk", p_BxHxLxL, v_BxLxHxK)
-        o_BxLxD = o_BxLxHxK.reshape(B, L, D)
-        return self._lora("o", o_BxLxD, o_BxLxD @ self.wo[...])
+        o_BxLxE = o_BxLxHxK.reshape(B, L, H * K)
+        return self._lora("o", o_BxLxE, o_BxLxE @ self.wo[...])
 
     def __call__(self, x_BxLxD: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        x_BxLxD = x_BxLxD + self._attention(_rms_norm(x_BxLxD, self.attn_norm[...]), cos, sin)
-        h_BxLxD = _rms_norm(x_BxLxD, self.mlp_norm[...])
+        x_BxLxD = x_BxLxD + self._attention(_rms_norm(x_BxLxD, self.attn_norm[...], self.eps), cos, sin)
+        h_BxLxD = _rms_norm(x_BxLxD, self.mlp_norm[...], self.eps)
         gate_up_2xBxLxF = jnp.einsum("bld,tdf->tblf", h_BxLxD, jnp.stack([self.w_gate[...], self.w_up[...]]))
         gate_BxLxF = self._lora("gate", h_BxLxD, gate_up_2xBxLxF[0])
         up_BxLxF = self._lora("up", h_BxLxD, gate_up_2xBxLxF[1])
@@ -265,7 +283,8 @@ class GPT(nnx.Module):
 
         self.blocks = make_blocks(rngs)
         self.final_norm = _ones(cfg.d_model)
-        self.head = _normal(rngs, (cfg.d_model, cfg.vocab_size), 0.02, ("embed", "vocab"))
+        if not cfg.tie_embeddings:
+            self.head = _normal(rngs, (cfg.d_model, cfg.vocab_size), 0.02, ("embed", "vocab"))
 
     def __call__(
         self, tokens_BxL: jax.Array, *, layer_hook: LayerHook | None = None, layer_loop: LayerLoop | None = None
@@ -275,7 +294,7 @@ class GPT(nnx.Module):
         if L > cfg.seq_len:
             raise UserError(f"sequence length {L} exceeds model.seq_len={cfg.seq_len}.")
         x_BxLxD = _residual(jnp.take(self.embed[...], tokens_BxL, axis=0))  # activations in param dtype
-        cos, sin = _rope_tables(L, cfg.head_dim, cfg.rope_base)
+        cos, sin = rope.tables(L, cfg.head_size, cfg.rope_base, cfg.rope_scaling)
         graphdef, stacked = nnx.split(self.blocks)
 
         def body(x_BxLxD: jax.Array, layer_state: nnx.State) -> tuple[jax.Array, None]:
@@ -291,5 +310,7 @@ class GPT(nnx.Module):
             )
         else:
             x_BxLxD, _ = jax.lax.scan(remat_lib.remat(body, cfg.remat), x_BxLxD, stacked)
-        h_BxLxD = _rms_norm(x_BxLxD, self.final_norm[...])
+        h_BxLxD = _rms_norm(x_BxLxD, self.final_norm[...], cfg.norm_eps)
+        if cfg.tie_embeddings:
+            return jnp.einsum("bld,vd->blv", h_BxLxD, self.embed[...], preferred_element_type=jnp.float32)
         return jnp.einsum("bld,dv->blv", h_BxLxD, self.head[...], preferred_element_type=jnp.float32)
