@@ -220,12 +220,14 @@ def test_llama_family_shapes_match_a_numpy_reference(name):
 
     cfg = gpt_config("tiny", remat="none", **LLAMA_FAMILY[name])
     model = GPT(cfg, rngs=nnx.Rngs(3))
-    state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    flat = {path_str(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+    state = nnx.state(model, nnx.Param)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))
+    flat = {path_str(p): np.asarray(x) for p, x in leaves}
     rng = np.random.default_rng(0)
     for key in [k for k in flat if k.startswith("blocks/b")]:  # biases start at zero: make them count
         flat[key] = rng.normal(size=flat[key].shape).astype(np.float32) * 0.5
-    nnx.update(model, nnx.State(jax.tree.map(np.asarray, _nested(flat))))
+    nnx.replace_by_pure_dict(state, jax.tree_util.tree_unflatten(treedef, list(flat.values())))
+    nnx.update(model, state)
     tokens = rng.integers(0, cfg.vocab_size, size=(2, 24))
     got = np.asarray(model(jnp.asarray(tokens)))
     want = forward(
@@ -241,14 +243,3 @@ def test_llama_family_shapes_match_a_numpy_reference(name):
     )
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
     assert sum(x.size for x in flat.values()) == cfg.num_params()
-
-
-def _nested(flat: dict) -> dict:
-    out: dict = {}
-    for path, value in flat.items():
-        *parents, last = path.split("/")
-        node = out
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = value
-    return out

@@ -70,15 +70,17 @@ def _run(name: str, stage: int, engine: str):
 DEFAULT = {(3, "shard_map"), (3, "gspmd"), (2, "shard_map")}
 
 
-@pytest.mark.parametrize(
-    "stage, engine",
-    [
-        (s, e) if (s, e) in DEFAULT else pytest.param(s, e, marks=pytest.mark.slow)
+def stages_and_engines(default: set) -> list:
+    """Every stage and engine but the reference (stage 0, gspmd); those not in `default` under -m slow."""
+    return [
+        (s, e) if (s, e) in default else pytest.param(s, e, marks=pytest.mark.slow)
         for s in (0, 1, 2, 3)
         for e in ("gspmd", "shard_map")
         if (s, e) != (0, "gspmd")
-    ],
-)
+    ]
+
+
+@pytest.mark.parametrize("stage, engine", stages_and_engines(DEFAULT))
 def test_lora_adapters_train_like_stage_0_and_the_base_stays_bit_for_bit(stage, engine):
     losses, initial, final = _run("lora", stage, engine)
     want_losses, _, want_final = _run("lora", 0, "gspmd")
@@ -240,15 +242,7 @@ def _gpt_run(stage: int, engine: str):
     return trained(_trainer(model, stage, engine), token_batch, STEPS)
 
 
-@pytest.mark.parametrize(
-    "stage, engine",
-    [
-        (s, e) if (s, e) in DEFAULT else pytest.param(s, e, marks=pytest.mark.slow)
-        for s in (0, 1, 2, 3)
-        for e in ("gspmd", "shard_map")
-        if (s, e) != (0, "gspmd")
-    ],
-)
+@pytest.mark.parametrize("stage, engine", stages_and_engines({(3, "shard_map")}))
 def test_gpt_lora_trains_like_stage_0_and_the_base_stays_bit_for_bit(stage, engine):
     """`model.lora` on the shipped GPT: the adapters alone train (B starts at zero, so step 0 is the
     base model's loss), at every stage and engine as at stage 0."""
@@ -369,7 +363,8 @@ COMPOSED = {
 }
 
 
-@pytest.mark.parametrize("name", [n if n == "tensor" else pytest.param(n, marks=pytest.mark.slow) for n in COMPOSED])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", COMPOSED)
 def test_gpt_lora_composes(name):
     """LoRA on the GPT at stage 3 with accumulation, offload, tensor parallelism (2 x fsdp 4) or
     int8 weight gathers (qwZ gathers the frozen base too): the base stays bit for bit, the losses
