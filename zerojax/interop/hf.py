@@ -25,6 +25,7 @@ from zerojax.interop.llama import (
     gpt_sizes,
     llama_config,
     llama_shapes,
+    merged,
     to_llama,
 )
 from zerojax.interop.params import export_params
@@ -78,6 +79,7 @@ def export_safetensors(checkpoint: str, out: str) -> dict:
         with np.load(npz, allow_pickle=False) as f:
             params = {k: f[k] for k in f.files}
         os.remove(npz)
+        params = merged(params, cfg)  # a LoRA run: its adapters folded into the weights
         _check_params(params, cfg, step_dir)
         st.numpy.save_file(to_llama(params), os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(folder, "config.json"), "w") as f:

@@ -16,7 +16,7 @@ import dataclasses
 import numpy as np
 
 from zerojax.errors import UserError
-from zerojax.models.gpt import GPTConfig
+from zerojax.models.gpt import LORA_TARGETS, GPTConfig
 
 # zerojax path -> (Llama name, transposed); "{i}" is the layer.
 TOP = {
@@ -94,6 +94,20 @@ def from_llama(tensors: dict[str, np.ndarray], cfg: GPTConfig) -> dict[str, np.n
         layers = [_layout(tensors[name.format(i=i)], t) for i in range(cfg.n_layers)]
         params[f"blocks/{k}"] = np.stack(layers).astype(np.float32)
     return params
+
+
+def merged(params: dict[str, np.ndarray], cfg: GPTConfig) -> dict[str, np.ndarray]:
+    """The GPT's params with its LoRA adapters folded into their weights, `W + alpha/rank * A B` per
+    layer in fp32, and the adapters left out: the base model that computes what the adapted one does."""
+    out = {k: v for k, v in params.items() if "_lora_" not in k}
+    if cfg.lora is None:
+        return out
+    for target in cfg.lora.targets:
+        attr = LORA_TARGETS[target][0]
+        a, b = (params[f"blocks/{target}_lora_{s}"].astype(np.float32) for s in "ab")
+        delta = cfg.lora.scale * np.einsum("lir,lro->lio", a, b)
+        out[f"blocks/{attr}"] = (params[f"blocks/{attr}"].astype(np.float32) + delta).astype(np.float32)
+    return out
 
 
 def llama_config(cfg: GPTConfig) -> dict:
