@@ -233,7 +233,11 @@ def _reshaped(t: dict) -> dict:
 BAD_FOLDERS = {
     "kv-heads": ({"num_key_value_heads": 3}, None, "model.n_kv_heads=3 must divide model.n_heads=4"),
     "rope-type": ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, None, "rope_scaling of type 'yarn' does"),
-    "not-llama": ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, None, "is not a Llama config"),
+    "not-llama": (
+        {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"},
+        None,
+        "is not a Llama, Mistral or Qwen2 config",
+    ),
     "vocab": ({"vocab_size": 32000}, None, "tensor 'lm_head.weight' of "),  # the sizes come from config.json
     "act": ({"hidden_act": "gelu"}, None, "hidden_act='gelu' does not map"),
     "bias": ({"attention_bias": True}, None, "attention_bias=True does not map"),

@@ -111,13 +111,15 @@ def merged(params: dict[str, np.ndarray], cfg: GPTConfig) -> dict[str, np.ndarra
 
 
 def llama_config(cfg: GPTConfig) -> dict:
-    """config.json for a GPT of `cfg`, as transformers' LlamaConfig reads it."""
-    if cfg.qkv_bias:  # Llama's attention_bias also puts one on o_proj, which the GPT has not
-        raise UserError("a GPT with model.qkv_bias has no Llama layout (Llama's attention_bias biases o_proj too).")
+    """config.json for a GPT of `cfg`, as transformers' LlamaConfig reads it; with q/k/v biases, as
+    its Qwen2Config does (Llama's attention_bias would bias o_proj too, which the GPT has not)."""
     scaling = None if cfg.rope_scaling is None else dataclasses.asdict(cfg.rope_scaling)
+    kind = "qwen2" if cfg.qkv_bias else "llama"
+    extra = {"use_sliding_window": False, "sliding_window": None} if cfg.qkv_bias else {}
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [FAMILY[kind]],
+        "model_type": kind,
+        **extra,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.d_ff,
         "num_attention_heads": cfg.n_heads,
@@ -147,12 +149,27 @@ SIZES = {  # Llama config key -> the GPT's model.* key
 }
 
 
+# The family's architectures, all in Llama's tensor names: model_type -> architecture.
+FAMILY = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def family(hf: dict, where: str) -> str:
+    """The model_type of a config.json of the Llama family; another model is one UserError."""
+    archs = hf.get("architectures") or []
+    for model_type, arch in FAMILY.items():
+        if arch in archs or hf.get("model_type") == model_type:
+            return model_type
+    raise UserError(
+        f"{where} is not a Llama, Mistral or Qwen2 config "
+        f"(architectures {archs!r}, model_type {hf.get('model_type')!r})."
+    )
+
+
 def gpt_sizes(hf: dict, where: str) -> dict:
-    """The GPT's model.* settings for a Llama config.json; a field it cannot honour is one UserError
-    naming the field and value."""
-    if "LlamaForCausalLM" not in (hf.get("architectures") or []) and hf.get("model_type") != "llama":
-        raise UserError(f"{where} is not a Llama config (architectures {hf.get('architectures')!r}).")
-    sizes: dict = {}
+    """The GPT's model.* settings for a Llama, Mistral or Qwen2 config.json; a field it cannot honour
+    is one UserError naming the field and value."""
+    kind = family(hf, where)
+    sizes: dict = {"qkv_bias": True} if kind == "qwen2" else {}  # Qwen2 always biases q, k and v
     for key, ours in SIZES.items():
         value = hf.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -169,21 +186,26 @@ def gpt_sizes(hf: dict, where: str) -> dict:
     sizes["tie_embeddings"] = bool(hf.get("tie_word_embeddings", False))
     scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     if scaling:
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind != "llama3":
-            raise UserError(f"{where}: rope_scaling of type {kind!r} does not map to the shipped GPT (only 'llama3').")
+        rope_type = scaling.get("rope_type", scaling.get("type"))
+        if rope_type != "llama3":
+            raise UserError(
+                f"{where}: rope_scaling of type {rope_type!r} does not map to the shipped GPT (only 'llama3')."
+            )
         keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         sizes["rope_scaling"] = {k: scaling[k] for k in keys}
-    _check_fixed(hf, where)
+    _check_fixed(hf, where, sizes["seq_len"])
     return sizes
 
 
-def _check_fixed(hf: dict, where: str) -> None:
-    """The keys the GPT has no setting for hold the GPT's values."""
+def _check_fixed(hf: dict, where: str, seq_len: int) -> None:
+    """The keys the GPT has no setting for hold the GPT's values. A sliding window (Mistral v0.1,
+    Qwen2 with use_sliding_window) is one only where it is shorter than the sequence."""
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
     wanted = [
         ("hidden_act", hf.get("hidden_act", "silu"), "silu", "its MLP is SwiGLU"),
         ("attention_bias", bool(hf.get("attention_bias")), False, "it has no o_proj bias"),
         ("mlp_bias", bool(hf.get("mlp_bias")), False, "it has no MLP biases"),
+        ("sliding_window", window if window and window < seq_len else None, None, "it attends to the whole sequence"),
     ]
     for key, got, want, why in wanted:
         if got != want:

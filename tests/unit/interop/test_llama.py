@@ -29,16 +29,32 @@ def test_the_mapping_round_trips_every_tensor_bit_for_bit(name):
         np.testing.assert_array_equal(back[name], params[name])
 
 
-@pytest.mark.parametrize("name", sorted(set(FAMILY) - {"biases"}))
+@pytest.mark.parametrize("name", sorted(FAMILY))
 def test_config_json_reads_back_as_the_same_gpt(name):
     cfg = gpt_config("tiny", **FAMILY[name])
-    back = gpt_config("tiny", **gpt_sizes(llama_config(cfg), "config.json"))
+    config = llama_config(cfg)
+    assert config["architectures"] == (["Qwen2ForCausalLM"] if cfg.qkv_bias else ["LlamaForCausalLM"])
+    back = gpt_config("tiny", **gpt_sizes(config, "config.json"))
     assert back == cfg
 
 
-def test_q_k_v_biases_have_no_llama_config():
-    with pytest.raises(Exception, match="qkv_bias has no Llama layout"):
-        llama_config(gpt_config("tiny", qkv_bias=True))
+MISTRAL = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 64, "num_hidden_layers": 2}
+MISTRAL |= {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256}
+MISTRAL |= {"max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 1e6, "sliding_window": None}
+
+
+def test_mistral_and_qwen2_configs_map_and_a_short_sliding_window_is_refused():
+    from zerojax.errors import UserError
+
+    sizes = gpt_sizes(MISTRAL, "config.json")
+    assert (sizes["n_kv_heads"], sizes["norm_eps"], sizes["rope_base"], sizes.get("qkv_bias")) == (2, 1e-5, 1e6, None)
+    assert gpt_sizes({**MISTRAL, "sliding_window": 64}, "c")["seq_len"] == 64  # as long as the sequence: no window
+    with pytest.raises(UserError, match="sliding_window=32 does not map"):
+        gpt_sizes({**MISTRAL, "sliding_window": 32}, "c")
+    qwen2 = {**MISTRAL, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "sliding_window": 32}
+    assert gpt_sizes({**qwen2, "use_sliding_window": False}, "c")["qkv_bias"] is True
+    with pytest.raises(UserError, match="is not a Llama, Mistral or Qwen2 config"):
+        gpt_sizes({**MISTRAL, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "c")
 
 
 def test_a_merged_lora_model_gives_the_adapted_models_logits():
