@@ -29,10 +29,12 @@ from zerojax.interop.llama import (
     to_llama,
 )
 from zerojax.interop.params import export_params
+from zerojax.interop.peft import adapter_config, adapter_tensors
 from zerojax.models.gpt import GPTConfig, gpt_config
 from zerojax.train.checkpoint import find_step_dir, read_meta
 
 EXPORT_FILES = ("model.safetensors", "config.json")
+PEFT_FILES = ("adapter_model.safetensors", "adapter_config.json")
 IMPORT_FILES = ("params.npz", "config.yaml")
 INSTALL = "pip install 'zerojax[hf]'"
 
@@ -65,6 +67,39 @@ def _check_params(params: dict[str, np.ndarray], cfg: GPTConfig, step_dir: str) 
         raise UserError(f"checkpoint {step_dir!r} holds params that do not fit its recorded GPT config.")
 
 
+def _consolidated(step_dir: str, folder: str) -> dict[str, np.ndarray]:
+    """A checkpoint's params, consolidated fp32 (`export_params`, through a file in `folder`)."""
+    npz = os.path.join(folder, "params.npz")
+    export_params(step_dir, npz)
+    with np.load(npz, allow_pickle=False) as f:
+        params = {k: f[k] for k in f.files}
+    os.remove(npz)
+    return params
+
+
+def export_peft(checkpoint: str, out: str) -> dict:
+    """Write OUT/adapter_model.safetensors and OUT/adapter_config.json: a LoRA run's adapters as
+    `peft` reads them, beside the base model they were trained on."""
+    st = _safetensors()
+    step_dir = find_step_dir(checkpoint)
+    meta = read_meta(step_dir)
+    cfg = gpt_of_checkpoint(step_dir, meta)
+    if cfg.lora is None:
+        raise UserError(
+            f"checkpoint {step_dir!r} has no LoRA adapters (model.lora); export it with --format safetensors."
+        )
+    check_out_folder(out, PEFT_FILES, "PEFT export")
+
+    def write(folder: str) -> None:
+        tensors = adapter_tensors(_consolidated(step_dir, folder), cfg)
+        st.numpy.save_file(tensors, os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+            json.dump(adapter_config(cfg), f, indent=2)
+
+    write_folder(out, write)
+    return {"step": meta["step"], "path": out, "tensors": 2 * cfg.n_layers * len(cfg.lora.targets), "from": step_dir}
+
+
 def export_safetensors(checkpoint: str, out: str) -> dict:
     """Write OUT/model.safetensors and OUT/config.json for the shipped GPT of a checkpoint."""
     st = _safetensors()
@@ -74,12 +109,7 @@ def export_safetensors(checkpoint: str, out: str) -> dict:
     check_out_folder(out, EXPORT_FILES, "Hugging Face export")
 
     def write(folder: str) -> None:
-        npz = os.path.join(folder, "params.npz")
-        export_params(step_dir, npz)
-        with np.load(npz, allow_pickle=False) as f:
-            params = {k: f[k] for k in f.files}
-        os.remove(npz)
-        params = merged(params, cfg)  # a LoRA run: its adapters folded into the weights
+        params = merged(_consolidated(step_dir, folder), cfg)  # a LoRA run: its adapters folded in
         _check_params(params, cfg, step_dir)
         st.numpy.save_file(to_llama(params), os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(folder, "config.json"), "w") as f:

@@ -1,10 +1,12 @@
 """`zerojax.interop.llama`: the shipped GPT's parameter names and layouts against Llama's, both ways."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from zerojax.interop.llama import from_llama, gpt_shapes, gpt_sizes, llama_config, llama_shapes, to_llama
-from zerojax.models.gpt import gpt_config
+from zerojax.models.gpt import LORA_TARGETS, gpt_config
 
 SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 FAMILY = {
@@ -60,8 +62,6 @@ def test_mistral_and_qwen2_configs_map_and_a_short_sliding_window_is_refused():
 def test_a_merged_lora_model_gives_the_adapted_models_logits():
     """W + alpha/rank A B per layer: the base GPT with merged weights computes what the GPT with
     adapters does (B drawn non-zero, so the adapters count), within 1e-5."""
-    import dataclasses
-
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -95,3 +95,34 @@ def test_a_merged_lora_model_gives_the_adapted_models_logits():
     want, got = np.asarray(adapted(tokens)), np.asarray(base(tokens))
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     assert np.abs(want - np.asarray(GPT(cfg, rngs=nnx.Rngs(0))(tokens))).max() > 1e-3  # the adapters count
+
+
+def test_peft_adapters_merge_as_the_gpt_merges_them():
+    """peft's `W + lora_alpha / r * lora_B.weight @ lora_A.weight` on the exported base ([out, in])
+    is the merged export's weight, for every target and layer."""
+    from zerojax.interop.llama import merged
+    from zerojax.interop.peft import MODULES, adapter_config, adapter_tensors
+
+    cfg = gpt_config("tiny", n_kv_heads=2, lora={"rank": 2, "alpha": 6})
+    rng = np.random.default_rng(0)
+    shapes = gpt_shapes(cfg) | {
+        f"blocks/{t}_lora_{s}": shape
+        for t, (attr, _, _) in LORA_TARGETS.items()
+        for s, shape in zip("ab", _adapter_shapes(gpt_shapes(cfg)[f"blocks/{attr}"], 2))
+    }
+    params = {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
+    base, want = to_llama(merged(params, dataclasses.replace(cfg, lora=None))), to_llama(merged(params, cfg))
+    peft, config = adapter_tensors(params, cfg), adapter_config(cfg)
+    assert config["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    for module in MODULES.values():
+        for i in range(cfg.n_layers):
+            a = peft[f"base_model.model.model.layers.{i}.{module}.lora_A.weight"]
+            b = peft[f"base_model.model.model.layers.{i}.{module}.lora_B.weight"]
+            name = f"model.layers.{i}.{module}.weight"
+            got = base[name] + config["lora_alpha"] / config["r"] * b @ a
+            np.testing.assert_allclose(got, want[name], rtol=1e-5, atol=1e-5)
+
+
+def _adapter_shapes(weight_shape, rank):
+    layers, d_in, d_out = weight_shape
+    return (layers, d_in, rank), (layers, rank, d_out)

@@ -1,5 +1,6 @@
-"""`zerojax export CKPT OUT [--format npz|safetensors]`: a checkpoint's master params, consolidated
-fp32: one .npz keyed by parameter path, or (the shipped GPT) a Hugging Face Llama folder."""
+"""`zerojax export CKPT OUT [--format npz|safetensors|peft]`: a checkpoint's master params,
+consolidated fp32: one .npz keyed by parameter path, or (the shipped GPT) a Hugging Face Llama-family
+folder (a LoRA run's adapters merged in), or a LoRA run's adapters as `peft` reads them."""
 
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ def add_parser(sub) -> None:
     p.add_argument(
         "out",
         help="npz: the .npz file to write (load it with zerojax.load_params); "
-        "safetensors: the folder for model.safetensors and config.json",
+        "safetensors: the folder for model.safetensors and config.json; "
+        "peft: the folder for adapter_model.safetensors and adapter_config.json",
     )
     p.add_argument(
         "--format",
-        choices=("npz", "safetensors"),
+        choices=("npz", "safetensors", "peft"),
         default="npz",
-        help="safetensors: the shipped GPT as a Hugging Face Llama (transformers' LlamaForCausalLM reads it)",
+        help="safetensors: the shipped GPT as a Hugging Face Llama (transformers' LlamaForCausalLM reads it; "
+        "LoRA adapters merged); peft: a LoRA run's adapters as the peft library reads them",
     )
     p.set_defaults(run=run)
 
@@ -29,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
 
     # One host device is enough: leaves are read one at a time into host memory.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from zerojax.interop.hf import export_safetensors
+    from zerojax.interop.hf import export_peft, export_safetensors
     from zerojax.interop.params import export_params
     from zerojax.log import quiet_orbax
 
@@ -37,6 +40,9 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "safetensors":
         info = export_safetensors(args.checkpoint, args.out)
         what = f"{info['tensors']} Llama tensors"
+    elif args.format == "peft":
+        info = export_peft(args.checkpoint, args.out)
+        what = f"{info['tensors']} LoRA tensors"
     else:
         info = export_params(args.checkpoint, args.out)
         what = f"{info['params']} parameters"
