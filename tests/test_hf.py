@@ -293,3 +293,33 @@ def test_an_earlier_export_is_replaced_whole(run):
     assert again.returncode == 0, again.stderr
     assert sorted(os.listdir(run["llama"])) == ["config.json", "model.safetensors"]
     assert not _partial(run["root"])
+
+
+@pytest.mark.slow
+def test_the_fine_tuning_path_of_the_docs_runs_end_to_end(tmp_path):
+    """docs/finetune.md's path: a base trained, exported and imported; LoRA from it with
+    configs/finetune-tiny.yaml; the run exported merged (whose logits are the adapted model's) and as
+    peft adapters."""
+    from tests.cli_helpers import run_cli
+
+    runs = str(tmp_path)
+    steps = [
+        ("train", "configs/tiny.yaml", "--devices", "8", "--out", f"{runs}/base", "--set", "checkpoint.every=30"),
+        ("export", f"{runs}/base", f"{runs}/base-hf", "--format", "safetensors"),
+        ("import", f"{runs}/base-hf", f"{runs}/base-imported"),
+        ("train", "configs/finetune-tiny.yaml", "--devices", "8", "--out", f"{runs}/finetune")
+        + ("--set", f"train.init_from={runs}/base-imported/params.npz"),
+        ("export", f"{runs}/finetune", f"{runs}/finetune-hf", "--format", "safetensors"),
+        ("export", f"{runs}/finetune", f"{runs}/finetune-peft", "--format", "peft"),
+        ("export", f"{runs}/finetune", f"{runs}/finetune.npz"),
+        ("import", f"{runs}/finetune-hf", f"{runs}/finetune-imported"),
+    ]
+    for args in steps:
+        r = run_cli(*args)
+        assert r.returncode == 0, (args, r.stderr[-2000:])
+    assert sorted(os.listdir(f"{runs}/finetune-peft")) == ["adapter_config.json", "adapter_model.safetensors"]
+    lora = gpt_config("tiny", remat="none", lora={"rank": 4, "alpha": 8})
+    adapted = zj.load_params(f"{runs}/finetune.npz", GPT(lora, nnx.Rngs(0)))
+    base = zj.load_params(f"{runs}/finetune-imported/params.npz", GPT(gpt_config("tiny", remat="none"), nnx.Rngs(0)))
+    tokens = np.random.default_rng(0).integers(0, 256, (2, 32)).astype(np.int32)
+    np.testing.assert_allclose(np.asarray(base(tokens)), np.asarray(adapted(tokens)), atol=1e-5, rtol=0)
