@@ -132,3 +132,11 @@ def test_no_by_axis_section_on_a_one_axis_mesh_without_options():
     out = _plan("--params", "7e9", "--devices", "8", "--json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["stage_3_traffic_by_axis"] is None
+
+
+def test_a_configs_trainable_regex_is_counted():
+    """train.trainable on the tiny GPT: wq and wv of both layers (2 x 2 x 64 x 64) train."""
+    r = _plan("configs/tiny.yaml", "--devices", "8", "--set", "train.trainable=blocks/w[qv]$", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert (out["params"], out["trainable_params"]) == (115008, 16384)

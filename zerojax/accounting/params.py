@@ -17,8 +17,8 @@ def tensor_local_params(layouts) -> int:
     return int(sum(math.prod(l.shape) // (l.tensor_size if l.tensor_axis is not None else 1) for l in leaves))
 
 
-def gpt_params(gpt) -> int:
-    """Parameters of the shipped GPT with config `gpt`, counted on `jax.eval_shape` of its init:
+def gpt_param_shapes(gpt):
+    """The shipped GPT's abstract params for config `gpt`, from `jax.eval_shape` of its init:
     nothing is allocated."""
     import functools
 
@@ -29,4 +29,21 @@ def gpt_params(gpt) -> int:
     from zerojax.models.gpt import GPT
 
     inputs = jax.ShapeDtypeStruct((1, gpt.seq_len), jnp.int32)
-    return count_params(param_shapes(functional(functools.partial(GPT, gpt)), jax.random.key(0), inputs))
+    return param_shapes(functional(functools.partial(GPT, gpt)), jax.random.key(0), inputs)
+
+
+def gpt_params(gpt) -> int:
+    """Parameters of the shipped GPT with config `gpt` (`gpt_param_shapes`)."""
+    return count_params(gpt_param_shapes(gpt))
+
+
+def selected_params(shapes, trainable: str | None) -> int | None:
+    """The parameters a `train.trainable` regex selects of the abstract `shapes`; None: all of them."""
+    import jax
+
+    from zerojax.core.trainable import select
+
+    mask = select(trainable, shapes) if trainable is not None else None
+    if mask is None:
+        return None
+    return count_params([s for s, t in zip(jax.tree.leaves(shapes), jax.tree.leaves(mask)) if t])

@@ -54,7 +54,7 @@ def inputs_from_flags(args: argparse.Namespace) -> dict:
 def counted_model(c, args: argparse.Namespace) -> dict:
     """The config's parameters, sequence length, shape and remat policy, counted without allocating."""
     from zerojax.accounting.activations import GPTShape
-    from zerojax.accounting.params import gpt_params
+    from zerojax.accounting.params import count_params, gpt_param_shapes, selected_params
     from zerojax.cli.experiment import model_config
     from zerojax.models.gpt import LoRAConfig
 
@@ -63,14 +63,16 @@ def counted_model(c, args: argparse.Namespace) -> dict:
     gpt = model_config(c)
     if args.lora_rank is not None:
         gpt = dataclasses.replace(gpt, lora=LoRAConfig(rank=args.lora_rank))
-    params = float(gpt_params(gpt))
+    shapes = gpt_param_shapes(gpt)
+    params = float(count_params(shapes))
+    # what trains: --trainable's fraction, else train.trainable, else the adapters, else all
+    trainable = selected_params(shapes, c.train.trainable) or gpt.num_lora_params() or None
     return {
         "params": params,
         "seq_len": args.seq or gpt.seq_len,
         "shape": GPTShape.of(gpt),
         "remat": gpt.remat,
-        # what trains: --trainable's fraction, else the adapters (model.lora or --lora-rank), else all
-        "trainable": args.trainable * params if args.trainable else (gpt.num_lora_params() or None),
+        "trainable": args.trainable * params if args.trainable else trainable,
     }
 
 
@@ -132,6 +134,7 @@ def target_inputs(c, args: argparse.Namespace) -> dict:
     import jax
     import numpy as np
 
+    from zerojax.accounting.params import selected_params
     from zerojax.adapt.model import functional, param_shapes
     from zerojax.cli.experiment import build_data, build_model
     from zerojax.core.trees import count_params
@@ -141,7 +144,8 @@ def target_inputs(c, args: argparse.Namespace) -> dict:
     train, _ = build_data(c, None)
     x = example_batch(train)["inputs"]
     inputs = jax.ShapeDtypeStruct((1, *x.shape[1:]), x.dtype)
-    params = count_params(param_shapes(functional(model), jax.random.key(0), inputs))
+    shapes = param_shapes(functional(model), jax.random.key(0), inputs)
+    params = count_params(shapes)
     tokens = x.ndim >= 2 and np.issubdtype(x.dtype, np.integer)
     if args.lora_rank is not None:
         raise UserError("--lora-rank adds adapters to the shipped GPT, not to model.target; give --trainable instead.")
@@ -150,5 +154,5 @@ def target_inputs(c, args: argparse.Namespace) -> dict:
         "seq_len": args.seq or (int(x.shape[1]) if tokens else 1),
         "shape": None,
         "remat": "none",
-        "trainable": None if args.trainable is None else args.trainable * params,
+        "trainable": args.trainable * params if args.trainable else selected_params(shapes, c.train.trainable),
     }
