@@ -381,3 +381,16 @@ def test_gpt_lora_composes(name):
         np.testing.assert_array_equal(final[name], initial[name])
     np.testing.assert_array_equal(final["blocks"]["w_up"], initial["blocks"]["w_up"])
     assert not np.array_equal(final["blocks"]["up_lora_b"], initial["blocks"]["up_lora_b"])
+
+
+def test_compares_analytic_figures_count_the_frozen_part():
+    """`zerojax compare`'s ideal row for a LoRA trainer: the state it keeps (within 1%) and a gradient
+    reduction of the adapters alone (one fp32 reduce-scatter of them at stage 3)."""
+    from zerojax.accounting.measure import ideal
+
+    model, cfg = tiny_gpt(lora={"rank": 4, "alpha": 8})
+    trainer = _trainer(model, 3, "shard_map")
+    kept = _per_device_bytes(trainer.init(jax.random.key(0), token_batch(0)))
+    figures = ideal(trainer)
+    assert abs(figures.persistent_bytes - kept) <= 0.01 * kept, (figures.persistent_bytes, kept)
+    assert figures.grad_reduce_bytes == pytest.approx(4 * cfg.num_lora_params() * 7 / 8)

@@ -163,9 +163,16 @@ def ideal(
         trainer.stage.index,
         trainer.precision,
     )
-    kept = analytic.kept_state_bytes(psi, p, stage, prec, get_optimizer(optimizer))
+    # frozen leaves (`trainable=`): kept as compute params only, never reduced
+    trained = trainer.layout.trained_leaves()
+    trains = (
+        tensor_local_params(trained)
+        if len(trained) < len(jax.tree.leaves(trainer.layout.leaves, is_leaf=_is_layout))
+        else None
+    )
+    kept = analytic.kept_state_bytes(psi, p, stage, prec, get_optimizer(optimizer), trainable=trains)
     k, reshard = trainer.grad_accum, trainer.options.reshard_after_forward
-    traffic = analytic.traffic_bytes(psi, p, stage, prec.param_bytes, prec.reduce_bytes, k, reshard)
+    traffic = analytic.traffic_bytes(psi, p, stage, prec.param_bytes, prec.reduce_bytes, k, reshard, trains)
     by_kind_axis = _zeropp_traffic(trainer, psi, shape, k)
     if by_kind_axis is not None:
         traffic = zeropp.totals(by_kind_axis)
@@ -173,7 +180,9 @@ def ideal(
     if shape is not None and seq_len and micro_batch:
         act = gpt_activation_bytes(shape, seq_len, micro_batch, prec.param_bytes, remat)
         held = gathered_weights_kept(psi, stage, remat, prec.param_bytes, reshard)
-        temp = analytic.step_temp_bytes(psi, p, stage, prec, act + held, grad_accum=k, reshard_after_forward=reshard)
+        temp = analytic.step_temp_bytes(
+            psi, p, stage, prec, act + held, grad_accum=k, reshard_after_forward=reshard, trainable=trains
+        )
     return Ideal(
         psi, p, kept["total"], kept, traffic["param_allgather"], traffic["grad_reduce"], temp, act, by_kind_axis
     )
