@@ -12,6 +12,8 @@ from zerojax.accounting import analytic, tensor_plan
 from zerojax.accounting.activations import GPTShape
 from zerojax.accounting.hardware import get_hardware
 from zerojax.cli.config import load_config
+from zerojax.core.optim import OPTIMIZERS
+from zerojax.core.precision import PRECISIONS
 
 SHAPE_70B = GPTShape(8192, 80, 64, 24576)
 PARAMS_70B = 69.8e9
@@ -54,3 +56,15 @@ def test_the_fsdp_term_is_stage_3_traffic_of_one_tensor_slice():
     assert one.tensor_s == 0 and four.tensor_s > 0 and four.compute_s == one.compute_s
     double = tensor_plan.option(4, PARAMS_70B, 64, h100, SHAPE_70B, 8192, 0.45, "full")
     assert double.tensor_s == pytest.approx(2 * four.tensor_s)  # activations grow with the tokens
+
+
+def test_a_frozen_model_keeps_and_moves_as_the_analytic_model_says():
+    """1% trainable: the state is the fine-tuning stage-3 textbook state, the fsdp term stage 3's
+    traffic with the frozen part gathered but never reduced."""
+    h100, trains = get_hardware("h100"), 0.01 * PARAMS_70B
+    one = tensor_plan.option(1, PARAMS_70B, 64, h100, SHAPE_70B, 4096, 0.45, "full", trains)
+    bf16, adamw = PRECISIONS["bf16"], OPTIMIZERS["adamw"]
+    state = analytic.model_state_bytes(PARAMS_70B, 64, 3, bf16, adamw, trainable=trains)["total"]
+    assert one.state_bytes == pytest.approx(state)
+    traffic = analytic.traffic_bytes(PARAMS_70B, 64, 3, 2, trainable=trains)["total"]
+    assert one.fsdp_s == pytest.approx(traffic / 50e9)

@@ -73,31 +73,43 @@ def sizes(devices: int, shape: GPTShape, node: int) -> list[int]:
 
 
 def option(
-    t: int, params: float, devices: int, hw: Hardware, shape: GPTShape, tokens: float, efficiency: float, remat: str
+    t: int,
+    params: float,
+    devices: int,
+    hw: Hardware,
+    shape: GPTShape,
+    tokens: float,
+    efficiency: float,
+    remat: str,
+    trainable: float | None = None,
 ) -> TensorOption:
-    """One tensor size's figures for `tokens` per device per step (bf16 compute)."""
+    """One tensor size's figures for `tokens` per device per step (bf16 compute); of `trainable`
+    parameters only (None: all) are gradients reduced and optimizer state kept, the rest frozen."""
     node, between = node_links(hw, devices)
     f, b = devices // t, 2
+    trains = params if trainable is None else trainable
     fsdp_link = between if devices > node else hw.link_bytes_per_s
     all_reduces = 4 + (1 if remat == "full" else 0)
     tensor_bytes = shape.n_layers * all_reduces * (t * tokens * shape.d_model * b) * 2 * (t - 1) / t
-    fsdp_bytes = 3 * b * (params / t) * (f - 1) / f
+    fsdp_bytes = (2 * params + trains) * b / t * (f - 1) / f  # two gathers of all, one reduction of the trained
     latency = 3 * shape.n_layers * (LATENCY_S["between"] if devices > node else LATENCY_S["node"])
     latency += shape.n_layers * all_reduces * LATENCY_S["node"] if t > 1 else 0.0
     return TensorOption(
         t,
         f,
-        16 * params / devices,
-        6 * params * tokens / (hw.peak_flops * efficiency),
+        (2 * (params - trains) + 16 * trains) / devices,
+        (4 * params + 2 * trains) * tokens / (hw.peak_flops * efficiency),
         fsdp_bytes / fsdp_link,
         tensor_bytes / hw.link_bytes_per_s,
         latency,
     )
 
 
-def options(params, devices, hw, shape, tokens, efficiency, remat="full") -> list[TensorOption]:
+def options(params, devices, hw, shape, tokens, efficiency, remat="full", trainable=None) -> list[TensorOption]:
     node, _ = node_links(hw, devices)
-    return [option(t, params, devices, hw, shape, tokens, efficiency, remat) for t in sizes(devices, shape, node)]
+    return [
+        option(t, params, devices, hw, shape, tokens, efficiency, remat, trainable) for t in sizes(devices, shape, node)
+    ]
 
 
 def best(opts: list[TensorOption]) -> TensorOption:
@@ -106,12 +118,12 @@ def best(opts: list[TensorOption]) -> TensorOption:
     return min((o for o in opts if o.step_s <= fastest * 1.01), key=lambda o: o.tensor)
 
 
-def crossover(params, devices, hw, shape, efficiency, remat="full") -> float | None:
+def crossover(params, devices, hw, shape, efficiency, remat="full", trainable=None) -> float | None:
     """Tokens per device per step below which some tensor size > 1 beats tensor = 1 (None: never,
     between 64 and 2**24 tokens); found by bisection, the advantage falling as tokens grow."""
 
     def pays(tokens: float) -> bool:
-        return best(options(params, devices, hw, shape, tokens, efficiency, remat)).tensor > 1
+        return best(options(params, devices, hw, shape, tokens, efficiency, remat, trainable)).tensor > 1
 
     low, high = 64.0, float(2**24)
     if not pays(low):

@@ -14,7 +14,7 @@ def section(inputs: dict, hardware, efficiency: float) -> dict | None:
     devices = inputs["devices"] * inputs["replicas"]
     tokens = inputs["rows_per_device"] * inputs["seq_len"]
     args = (inputs["params"], devices, hardware, shape)
-    opts = tensor_plan.options(*args, tokens, efficiency, inputs["remat"])
+    opts = tensor_plan.options(*args, tokens, efficiency, inputs["remat"], inputs.get("trainable"))
     pick = tensor_plan.best(opts)
     node, _ = tensor_plan.node_links(hardware, devices)
     return {
@@ -25,7 +25,9 @@ def section(inputs: dict, hardware, efficiency: float) -> dict | None:
         "options": [dict(vars(o), step_s=o.step_s, bound=o.bound) for o in opts],
         "pick": {"tensor": pick.tensor, "fsdp": pick.fsdp, "bound": pick.bound, "step_s": pick.step_s},
         "config_tensor": inputs.get("tensor"),
-        "crossover_tokens_per_device": tensor_plan.crossover(*args, efficiency, inputs["remat"]),
+        "crossover_tokens_per_device": tensor_plan.crossover(
+            *args, efficiency, inputs["remat"], inputs.get("trainable")
+        ),
     }
 
 
