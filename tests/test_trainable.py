@@ -394,3 +394,21 @@ def test_compares_analytic_figures_count_the_frozen_part():
     figures = ideal(trainer)
     assert abs(figures.persistent_bytes - kept) <= 0.01 * kept, (figures.persistent_bytes, kept)
     assert figures.grad_reduce_bytes == pytest.approx(4 * cfg.num_lora_params() * 7 / 8)
+
+
+def test_an_own_jit_loop_trains_only_what_zj_shard_is_told_to():
+    """`zj.shard(..., trainable=)` in a user's own `jax.jit` step: the losses are `Trainer`'s and the
+    frozen layer stays bit for bit (stage 3, bf16: the frozen leaf is kept in bf16, no master)."""
+    choices = dict(mesh=zj.make_mesh(fsdp=8), stage=3, precision="bf16", trainable="^hidden/")
+    core = zj.shard(UnevenMLP, _adamw(), classification_batch(), **choices)
+    state = core.init(jax.random.key(0))
+    assert state.params["out"]["kernel"].dtype == jax.numpy.bfloat16
+    frozen = np.asarray(jax.device_get(state.params["out"]["kernel"]))
+    step = jax.jit(core.step, donate_argnums=0)
+    losses = []
+    for i in range(STEPS):
+        state, metrics = step(state, core.shard_batch(classification_batch(i)))
+        losses.append(float(metrics["loss"]))
+    want, _, _ = trained(zj.Trainer(UnevenMLP, _adamw(), **choices), classification_batch, STEPS)
+    np.testing.assert_allclose(losses, want, rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(jax.device_get(state.params["out"]["kernel"])), frozen)
