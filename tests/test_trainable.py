@@ -412,3 +412,16 @@ def test_an_own_jit_loop_trains_only_what_zj_shard_is_told_to():
     want, _, _ = trained(zj.Trainer(UnevenMLP, _adamw(), **choices), classification_batch, STEPS)
     np.testing.assert_allclose(losses, want, rtol=0, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(jax.device_get(state.params["out"]["kernel"])), frozen)
+
+
+def test_zeropp_figures_reduce_only_what_trains():
+    """Stage 3's traffic by axis (`zerojax plan`'s ZeRO++ section) with 1% trainable: the frozen part
+    gathered over fsdp as any weight, the gradients reduced over fsdp and data the trainable part's."""
+    from zerojax.accounting import zeropp
+
+    params, trains = 7e9, 7e7
+    full = zeropp.stage_3_traffic_by_axis(params, 2, 8, 2, 2)
+    tuned = zeropp.stage_3_traffic_by_axis(params, 2, 8, 2, 2, trainable=trains)
+    assert tuned["all-gather"] == full["all-gather"]
+    assert tuned["reduce-scatter"]["fsdp"] == pytest.approx(full["reduce-scatter"]["fsdp"] / 100)
+    assert tuned["all-reduce"]["data"] == pytest.approx(full["all-reduce"]["data"] / 100)

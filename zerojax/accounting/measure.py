@@ -173,7 +173,7 @@ def ideal(
     kept = analytic.kept_state_bytes(psi, p, stage, prec, get_optimizer(optimizer), trainable=trains)
     k, reshard = trainer.grad_accum, trainer.options.reshard_after_forward
     traffic = analytic.traffic_bytes(psi, p, stage, prec.param_bytes, prec.reduce_bytes, k, reshard, trains)
-    by_kind_axis = _zeropp_traffic(trainer, psi, shape, k)
+    by_kind_axis = _zeropp_traffic(trainer, psi, shape, k, trains)
     if by_kind_axis is not None:
         traffic = zeropp.totals(by_kind_axis)
     act = temp = None
@@ -188,7 +188,7 @@ def ideal(
     )
 
 
-def _zeropp_traffic(trainer, psi: int, shape: GPTShape | None, grad_accum: int) -> dict | None:
+def _zeropp_traffic(trainer, psi: int, shape: GPTShape | None, grad_accum: int, trains=None) -> dict | None:
     """ZeRO++'s model of the step's traffic by kind and axis, for a trainer using any of its options
     (stage 3, `shard_map`); None otherwise. The GPT's embedding and head are gathered once."""
     o = trainer.options
@@ -206,6 +206,7 @@ def _zeropp_traffic(trainer, psi: int, shape: GPTShape | None, grad_accum: int) 
         grad_accum,
         zeropp.gathered_once(shape),
         o.reshard_after_forward,
+        trains,
     )
 
 

@@ -19,6 +19,7 @@ moves (g - 1) / g of the whole, an all-to-all the same, an all-reduce twice that
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 CODE_BYTES = {"int8": 1, "fp8": 1}
@@ -51,29 +52,31 @@ def stage_3_traffic_by_axis(
     grad_accum: int = 1,
     once: float = 0.0,
     reshard_after_forward: bool = True,
+    trainable: float | None = None,
 ) -> dict[str, dict[str, float]]:
     """{collective kind: {mesh axis: bytes one device sends per step}}; `once` of the `params` are
     gathered once per micro-batch, the rest twice. Each of `grad_accum` micro-batches gathers and
     reduces (over `fsdp`, and over `data` too; hpZ, which takes one micro-batch, gathers its
     secondary copy over `data` once per step and reduce-scatters each layer's gradient over it);
-    `reshard_after_forward=False` gathers and reduces once per step."""
+    `reshard_after_forward=False` gathers and reduces once per step. Of `trainable` parameters only
+    (None: all) are gradients reduced; the frozen rest is gathered as any weight."""
     ring_f, ring_d = (fsdp - 1) / fsdp, (data - 1) / data
+    trains = params if trainable is None else trainable
     weights = quantized_bytes(options.quantize_weights, options.block) if options.quantize_weights else compute_bytes
     gathered, k = 2 * params - once, grad_accum
     if not reshard_after_forward:
         gathered, k = params, 1
     out: dict[str, dict[str, float]] = {"all-gather": {"fsdp": k * gathered * weights * ring_f}}
     if options.quantize_grads:
-        out["all-to-all"] = {"fsdp": k * params * quantized_bytes(options.quantize_grads, options.block) * ring_f}
+        out["all-to-all"] = {"fsdp": k * trains * quantized_bytes(options.quantize_grads, options.block) * ring_f}
     else:
-        out["reduce-scatter"] = {"fsdp": k * params * reduce_bytes * ring_f}
+        out["reduce-scatter"] = {"fsdp": k * trains * reduce_bytes * ring_f}
     if data > 1:
-        shard = params / fsdp
         if options.hierarchical:
-            out["all-gather"]["data"] = shard * compute_bytes * ring_d
-            out.setdefault("reduce-scatter", {})["data"] = shard * reduce_bytes * ring_d
+            out["all-gather"]["data"] = params / fsdp * compute_bytes * ring_d
+            out.setdefault("reduce-scatter", {})["data"] = trains / fsdp * reduce_bytes * ring_d
         else:
-            out["all-reduce"] = {"data": k * 2 * shard * reduce_bytes * ring_d}
+            out["all-reduce"] = {"data": k * 2 * trains / fsdp * reduce_bytes * ring_d}
     return out
 
 
@@ -90,7 +93,9 @@ def gathered_once(shape) -> int:
     return 0 if shape is None else 2 * shape.vocab_size * shape.d_model + shape.d_model
 
 
-def stage_3_memory(params: float, data: int, fsdp: int, precision, optimizer, hierarchical: bool) -> dict:
+def stage_3_memory(
+    params: float, data: int, fsdp: int, precision, optimizer, hierarchical: bool, trainable: float | None = None
+) -> dict:
     """Stage 3's bytes per device on a `data` x `fsdp` mesh: the state kept between steps (over `fsdp`
     alone, replicated over `data`; hpZ: over both) and hpZ's secondary copy (compute dtype, over
     `fsdp`), which lives inside the step, from its start to the last layer's backward."""
@@ -98,7 +103,7 @@ def stage_3_memory(params: float, data: int, fsdp: int, precision, optimizer, hi
 
     over = data * fsdp if hierarchical else fsdp
     return {
-        "kept": kept_state_bytes(params, over, 3, precision, optimizer)["total"],
+        "kept": kept_state_bytes(params, over, 3, precision, optimizer, trainable=trainable)["total"],
         "secondary_copy": params / fsdp * precision.param_bytes if hierarchical else 0.0,
     }
 
@@ -113,6 +118,7 @@ def plan_section(
     shape=None,
     reshard_after_forward: bool = True,
     optimizer=None,
+    trainable: float | None = None,
 ) -> dict:
     """What `zerojax plan` reports for stage 3 on a `data` x `fsdp` mesh: bytes per device per step by
     kind and axis, plain and with the config's ZeRO++ options (None when it sets none), and with an
@@ -129,6 +135,7 @@ def plan_section(
             grad_accum,
             gathered_once(shape),
             reshard_after_forward,
+            trainable,
         )
 
     plain = by_axis(ZeroPP())
@@ -143,8 +150,7 @@ def plan_section(
         "with_options_total": None if chosen is None else totals(chosen)["total"],
     }
     if optimizer is not None:
-        out["plain_memory"] = stage_3_memory(params, data, fsdp, precision, optimizer, False)
-        out["with_options_memory"] = (
-            None if chosen is None else stage_3_memory(params, data, fsdp, precision, optimizer, options.hierarchical)
-        )
+        memory = functools.partial(stage_3_memory, params, data, fsdp, precision, optimizer, trainable=trainable)
+        out["plain_memory"] = memory(False)
+        out["with_options_memory"] = None if chosen is None else memory(options.hierarchical)
     return out

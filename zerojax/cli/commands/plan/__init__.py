@@ -222,6 +222,7 @@ def _by_axis(result, inputs: dict) -> dict | None:
         result.shape,
         result.reshard_after_forward,
         result.optimizer,
+        result.trainable,
     )
 
 
