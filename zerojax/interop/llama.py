@@ -194,7 +194,8 @@ def gpt_sizes(hf: dict, where: str) -> dict:
         keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         sizes["rope_scaling"] = {k: scaling[k] for k in keys}
     _check_fixed(hf, where, sizes["seq_len"])
-    return sizes
+    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    return {k: v for k, v in sizes.items() if k in SIZES.values() or v != defaults.get(k)}
 
 
 def _check_fixed(hf: dict, where: str, seq_len: int) -> None:
