@@ -164,12 +164,7 @@ def ideal(
         trainer.precision,
     )
     # frozen leaves (`trainable=`): kept as compute params only, never reduced
-    trained = trainer.layout.trained_leaves()
-    trains = (
-        tensor_local_params(trained)
-        if len(trained) < len(jax.tree.leaves(trainer.layout.leaves, is_leaf=_is_layout))
-        else None
-    )
+    trains = tensor_local_params(trainer.layout.trained_leaves()) if trainer.layout.frozen_leaves() else None
     kept = analytic.kept_state_bytes(psi, p, stage, prec, get_optimizer(optimizer), trainable=trains)
     k, reshard = trainer.grad_accum, trainer.options.reshard_after_forward
     traffic = analytic.traffic_bytes(psi, p, stage, prec.param_bytes, prec.reduce_bytes, k, reshard, trains)

@@ -102,15 +102,13 @@ class StateLayout:
             lambda l: NamedSharding(self.mesh, l.spec(self.param_sharded(l))), self.leaves, is_leaf=_is_layout
         )
 
-    def param_shapes(self):
-        return jax.tree.map(
-            lambda l: l.padded_shape if self.param_sharded(l) else l.shape, self.leaves, is_leaf=_is_layout
-        )
+    def param_shape(self, leaf: LeafLayout) -> tuple[int, ...]:
+        return leaf.padded_shape if self.param_sharded(leaf) else leaf.shape
 
     def to_params(self, tree):
         """Logical (or any-layout) params as the params group stores them: shape and dtype per leaf."""
         return jax.tree.map(
-            lambda l, x: fit_to(x, l.padded_shape if self.param_sharded(l) else l.shape).astype(self.param_dtype(l)),
+            lambda l, x: fit_to(x, self.param_shape(l)).astype(self.param_dtype(l)),
             self.leaves,
             tree,
             is_leaf=_is_layout,
@@ -119,6 +117,10 @@ class StateLayout:
     def trained_leaves(self) -> list[LeafLayout]:
         """The trainable leaves' layouts (count them with `zerojax.core.trees.count_params`)."""
         return [l for l in jax.tree.leaves(self.leaves, is_leaf=_is_layout) if l.trainable]
+
+    def frozen_leaves(self) -> list[LeafLayout]:
+        """The frozen leaves' layouts: empty where everything trains."""
+        return [l for l in jax.tree.leaves(self.leaves, is_leaf=_is_layout) if not l.trainable]
 
     def trained(self, tree):
         """`tree` (shaped like the params) with None for each frozen leaf: the compute group's leaves."""
@@ -212,9 +214,7 @@ class StateLayout:
         """The state as `jax.ShapeDtypeStruct`s carrying their shardings; traces nothing."""
         shardings = self.state_shardings(tx, opt_state_shapes)
         params = jax.tree.map(
-            lambda l, sh: jax.ShapeDtypeStruct(
-                l.padded_shape if self.param_sharded(l) else l.shape, self.param_dtype(l), sharding=sh
-            ),
+            lambda l, sh: jax.ShapeDtypeStruct(self.param_shape(l), self.param_dtype(l), sharding=sh),
             self.leaves,
             shardings.params,
             is_leaf=_is_layout,

@@ -135,14 +135,14 @@ def build(
     keep = layout.compute_sharded and not options.reshard_after_forward
     if grad_accum > 1 or keep:
         accumulated = accumulated_grads(layout, model, static, loss_fn, run, grad_accum, keep)
-        grads, update = _accumulated(accumulated), _update(layout, tx, options, around)
+        grads, update = _accumulated(accumulated), _update(layout, tx, options)
     else:
         # The update may read the gradient shards twice (check, then write in place) where they are
         # buffers of their own: casts' outputs in the compute dtype, or held by each FSDP unit's
         # backward (`zerojax.adapt.ordering.held_on_cpu`). An fp32 "shard" outside units is a slice of the
         # full all-reduced gradient on XLA:CPU, which a second reader would keep alive.
         shards_are_buffers = layout.precision.compute_dtype != jnp.float32 or around is not None
-        grads, update = _grads(layout, loss_fn, run), _update(layout, tx, options, around, shards_are_buffers)
+        grads, update = _grads(layout, loss_fn, run), _update(layout, tx, options, shards_are_buffers)
     report = units[0] if units else _report(layout, model)
     return BuiltStep(grads, update, kept_whole_report(layout.stage) if keep else report, evaluate)
 
@@ -154,7 +154,7 @@ def _accumulated(accumulated):
     return grads
 
 
-def _update(layout, tx, options: EngineOptions, around, check_first: bool = True):
+def _update(layout, tx, options: EngineOptions, check_first: bool = True):
     def update(state, loss, grads, model_state):
         new_state, metrics = apply_update(
             layout, tx, state, grads, loss, options.checked_update, check_first=check_first

@@ -102,10 +102,7 @@ def run_metadata(
     holding only the trainable part records for its frozen part."""
     layout = trainer.layout
     params = {
-        leaf.path: {
-            "shape": list(leaf.shape),
-            "stored": list(leaf.padded_shape if layout.param_sharded(leaf) else leaf.shape),
-        }
+        leaf.path: {"shape": list(leaf.shape), "stored": list(layout.param_shape(leaf))}
         for leaf in jax.tree.leaves(layout.leaves, is_leaf=lambda x: hasattr(x, "padded_shape"))
     }
     return {

@@ -18,9 +18,7 @@ from zerojax.train.checksums import device_checksums
 def describe(layout, source: str) -> dict | None:
     """A checkpoint's metadata of the frozen part (None where everything trains): its source and
     names; `fingerprint` is added at the first save."""
-    frozen = [
-        l.path for l in jax.tree.leaves(layout.leaves, is_leaf=lambda x: hasattr(x, "trainable")) if not l.trainable
-    ]
+    frozen = [l.path for l in layout.frozen_leaves()]
     return {"source": source, "params": frozen} if frozen else None
 
 
