@@ -1,5 +1,5 @@
 """Parameter trees: one spelling of a path ("blocks/0/kernel") for every key path, whether a path lies
-under one of a model's layer stacks, and the one parameter count."""
+under one of a model's layer stacks, a partial tree filled in, and the one parameter count."""
 
 from __future__ import annotations
 
@@ -22,6 +22,13 @@ def path_str(path) -> str:
 def under(path: tuple, stacks) -> bool:
     """Whether a param path lies in one of the stack paths `stacks`."""
     return any(tuple(path[: len(s)]) == tuple(s) for s in stacks)
+
+
+def filled(partial, full):
+    """`partial` (shaped like `full`, None where a leaf is missing) with each missing leaf from `full`."""
+    import jax
+
+    return jax.tree.map(lambda f, p: f if p is None else p, full, partial)
 
 
 def count_params(tree) -> int:

@@ -10,7 +10,7 @@ import json
 import jax
 import numpy as np
 
-from zerojax.core.trees import path_str
+from zerojax.core.trees import filled, path_str
 from zerojax.errors import UserError
 from zerojax.train.checksums import device_checksums
 
@@ -54,5 +54,4 @@ def rebuilt(meta: dict, saved: dict, base_params, step_dir: str) -> dict:
             f"checkpoint {step_dir!r} was trained on another frozen part (from {frozen['source']}): this "
             "run's frozen params differ; resume with the same train.init_from and model."
         )
-    params = jax.tree.map(lambda b, s: b if s is None else s, base_params, saved["params"], is_leaf=lambda x: x is None)
-    return {**saved, "params": params}
+    return {**saved, "params": filled(saved["params"], base_params)}

@@ -95,16 +95,8 @@ def initial_params(path: str, trainer, key, batch: dict):
     adapters): those are None, and start from the model's init."""
     params = load_params(path)
     prep = trainer.prepare(key, batch)
-    mask = prep.setup.trainable
-    trainable = () if mask is None else [path_str(p) for p, t in jax.tree_util.tree_flatten_with_path(mask)[0] if t]
+    layout = prep.layout
+    trainable = {l.path for l in layout.trained_leaves()} if layout.frozen_leaves() else set()
     check_fits(params, prep.param_shapes, path, may_lack=frozenset(trainable))
-    given = _shapes(params)
-    return jax.tree_util.tree_map_with_path(
-        lambda p, _: _dig(params, path_str(p)) if path_str(p) in given else None, prep.param_shapes
-    )
-
-
-def _dig(tree, name: str):
-    for key in name.split("/"):
-        tree = tree[int(key) if key.isdigit() and key not in tree else key]
-    return tree
+    given = {path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    return jax.tree_util.tree_map_with_path(lambda p, _: given.get(path_str(p)), prep.param_shapes)

@@ -39,6 +39,7 @@ from zerojax.core.optim import check_transformation, pads_exactly
 from zerojax.core.precision import Precision, get_precision
 from zerojax.core.stages import Stage, get_stage
 from zerojax.core.state import TrainState, run_key
+from zerojax.core.trees import filled
 from zerojax.engines import Engine, EngineOptions, GatherReport, get_engine
 from zerojax.engines.accum import check_accum_batch, check_grad_accum
 from zerojax.engines.unit_plan import stack_paths
@@ -358,8 +359,7 @@ def _make_state(setup: Setup, layout: StateLayout, shardings: TrainState):
 
     def make_state(key, inputs, params=None):
         fresh, model_state, _ = model.init(key, inputs)
-        if params is not None:  # a leaf given as None (adapters a base file lacks) starts from the init
-            fresh = jax.tree.map(lambda f, p: f if p is None else p, fresh, params, is_leaf=lambda x: x is None)
+        fresh = fresh if params is None else filled(params, fresh)  # a None leaf starts from the init
         state = layout.fresh_state(tx, fresh)  # XLA drops an unused init
         state = state.replace(rng=run_key(key), model_state=model_state if has_model_state else None)
         return offload_lib.place(state, shardings, layout.host_groups, offload_lib.HOST)
