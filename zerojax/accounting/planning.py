@@ -15,6 +15,7 @@ from zerojax.accounting.analytic import (
     model_state_bytes,
     step_time_estimate,
     traffic_bytes,
+    trained,
 )
 from zerojax.accounting.hardware import Hardware
 from zerojax.core.optim import OPTIMIZERS, Optimizer
@@ -222,7 +223,7 @@ def plan_dict(p: Plan) -> dict:
     hw = p.hardware
     return {
         "params": p.params,
-        "trainable_params": p.params if p.trainable is None else p.trainable,
+        "trainable_params": trained(p.params, p.trainable),
         "devices": p.devices,
         "hardware": {
             "name": hw.name,

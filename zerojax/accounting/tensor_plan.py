@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zerojax.accounting.activations import GPTShape
+from zerojax.accounting.analytic import trained
 from zerojax.accounting.hardware import GB, Hardware
 
 # Per-collective latency: NCCL's small-message all-reduce times (nccl-tests) are ~10 us inside an
@@ -87,7 +88,7 @@ def option(
     parameters only (None: all) are gradients reduced and optimizer state kept, the rest frozen."""
     node, between = node_links(hw, devices)
     f, b = devices // t, 2
-    trains = params if trainable is None else trainable
+    trains = trained(params, trainable)
     fsdp_link = between if devices > node else hw.link_bytes_per_s
     all_reduces = 4 + (1 if remat == "full" else 0)
     tensor_bytes = shape.n_layers * all_reduces * (t * tokens * shape.d_model * b) * 2 * (t - 1) / t

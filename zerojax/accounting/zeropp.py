@@ -22,6 +22,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from zerojax.accounting.analytic import kept_state_bytes, trained
+
 CODE_BYTES = {"int8": 1, "fp8": 1}
 
 
@@ -61,7 +63,7 @@ def stage_3_traffic_by_axis(
     `reshard_after_forward=False` gathers and reduces once per step. Of `trainable` parameters only
     (None: all) are gradients reduced; the frozen rest is gathered as any weight."""
     ring_f, ring_d = (fsdp - 1) / fsdp, (data - 1) / data
-    trains = params if trainable is None else trainable
+    trains = trained(params, trainable)
     weights = quantized_bytes(options.quantize_weights, options.block) if options.quantize_weights else compute_bytes
     gathered, k = 2 * params - once, grad_accum
     if not reshard_after_forward:
@@ -99,8 +101,6 @@ def stage_3_memory(
     """Stage 3's bytes per device on a `data` x `fsdp` mesh: the state kept between steps (over `fsdp`
     alone, replicated over `data`; hpZ: over both) and hpZ's secondary copy (compute dtype, over
     `fsdp`), which lives inside the step, from its start to the last layer's backward."""
-    from zerojax.accounting.analytic import kept_state_bytes
-
     over = data * fsdp if hierarchical else fsdp
     return {
         "kept": kept_state_bytes(params, over, 3, precision, optimizer, trainable=trainable)["total"],
