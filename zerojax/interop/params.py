@@ -7,9 +7,9 @@ import os
 import zipfile
 
 import jax
-import ml_dtypes
 import numpy as np
 
+from zerojax.core.precision import PRECISIONS
 from zerojax.core.trees import path_str
 from zerojax.errors import UserError
 from zerojax.train.checkpoint import failure, find_step_dir, item_path, read_meta, state_handler, unreadable
@@ -64,9 +64,8 @@ def export_params(checkpoint: str, out_path: str) -> dict:
     frozen = _frozen_source(step_dir, meta)
     try:
         with zf:
-            for name, value in frozen:
-                with zf.open(f"{name}.npy", "w", force_zip64=True) as f:
-                    np.lib.format.write_array(f, value(), allow_pickle=False)
+            if frozen:
+                _write_frozen(zf, step_dir, meta, frozen)
             for group, k in [("params", k) for k in keys] + [("model_state", k) for k in state_keys]:
                 name = path_str(k)
                 with zf.open(f"{name}.npy", "w", force_zip64=True) as f:
@@ -87,35 +86,43 @@ def export_params(checkpoint: str, out_path: str) -> dict:
     return {
         "step": meta["step"],
         "path": out_path,
-        "params": len(keys) + len(frozen),
+        "params": len(keys) + len(frozen["params"] if frozen else ()),
         "model_state": len(state_keys),
         "from": step_dir,
     }
 
 
-def _frozen_source(step_dir: str, meta: dict) -> list:
-    """[(path, () -> fp32 leaf)] of the frozen params a checkpoint left out (`trainable=`), read from
-    the params file the run started from, as the run computed with them (in its compute dtype), after
-    checking them against the checkpoint's fingerprint of its frozen part."""
+def _frozen_source(step_dir: str, meta: dict) -> dict | None:
+    """The checkpoint's frozen part (`trainable=`: its params are left out of the checkpoint) where
+    it has one, whose source must be a params file export can read them from."""
     frozen = meta.get("frozen")
-    if not frozen:
-        return []
-    source = frozen["source"]
-    if not os.path.isfile(source):
+    if frozen and not os.path.isfile(frozen["source"]):
         raise UserError(
-            f"checkpoint {step_dir!r} holds only the trainable params; its frozen part is {source}, which "
-            "export cannot rebuild: export a run that starts from a params file (train.init_from)."
+            f"checkpoint {step_dir!r} holds only the trainable params; its frozen part is {frozen['source']}, "
+            "which export cannot rebuild: export a run that starts from a params file (train.init_from)."
         )
-    compute = np.dtype(ml_dtypes.bfloat16) if meta["precision"] == "bf16" else np.dtype(np.float32)
+    return frozen
+
+
+def _write_frozen(zf, step_dir: str, meta: dict, frozen: dict) -> None:
+    """The frozen params into `zf`, one leaf at a time, read from the params file the run started
+    from, as the run computed with them (in its compute dtype), then fp32. A part other than the
+    checkpoint's fingerprint says is one `UserError` (the caller removes what was written)."""
+    source, compute = frozen["source"], PRECISIONS[meta["precision"]].compute_dtype
+    seen = {}
     with np.load(source, allow_pickle=False) as npz:
-        leaves = {name: npz[name].astype(compute) for name in frozen["params"] if name in npz.files}
-    sums = [host_checksum(x) for x in leaves.values()]
-    if len(leaves) != len(frozen["params"]) or fingerprint_of(leaves, sums) != frozen["fingerprint"]:
+        for name in frozen["params"]:
+            if name not in npz.files:
+                break
+            x = npz[name].astype(compute)
+            seen[name] = (x.dtype, host_checksum(x))
+            with zf.open(f"{name}.npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, x.astype(np.float32), allow_pickle=False)
+    if len(seen) != len(frozen["params"]) or fingerprint_of(seen) != frozen["fingerprint"]:
         raise UserError(
             f"checkpoint {step_dir!r} was trained on another frozen part than {source!r} now holds; "
             "export needs the params file the run started from."
         )
-    return [(name, lambda x=x: x.astype(np.float32)) for name, x in leaves.items()]
 
 
 def _check_target(out_path: str, partial: str) -> None:

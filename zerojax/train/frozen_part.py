@@ -34,13 +34,14 @@ def fingerprint(params, frozen: list[str]) -> dict:
     """The fingerprint of the `frozen` leaves of `params` (stored leaves; their sums are computed on
     the devices)."""
     leaves = {path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0] if path_str(p) in frozen}
-    return fingerprint_of(leaves, device_checksums(list(leaves.values())) if leaves else [])
+    sums = device_checksums(list(leaves.values())) if leaves else []
+    return fingerprint_of({path: (x.dtype, c) for (path, x), c in zip(leaves.items(), sums)})
 
 
-def fingerprint_of(leaves: dict, sums: list[int]) -> dict:
-    """A hash of the frozen leaves' names, dtypes and checksums ({path: array}, a checksum each).
-    Shapes are left out: a stored leaf may be padded; every parameter's shape is checked apart."""
-    table = {path: {"dtype": str(np.dtype(x.dtype)), "checksum": int(c)} for (path, x), c in zip(leaves.items(), sums)}
+def fingerprint_of(leaves: dict) -> dict:
+    """A hash of the frozen leaves' names, dtypes and checksums ({path: (dtype, checksum)}). Shapes
+    are left out: a stored leaf may be padded; every parameter's shape is checked apart."""
+    table = {path: {"dtype": str(np.dtype(dtype)), "checksum": int(c)} for path, (dtype, c) in leaves.items()}
     text = json.dumps(table, sort_keys=True)
     return {"params": len(table), "hash": hashlib.sha256(text.encode()).hexdigest()}
 
