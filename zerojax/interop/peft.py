@@ -11,17 +11,13 @@ from __future__ import annotations
 import numpy as np
 
 from zerojax.errors import UserError
-from zerojax.models.gpt import GPTConfig
+from zerojax.interop.llama import LAYER
+from zerojax.models.gpt import LORA_TARGETS, GPTConfig
 
-# LoRA target -> the Llama module it sits beside
+# LoRA target -> the Llama module it sits beside ("self_attn.q_proj"), from the weight's Llama name
 MODULES = {
-    "q": "self_attn.q_proj",
-    "k": "self_attn.k_proj",
-    "v": "self_attn.v_proj",
-    "o": "self_attn.o_proj",
-    "gate": "mlp.gate_proj",
-    "up": "mlp.up_proj",
-    "down": "mlp.down_proj",
+    target: LAYER[attr][0].removeprefix("model.layers.{i}.").removesuffix(".weight")
+    for target, (attr, _, _) in LORA_TARGETS.items()
 }
 PREFIX = "base_model.model.model.layers.{i}."
 
