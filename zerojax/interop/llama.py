@@ -48,16 +48,11 @@ def _layout(x: np.ndarray, transposed: bool) -> np.ndarray:
 
 def gpt_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
     """The GPT's parameter shapes by zerojax path (adapters left out)."""
-    d, f, n = cfg.d_model, cfg.d_ff, cfg.n_layers
-    q, kv = cfg.n_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
-    layer = {"attn_norm": (d,), "wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d)}
-    layer |= {"mlp_norm": (d,), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
-    if cfg.qkv_bias:
-        layer |= {"bq": (q,), "bk": (kv,), "bv": (kv,)}
+    d = cfg.d_model
     top = {"embed": (cfg.vocab_size, d), "final_norm": (d,)}
     if not cfg.tie_embeddings:
         top["head"] = (d, cfg.vocab_size)
-    return top | {f"blocks/{k}": (n, *s) for k, s in layer.items()}
+    return top | {f"blocks/{k}": (cfg.n_layers, *s) for k, s in cfg.block_shapes().items()}
 
 
 def _names(cfg_or_params) -> tuple[dict, dict]:

@@ -5,6 +5,7 @@ rope scaling, q/k/v biases, tied embeddings)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -115,10 +116,16 @@ class GPTConfig:
     def head_size(self) -> int:
         return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
 
-    def num_params(self) -> int:
+    def block_shapes(self) -> dict[str, tuple[int, ...]]:
+        """One block's parameter shapes by attribute, its adapters left out."""
         d, f, q, kv = self.d_model, self.d_ff, self.n_heads * self.head_size, self.kv_heads * self.head_size
-        attention = 2 * d * q + 2 * d * kv + ((q + 2 * kv) if self.qkv_bias else 0)  # q, o; k, v; biases
-        per_layer = 2 * d + attention + 3 * d * f  # two norms, attention, gate/up/down
+        shapes = {"attn_norm": (d,), "wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d)}
+        shapes |= {"mlp_norm": (d,), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
+        return shapes | ({"bq": (q,), "bk": (kv,), "bv": (kv,)} if self.qkv_bias else {})
+
+    def num_params(self) -> int:
+        d = self.d_model
+        per_layer = sum(math.prod(s) for s in self.block_shapes().values())
         head = 0 if self.tie_embeddings else d * self.vocab_size
         base = self.vocab_size * d + head + d + self.n_layers * per_layer  # embed + head + final norm
         return base + self.num_lora_params()
@@ -127,9 +134,8 @@ class GPTConfig:
         """The adapters' parameters: rank x (inputs + outputs) per targeted weight and layer."""
         if self.lora is None:
             return 0
-        d, f, q, kv = self.d_model, self.d_ff, self.n_heads * self.head_size, self.kv_heads * self.head_size
-        sides = {"q": d + q, "k": d + kv, "v": d + kv, "o": q + d, "gate": d + f, "up": d + f, "down": f + d}
-        return self.n_layers * self.lora.rank * sum(sides[t] for t in self.lora.targets)
+        shapes = self.block_shapes()
+        return self.n_layers * self.lora.rank * sum(sum(shapes[LORA_TARGETS[t][0]]) for t in self.lora.targets)
 
 
 # Every parameter dim is a multiple of 8 so any leaf can be sharded over up to 8 devices.
