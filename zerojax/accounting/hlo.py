@@ -10,7 +10,8 @@ body calls.
 
 Count the HLO right after SPMD partitioning (`zerojax.accounting.partitioned`), not the final compiled HLO:
 on CPU a later pass (float-normalization-bf16) upcasts bf16 collectives to f32, so the final
-program shows twice the bytes a GPU or TPU would move.
+program shows twice the bytes a GPU moves (XLA:GPU's final program keeps them in bf16 and moves the
+partitioned program's bytes, combined into fewer collectives: experiments/results/gpu_traffic.md).
 """
 
 from __future__ import annotations
@@ -247,10 +248,7 @@ def _moved_bytes(instr: _Instruction, devices: int) -> tuple[str, float, list[li
     opcode = instr.opcode[: -len("-start")] if instr.opcode.endswith("-start") else instr.opcode
     if opcode not in KINDS:
         return None
-    shape = instr.shape
-    if instr.opcode.endswith("-start") and opcode in ("all-gather", "collective-permute"):
-        shape = _split_top(shape[1:-1])[1]  # async result tuple: (operands, results, [context])
-    result = shape_bytes(shape)
+    result = shape_bytes(_async_result(opcode, instr.shape) if instr.opcode.endswith("-start") else instr.shape)
     groups = replica_groups(instr.attrs, devices)
     if opcode == "collective-permute":
         return opcode, float(result), groups
@@ -262,6 +260,16 @@ def _moved_bytes(instr: _Instruction, devices: int) -> tuple[str, float, list[li
         "all-to-all": (g - 1) / g,
     }[opcode]
     return opcode, result * factor, groups
+
+
+def _async_result(opcode: str, shape: str) -> str:
+    """The results of an async collective's `-start` op. Its shape is `(operands, results, [context])`
+    (XLA:GPU writes every kind so, all-reduce as `((operands), results)`), except the older
+    all-reduce-start, whose shape is its results alone (operand and result shapes are the same)."""
+    parts = _split_top(shape[1:-1]) if shape.startswith("(") else [shape]
+    if opcode == "all-reduce" and not parts[0].startswith("("):
+        return shape
+    return parts[1]
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,12 @@ ENTRY %main (x: bf16[16,1024], y: f32[8,128]) -> bf16[64,1024] {
   %a2a = f32[8,128]{1,0} all-to-all(%y), channel_id=4, replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}, dimensions={0}
   %cps = (f32[8,128]{1,0}, f32[8,128]{1,0}, u32[], u32[]) collective-permute-start(%y), channel_id=5, source_target_pairs={{0,1},{1,0}}
   %cpd = f32[8,128]{1,0} collective-permute-done(%cps)
+  %rss = ((bf16[16,1024]{1,0}, f32[8,128]{1,0}), (bf16[2,1024]{1,0}, f32[1,128]{1,0})) reduce-scatter-start(%x, %y), channel_id=6, replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%sum
+  %rsd = (bf16[2,1024]{1,0}, f32[1,128]{1,0}) reduce-scatter-done(%rss)
+  %ars = ((f32[8,128]{1,0}), f32[8,128]{1,0}) all-reduce-start(%y), channel_id=7, replica_groups=[1,8]<=[8], to_apply=%sum
+  %ard = f32[8,128]{1,0} all-reduce-done(%ars)
+  %ars2 = f32[8,128]{1,0} all-reduce-start(%y), channel_id=8, replica_groups=[1,8]<=[8], to_apply=%sum
+  %ard2 = f32[8,128]{1,0} all-reduce-done(%ars2)
   ROOT %out = bf16[64,1024]{1,0} copy(%agd)
 }
 """
@@ -107,11 +113,13 @@ def test_async_tuple_iota_mesh_and_empty_replica_groups():
     got = collective_bytes(FORMS)
     b = got["bytes"]
     assert b["all-gather"] == 131072 * 3 / 4  # iota [2,4]: groups of 4; -done not counted again
-    assert b["reduce-scatter"] == 16384 * 1  # groups of 2: (g-1) x result
-    assert b["all-reduce"] == (4096 + 32768) * 2 * 7 / 8  # tuple; {} = all 8 devices
+    # groups of 2: (g-1) x result; XLA:GPU's start tuple (operands, results): its results, 7 x
+    assert b["reduce-scatter"] == 16384 * 1 + (4096 + 512) * 7
+    # a tuple; {} = all 8 devices; XLA:GPU's ((operands), results) and the older results-only start
+    assert b["all-reduce"] == (4096 + 32768) * 2 * 7 / 8 + 2 * 4096 * 2 * 7 / 8
     assert b["all-to-all"] == 4096 * 3 / 4  # mesh form: axis_0 of size 4
     assert b["collective-permute"] == 4096  # the result element of the start tuple
-    assert got["counts"] == {k: 1 for k in b}
+    assert got["counts"] == {k: 1 for k in b} | {"reduce-scatter": 2, "all-reduce": 3}
 
 
 def test_shape_bytes():
