@@ -38,7 +38,7 @@ def hardware_for(device_kind: str):
     return None
 
 
-def bench(stage: int, micro_batch: int, steps: int, warmup: int) -> dict:
+def bench(stage: int, micro_batch: int, steps: int, warmup: int, remat: str | None = None) -> dict:
     import jax
 
     from zerojax.accounting.analytic import flops_per_step
@@ -55,6 +55,7 @@ def bench(stage: int, micro_batch: int, steps: int, warmup: int) -> dict:
             f"train.batch_size={micro_batch}",
             f"train.steps={steps + warmup}",
             "data.eval_fraction=0",
+            *([f"model.remat={remat}"] if remat else []),
         ],
     )
     exp = build_experiment(c, devices=jax.devices()[:1])
@@ -80,6 +81,7 @@ def bench(stage: int, micro_batch: int, steps: int, warmup: int) -> dict:
         "stage": stage,
         "params": gpt.num_params(),
         "micro_batch": micro_batch,
+        "remat": gpt.remat,
         "seq_len": gpt.seq_len,
         "compile_s": compile_s,
         "median_step_s": step_s,
@@ -95,6 +97,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--stages", default="0,1,2,3")
+    p.add_argument("--remat", default=None, help="model.remat policy (default: the preset's)")
     a = p.parse_args()
     import jax
 
@@ -110,7 +113,7 @@ def main() -> int:
     started = datetime.datetime.now().isoformat(timespec="seconds")
     rows = []
     for stage in (int(s) for s in a.stages.split(",")):
-        row = bench(stage, a.micro_batch, a.steps, a.warmup)
+        row = bench(stage, a.micro_batch, a.steps, a.warmup, a.remat)
         row["mfu"] = row["tflops_per_s"] * 1e12 / hw.peak_flops if hw else None
         rows.append(row)
         print(
@@ -141,13 +144,14 @@ def main() -> int:
         f"compute efficiency; micro-batch {a.micro_batch} x {rows[0]['seq_len']} tokens, median of {a.steps} steps "
         f"after {a.warmup} warm-up steps.",
         "",
-        "| stage | params | tokens/s | TFLOP/s | MFU | median step | compile |",
-        "|---|---|---|---|---|---|---|",
+        "| stage | params | remat | tokens/s | TFLOP/s | MFU | median step | compile |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
         lines.append(
-            f"| {r['stage']} | {r['params'] / 1e9:.2f}B | {r['tokens_per_s']:,.0f} | {r['tflops_per_s']:.1f} | "
+            f"| {r['stage']} | {r['params'] / 1e9:.2f}B | {r['remat']} | {r['tokens_per_s']:,.0f} | "
+            f"{r['tflops_per_s']:.1f} | "
             f"{mfu} | {r['median_step_s'] * 1e3:.0f} ms | {r['compile_s']:.0f} s |"
         )
     with open(os.path.join(RESULTS, "gpu_bench.md"), "w") as f:

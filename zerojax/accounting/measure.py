@@ -152,19 +152,17 @@ def ideal(
     seq_len: int = 0,
     micro_batch: int = 0,
     remat: str = "full",
+    layout=None,
 ) -> Ideal:
     """The analytic figures for what `trainer` keeps and moves (over its fsdp axis; replicas on `data`
     are not modelled, except with ZeRO++'s options, `accounting.zeropp`, where every axis is);
-    activations need the model's shape."""
+    activations need the model's shape. `layout`: the `StateLayout` counted (default: the trainer's
+    current one; a compile-only analysis passes `trainer.prepare(...).layout`, nothing initialised)."""
+    layout = trainer.layout if layout is None else layout
     # a tensor axis: each device holds, and FSDP moves, one tensor-parallel slice of the model
-    psi, p, stage, prec = (
-        tensor_local_params(trainer.layout.leaves),
-        trainer.layout.fsdp_size,
-        trainer.stage.index,
-        trainer.precision,
-    )
+    psi, p, stage, prec = (tensor_local_params(layout.leaves), layout.fsdp_size, trainer.stage.index, trainer.precision)
     # frozen leaves (`trainable=`): kept as compute params only, never reduced
-    trains = tensor_local_params(trainer.layout.trained_leaves()) if trainer.layout.frozen_leaves() else None
+    trains = tensor_local_params(layout.trained_leaves()) if layout.frozen_leaves() else None
     kept = analytic.kept_state_bytes(psi, p, stage, prec, get_optimizer(optimizer), trainable=trains)
     k, reshard = trainer.grad_accum, trainer.options.reshard_after_forward
     traffic = analytic.traffic_bytes(psi, p, stage, prec.param_bytes, prec.reduce_bytes, k, reshard, trains)
