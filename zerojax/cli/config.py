@@ -91,8 +91,9 @@ class ZeroConfig(_Section):
 
 class MeshConfig(_Section):
     data: Int = 1
-    fsdp: Int | None = None  # default: every device not on `data` or `tensor`
+    fsdp: Int | None = None  # default: every device not on `pipeline`, `data` or `tensor`
     tensor: Int = 1  # tensor parallelism: the parameter dimensions `rules` map to it (docs/parallelism.md)
+    pipeline: Int = 1  # pipeline stages: the model's stack of blocks split into consecutive layers
     # default: vocab, heads, kv_heads and mlp on tensor
     rules: dict[str, str | list[str] | None] | None = None  # a name -> a mesh axis, a list of them, or null
     # the residual stream between blocks split over `tensor` along the sequence (the rule seq -> tensor)
@@ -113,6 +114,7 @@ class TrainConfig(_Section):
     steps: PositiveInt = 30
     batch_size: PositiveInt = 16  # global, split over mesh data x fsdp
     grad_accum: PositiveInt = 1  # micro-batches per step, batch_size / grad_accum rows each
+    microbatches: PositiveInt | None = None  # mesh.pipeline > 1: GPipe microbatches per step (default: one a stage)
     seed: NonNegativeInt = 0  # an unsigned PRNG seed
     eval_every: NonNegativeInt = 0  # 0: evaluate only at the end
     eval_batches: PositiveInt = 2

@@ -100,12 +100,14 @@ def axis_rules(c: Config) -> dict:
 def engine_options(c: Config) -> EngineOptions:
     """The engine options a config's `zero` section sets: its keys named like `EngineOptions` fields."""
     names = {f.name for f in dataclasses.fields(EngineOptions)}
-    return EngineOptions.of({k: v for k, v in c.zero.model_dump().items() if k in names})
+    return EngineOptions.of(
+        {k: v for k, v in c.zero.model_dump().items() if k in names} | {"microbatches": c.train.microbatches}
+    )
 
 
 def build_experiment(c: Config, devices=None) -> Experiment:
     model, gpt, meta = build_model(c)
-    mesh = make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor, devices=devices)
+    mesh = make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor, pipeline=c.mesh.pipeline, devices=devices)
     check_batch(c.train.batch_size, data_parallel_size(mesh))
     check_accum_batch(c.train.batch_size, data_parallel_size(mesh), c.train.grad_accum)
     train_data, eval_data = build_data(c, gpt)

@@ -21,11 +21,12 @@ from zerojax.core import axis_rules as axis_rules_lib
 from zerojax.core import offload as offload_lib
 from zerojax.core import optim
 from zerojax.core.leaf_rule import LeafLayout, fit_to, leaf_layout
-from zerojax.core.mesh import FSDP_AXIS, TENSOR_AXIS
+from zerojax.core.mesh import FSDP_AXIS, TENSOR_AXIS, pipeline_size
 from zerojax.core.precision import Precision, cast_tree
 from zerojax.core.stages import Stage
 from zerojax.core.state import TrainState
 from zerojax.core.trees import path_str, under
+from zerojax.errors import UserError
 
 _is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
 # A storage shape: a plain tuple of ints. Not any tuple: optax's `MaskedNode` (a masked-out leaf of
@@ -282,7 +283,8 @@ def make_layout(
     trainable=None,
 ) -> StateLayout:
     """One `LeafLayout` per parameter; leaves under one of the `stack_paths` (the param paths of the
-    model's layer stacks: `zj.Stacked`, or what a model taking `layer_hook` declares) keep axis 0 whole.
+    model's layer stacks: `zj.Stacked`, or what a model taking `layer_hook` declares) keep axis 0 whole
+    from FSDP (on a `pipeline` mesh it is split into pipeline stages).
 
     `pad_free_optimizer`: the optimizer group keeps padded leaves replicated in their logical shape
     (for an optimizer whose update is not elementwise, which the zero padding would change).
@@ -292,6 +294,7 @@ def make_layout(
     """
     rules = axis_rules_lib.as_rules(axis_rules)
     tensor = dict(mesh.shape).get(TENSOR_AXIS, 1)
+    stages = pipelined_stages(mesh, param_shapes, stack_paths)
     fsdp = mesh.shape[FSDP_AXIS]
     over = (FSDP_AXIS, "data") if hierarchical else (FSDP_AXIS,)  # hpZ: state sharded over fsdp x data
     fsdp *= mesh.shape["data"] if hierarchical else 1
@@ -311,13 +314,11 @@ def make_layout(
             tensor_axis=tensor_axis,
             tensor_size=tensor,
             fsdp_axis=fsdp_axis,
+            pipeline_size=stages if stacked else 1,
         )
 
     leaves = jax.tree_util.tree_map_with_path(rule, param_shapes)
-    if trainable is not None:
-        leaves = jax.tree.map(
-            lambda l, t: dataclasses.replace(l, trainable=bool(t)), leaves, trainable, is_leaf=_is_layout
-        )
+    leaves = leaves if trainable is None else _with_trainable(leaves, trainable)
     opt_leaves = None
     if pad_free_optimizer and stage.optimizer and any(l.padded for l in jax.tree.leaves(leaves, is_leaf=_is_layout)):
         opt_leaves = jax.tree.map(_unpadded, leaves, is_leaf=_is_layout)
@@ -326,3 +327,40 @@ def make_layout(
     return StateLayout(
         mesh, stage, precision, leaves, opt_leaves, offload, tuple(stack_paths), unmapped, axis_rules=rules
     )
+
+
+def _with_trainable(leaves, trainable):
+    return jax.tree.map(lambda l, t: dataclasses.replace(l, trainable=bool(t)), leaves, trainable, is_leaf=_is_layout)
+
+
+def pipelined_stages(mesh, param_shapes, stack_paths: tuple) -> int:
+    """The mesh's pipeline stages, checked: a pipelined model has one stack of identical blocks whose
+    layers divide into them."""
+    stages = pipeline_size(mesh)
+    if stages > 1:
+        _check_pipelined(param_shapes, stack_paths, stages)
+    return stages
+
+
+def _check_pipelined(param_shapes, stack_paths: tuple, stages: int) -> None:
+    if not stack_paths:
+        raise UserError(
+            f"mesh.pipeline={stages} splits a model's stack of identical blocks into pipeline stages, but this "
+            "model has none (stack its blocks with zj.Stacked, or use the shipped GPT); use mesh.pipeline=1."
+        )
+    if len(stack_paths) > 1:
+        names = ", ".join("/".join(map(str, s)) for s in stack_paths)
+        raise UserError(
+            f"mesh.pipeline={stages} pipelines one stack of blocks; this model has {len(stack_paths)}: {names}."
+        )
+    layers = {
+        int(leaf.shape[0])
+        for path, leaf in jax.tree_util.tree_flatten_with_path(param_shapes)[0]
+        if under(tuple(getattr(k, "key", k) for k in path), stack_paths)
+    }
+    (n,) = layers or {0}
+    if n % stages:
+        raise UserError(
+            f"the model's {n} layers do not divide into mesh.pipeline={stages} pipeline stages of equal size; "
+            f"choose a pipeline size that divides {n}."
+        )

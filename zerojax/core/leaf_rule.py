@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from zerojax.core.mesh import FSDP_AXIS, TENSOR_AXIS
+from zerojax.core.mesh import FSDP_AXIS, PIPELINE_AXIS, TENSOR_AXIS
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,9 @@ class LeafLayout:
     tensor_size: int = 1
     # False for a frozen leaf (`zerojax.core.trainable`): no gradient, so nothing of it is reduced
     trainable: bool = True
+    # a stacked leaf's layer axis 0 split over the mesh's `pipeline` axis into this many pipeline
+    # stages of consecutive layers, in every group (1: not pipelined)
+    pipeline_size: int = 1
 
     @property
     def padded(self) -> bool:
@@ -45,7 +48,12 @@ class LeafLayout:
         axis = None if self.axis is None else self.axis - 1
         tensor_axis = None if self.tensor_axis is None else self.tensor_axis - 1
         return dataclasses.replace(
-            self, shape=self.shape[1:], padded_shape=self.padded_shape[1:], axis=axis, tensor_axis=tensor_axis
+            self,
+            shape=self.shape[1:],
+            padded_shape=self.padded_shape[1:],
+            axis=axis,
+            tensor_axis=tensor_axis,
+            pipeline_size=1,
         )
 
     def spec(self, sharded: bool):
@@ -54,6 +62,8 @@ class LeafLayout:
         from jax.sharding import PartitionSpec as P
 
         entries: list = [None] * len(self.shape)
+        if self.pipeline_size > 1:
+            entries[0] = PIPELINE_AXIS
         if self.tensor_axis is not None:
             entries[self.tensor_axis] = TENSOR_AXIS
         if sharded and self.axis is not None:
@@ -75,6 +85,7 @@ def leaf_layout(
     tensor_axis: int | None = None,
     tensor_size: int = 1,
     fsdp_axis: int | None = None,
+    pipeline_size: int = 1,
 ) -> LeafLayout:
     """Shard the largest dimension divisible by `fsdp_size`; else pad the largest one.
 
@@ -83,6 +94,7 @@ def leaf_layout(
     the scan slices it one layer at a time. `fsdp_size` is the number of shards: the product of the
     sizes of the mesh axes in `over`. `tensor_axis` (split over `tensor_size` devices by the axis
     rules) is not free for FSDP; `fsdp_axis`, a dimension the model itself names `fsdp`, is tried first.
+    `pipeline_size` > 1 splits a stacked leaf's layer axis over the mesh's `pipeline` axis.
     """
     skip = {layer_axis, tensor_axis}
     leaf = _leaf_layout(path, shape, itemsize, fsdp_size, skip, replicate_below_bytes, fsdp_axis)
@@ -93,6 +105,8 @@ def leaf_layout(
             tensor_size=tensor_size,
             reason=f"{leaf.reason}; tensor on axis {tensor_axis}",
         )
+    if pipeline_size > 1 and layer_axis == 0:  # the layer axis split into pipeline stages
+        leaf = dataclasses.replace(leaf, pipeline_size=pipeline_size, reason=f"{leaf.reason}; pipeline on axis 0")
     return leaf if over == (FSDP_AXIS,) else dataclasses.replace(leaf, over=tuple(over))
 
 
@@ -150,7 +164,7 @@ def describe(layouts) -> list[dict]:
 
 def shard_numel(layout: LeafLayout, sharded: bool, fsdp_size: int) -> int:
     """Elements one device holds of this leaf when its group is (or is not) sharded."""
-    tensor = layout.tensor_size if layout.tensor_axis is not None else 1
+    tensor = (layout.tensor_size if layout.tensor_axis is not None else 1) * layout.pipeline_size
     if not sharded or layout.axis is None:
         return int(np.prod(layout.shape)) // tensor
     return int(np.prod(layout.padded_shape)) // (fsdp_size * tensor)

@@ -1,6 +1,7 @@
 """Device mesh with the axes `data` (pure replicas), `fsdp` (the axis ZeRO shards over) and `tensor`
 (Megatron-style tensor parallelism: the parameter dimensions the axis rules map to it, see
-`zerojax.core.axis_rules`). Owns the mesh-size and
+`zerojax.core.axis_rules`), and, when asked for, `pipeline` (a model's stack of blocks split into
+pipeline stages of consecutive layers, `zerojax.engines.pipeline`). Owns the mesh-size and
 batch-divisibility rules."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from zerojax.errors import UserError
 DATA_AXIS = "data"  # whole replicas: parameters are never split over it (but hpZ's state)
 FSDP_AXIS = "fsdp"  # the axis ZeRO shards over
 TENSOR_AXIS = "tensor"  # tensor parallelism
+PIPELINE_AXIS = "pipeline"  # pipeline stages; outermost (between nodes), present only when > 1
 AXES = (DATA_AXIS, FSDP_AXIS, TENSOR_AXIS)
 BATCH_AXES = (DATA_AXIS, "fsdp")  # the global batch is split over every data-parallel axis
 
@@ -34,9 +36,10 @@ def simulate_cpu_devices(count: int) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def check_sizes(data, fsdp=None, tensor=1) -> None:
+def check_sizes(data, fsdp=None, tensor=1, pipeline=1) -> None:
     """Each mesh size given is a positive integer (`fsdp` None: every device left over)."""
-    for name, size in (("mesh.data", data), ("mesh.tensor", tensor), ("mesh.fsdp", fsdp)):
+    sizes = (("mesh.data", data), ("mesh.tensor", tensor), ("mesh.fsdp", fsdp), ("mesh.pipeline", pipeline))
+    for name, size in sizes:
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise UserError(f"{name} must be a positive integer, got {size!r}.")
 
@@ -50,29 +53,43 @@ def check_batch(batch_size: int, data_parallel: int) -> None:
         )
 
 
-def make_mesh(data: int = 1, fsdp: int | None = None, tensor: int = 1, *, devices: Sequence | None = None):
-    """A `jax.sharding.Mesh` over `devices` (default: all) with axes (data, fsdp, tensor).
+def make_mesh(
+    data: int = 1, fsdp: int | None = None, tensor: int = 1, *, pipeline: int = 1, devices: Sequence | None = None
+):
+    """A `jax.sharding.Mesh` over `devices` (default: all) with axes (data, fsdp, tensor), and
+    `pipeline` first where `pipeline` > 1 (the outermost axis: consecutive devices share a stage).
 
-    By default every device not taken by `data` or `tensor` is on `fsdp`. Axes are `Auto`, so XLA
-    propagates shardings through the step (GSPMD) and `shard_map` can still name them.
+    By default every device not taken by `pipeline`, `data` or `tensor` is on `fsdp`. Axes are
+    `Auto`, so XLA propagates shardings through the step (GSPMD) and `shard_map` can still name them.
     """
     import jax
     from jax.sharding import AxisType, Mesh
 
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
-    check_sizes(data, fsdp, tensor)
+    check_sizes(data, fsdp, tensor, pipeline)
     if fsdp is None:
-        if n % (data * tensor):
-            raise UserError(f"mesh.data={data} x mesh.tensor={tensor} does not divide the {n} available devices.")
-        fsdp = n // (data * tensor)
+        if n % (pipeline * data * tensor):
+            given = f"mesh.pipeline={pipeline} x " if pipeline > 1 else ""
+            raise UserError(
+                f"{given}mesh.data={data} x mesh.tensor={tensor} does not divide the {n} available devices."
+            )
+        fsdp = n // (pipeline * data * tensor)
     shape = (data, fsdp, tensor)
-    if math.prod(shape) != n:
+    if math.prod(shape) * pipeline != n:
+        given = f"pipeline={pipeline} x " if pipeline > 1 else ""
         raise UserError(
-            f"mesh data={data} x fsdp={fsdp} x tensor={tensor} = {math.prod(shape)} devices, "
+            f"mesh {given}data={data} x fsdp={fsdp} x tensor={tensor} = {math.prod(shape) * pipeline} devices, "
             f"but {n} are available; the sizes must multiply to the device count."
         )
-    return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=(AxisType.Auto,) * len(AXES))
+    names = AXES if pipeline == 1 else (PIPELINE_AXIS, *AXES)
+    sizes = shape if pipeline == 1 else (pipeline, *shape)
+    return Mesh(np.asarray(devices).reshape(sizes), names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def pipeline_size(mesh) -> int:
+    """Pipeline stages on `mesh` (1 where it has no `pipeline` axis)."""
+    return int(dict(mesh.shape).get(PIPELINE_AXIS, 1))
 
 
 def check_tensor_used(layout) -> None:

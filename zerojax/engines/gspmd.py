@@ -15,7 +15,8 @@ from zerojax.adapt.stacked import at
 from zerojax.core import constraints as activations
 from zerojax.core.leaf_rule import LeafLayout
 from zerojax.core.loss import global_loss
-from zerojax.engines import BuiltStep, EngineOptions, GatherReport, kept_whole_report, replicated_report
+from zerojax.core.mesh import pipeline_size
+from zerojax.engines import BuiltStep, EngineOptions, GatherReport, kept_whole_report, pipeline, replicated_report
 from zerojax.engines.gspmd_accum import accumulated_grads
 from zerojax.engines.unit_plan import (
     describe_stacks,
@@ -28,7 +29,14 @@ from zerojax.engines.unit_plan import (
 from zerojax.engines.update import apply_update, compute_params, constrain, keep_model_state, step_key
 from zerojax.errors import UserError
 
-SUPPORTS = ("layer_stacks", "prefetch", "wrap", "reshard_after_forward", "checked_update")  # `EngineOptions` fields
+SUPPORTS = (
+    "layer_stacks",
+    "prefetch",
+    "wrap",
+    "reshard_after_forward",
+    "checked_update",
+    "microbatches",
+)  # `EngineOptions` fields
 
 
 def _whole(layout, layouts, tree):
@@ -109,9 +117,53 @@ def _units(layout, model, static, options, inputs, model_state):
     return (report, around) if report.route == "units" else None
 
 
+def _pipelined(layout, model, static, options: EngineOptions):
+    """A `run` for a `pipeline` mesh axis: the model's stack of layers through GPipe
+    (`zerojax.engines.pipeline`), every weight gathered over FSDP once per step at stage 3 (each
+    pipeline stage's layers on its own devices), the gradient reduced once after the last microbatch."""
+    stacks = stack_paths(model, layout.leaves, options)
+    if not model.accepts_layer_loop or not stacks:
+        raise UserError(
+            f"mesh.pipeline={pipeline_size(layout.mesh)} needs a model that hands its layer loop to zerojax "
+            "(the shipped GPT, or zj.Stacked blocks without BatchNorm or dropout state); this one does not."
+        )
+    microbatches = options.microbatches or pipeline_size(layout.mesh)
+
+    def loop(layer, x, stacked):
+        return pipeline.gpipe(layer, x, stacked, mesh=layout.mesh, microbatches=microbatches)
+
+    def run(params, model_state, batch, key, train):
+        if layout.compute_sharded:
+            params = _whole(layout, layout.leaves, params)
+        with activations.rules_active(layout, manual=False):
+            return model.apply(
+                params,
+                model_state or {},
+                static,
+                batch["inputs"],
+                rng=key,
+                train=train,
+                layer_loop={s: loop for s in stacks},
+            )
+
+    report = GatherReport(
+        "layers",
+        f"pipelined: {describe_stacks(stacks)} split into {pipeline_size(layout.mesh)} pipeline stages, GPipe over "
+        f"{microbatches} microbatches" + (", every weight gathered once per step" if layout.compute_sharded else ""),
+    )
+    return run, report
+
+
 def build(
     layout, model, static, loss_fn, tx, options: EngineOptions, inputs=None, model_state=None, grad_accum: int = 1
 ) -> BuiltStep:
+    if pipeline_size(layout.mesh) > 1:
+        piped, report = _pipelined(layout, model, static, options)
+        if grad_accum > 1:
+            grads = _accumulated(accumulated_grads(layout, model, static, loss_fn, piped, grad_accum, False))
+        else:
+            grads = _grads(layout, loss_fn, piped)
+        return BuiltStep(grads, _update(layout, tx, options), report, _evaluate(layout, piped))
     units = _units(layout, model, static, options, inputs, model_state or {})
     around = units[1] if units else None
     if options.prefetch and layout.compute_sharded and model.accepts_layer_hook:
@@ -129,9 +181,7 @@ def build(
                 params, model_state or {}, static, batch["inputs"], rng=key, train=train, layer_hook=hook, around=around
             )
 
-    def evaluate(state, batch, loss_fn):  # eval mode, gathered as the step's forward gathers
-        return global_loss(loss_fn(run(compute_params(layout, state), state.model_state, batch, None, False)[0], batch))
-
+    evaluate = _evaluate(layout, run)
     keep = layout.compute_sharded and not options.reshard_after_forward
     if grad_accum > 1 or keep:
         accumulated = accumulated_grads(layout, model, static, loss_fn, run, grad_accum, keep)
@@ -145,6 +195,13 @@ def build(
         grads, update = _grads(layout, loss_fn, run), _update(layout, tx, options, shards_are_buffers)
     report = units[0] if units else _report(layout, model)
     return BuiltStep(grads, update, kept_whole_report(layout.stage) if keep else report, evaluate)
+
+
+def _evaluate(layout, run):
+    def evaluate(state, batch, loss_fn):  # eval mode, gathered as the step's forward gathers
+        return global_loss(loss_fn(run(compute_params(layout, state), state.model_state, batch, None, False)[0], batch))
+
+    return evaluate
 
 
 def _accumulated(accumulated):

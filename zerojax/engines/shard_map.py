@@ -23,7 +23,7 @@ from zerojax.core import constraints as activations
 from zerojax.core.layout import StateLayout
 from zerojax.core.leaf_rule import LeafLayout
 from zerojax.core.loss import loss_parts
-from zerojax.core.mesh import BATCH_AXES, FSDP_AXIS, TENSOR_AXIS, data_parallel_size
+from zerojax.core.mesh import BATCH_AXES, FSDP_AXIS, TENSOR_AXIS, data_parallel_size, pipeline_size
 from zerojax.core.stages import Stage
 from zerojax.engines import BuiltStep, EngineOptions, GatherReport, accum, kept_whole_report
 from zerojax.engines.collectives import Reduce, Resident
@@ -265,6 +265,11 @@ def build(
     options.reshard_after_forward  stage 3: False gathers the whole model once per step and keeps it.
     grad_accum            k micro-batches per step (see `_accum_grads_fn`).
     """
+    if pipeline_size(layout.mesh) > 1:
+        raise UserError(
+            f"mesh.pipeline={pipeline_size(layout.mesh)} runs on the gspmd engine (zero.engine: gspmd); the "
+            "shard_map engine does not pipeline yet."
+        )
     stage, prec = layout.stage, layout.precision
     replicas = tuple(a for a in BATCH_AXES if a != FSDP_AXIS and layout.mesh.shape[a] > 1)
     quantize_weights, quantize_grads = _quantizers(options, stage)

@@ -1,0 +1,164 @@
+"""Pipeline parallelism (`mesh.pipeline`, `zerojax.engines.pipeline`): GPipe over the shipped GPT's
+blocks and a user's `zj.Stacked` blocks gives the unpipelined model's losses and gradients; bubbles
+never reach a gradient; the state of the blocks is split over pipeline x fsdp; checkpoints are saved
+in the unpipelined layout; what cannot be pipelined is one sentence."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zerojax as zj
+from tests.host_copies import logical_params
+from tests.models import classification_batch, stacked_blocks, unrolled_blocks
+from zerojax.engines.pipeline import bubble_fraction, gpipe
+from zerojax.errors import UserError
+from zerojax.models.gpt import GPT, gpt_config
+from zerojax.train.checkpoint import CheckpointWriter, restore, run_metadata
+
+CFG = gpt_config("tiny", d_model=32, n_heads=4, n_layers=4, d_ff=48, seq_len=16, remat="full")
+LR = 0.5  # SGD: one step's parameter change is LR x the gradient, so it compares gradients
+KEY = jax.random.key(0)
+
+
+def _tokens(seed: int, rows: int = 16) -> dict:
+    rng = np.random.default_rng(seed)
+    return {k: rng.integers(0, 256, (rows, CFG.seq_len)).astype(np.int32) for k in ("inputs", "targets")}
+
+
+def _trainer(make, mesh, stage: int, microbatches=None, engine="gspmd", tx=None):
+    options = {"microbatches": microbatches} if microbatches else {}
+    return zj.Trainer(make, tx or optax.sgd(LR), mesh=mesh, stage=stage, engine=engine, engine_options=options)
+
+
+def _run(trainer, batches, steps: int = 3):
+    """(losses, each step's parameter change / LR: the gradients) over `steps` steps."""
+    state = trainer.init(KEY, batches(0))
+    losses, grads, before = [], [], logical_params(trainer, state)
+    for i in range(steps):
+        state, metrics = trainer.step(state, batches(i))
+        after = logical_params(trainer, state)
+        losses.append(float(metrics["loss"]))
+        grads.append(jax.tree.map(lambda a, b: (a - b) / LR, before, after))
+        before = after
+    return np.array(losses), grads
+
+
+def _assert_same_training(got, want, rel: float = 1e-5) -> None:
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    for g, w in zip(got[1], want[1]):
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(w)):
+            assert np.abs(a - b).max() <= rel * np.abs(b).max() + 1e-7, (np.abs(a - b).max(), np.abs(b).max())
+
+
+@pytest.fixture(scope="module")
+def gpt_reference():
+    return _run(_trainer(functools.partial(GPT, CFG), zj.make_mesh(fsdp=8), 0), _tokens)
+
+
+@pytest.mark.parametrize(
+    "stage,mesh,microbatches",
+    [
+        (3, {"pipeline": 2, "fsdp": 4}, 4),
+        pytest.param(0, {"pipeline": 2, "fsdp": 4}, 2, marks=pytest.mark.slow),
+        pytest.param(3, {"pipeline": 4, "data": 2, "fsdp": 1}, 4, marks=pytest.mark.slow),
+        pytest.param(0, {"pipeline": 4, "data": 2, "fsdp": 1}, 8, marks=pytest.mark.slow),
+        pytest.param(3, {"pipeline": 2, "fsdp": 2, "tensor": 2}, 2, marks=pytest.mark.slow),
+    ],
+)
+def test_the_pipelined_gpt_trains_as_the_unpipelined_one(gpt_reference, stage, mesh, microbatches):
+    trainer = _trainer(functools.partial(GPT, CFG), zj.make_mesh(**mesh), stage, microbatches)
+    _assert_same_training(_run(trainer, _tokens), gpt_reference)
+    assert "pipelined: 'blocks' split into" in trainer.gather_report().description
+
+
+def test_a_users_stacked_blocks_pipeline_too():
+    batches = functools.partial(classification_batch, rows=16, features=24)
+    model = stacked_blocks(24, 4)
+    reference = _run(_trainer(model, zj.make_mesh(fsdp=8), 0), batches)
+    got = _run(_trainer(model, zj.make_mesh(pipeline=4, data=2, fsdp=1), 3, microbatches=4), batches)
+    _assert_same_training(got, reference)
+
+
+def test_bubbles_never_reach_the_output_or_the_gradient():
+    mesh = zj.make_mesh(pipeline=2, fsdp=4)
+    w = jax.random.normal(KEY, (4, 8, 8))
+    x = jax.random.normal(jax.random.key(1), (8, 8))
+
+    def layer(h, wl):
+        return jnp.tanh(h @ wl)
+
+    def loss(w, x, fill):
+        out = gpipe(layer, x, w, mesh=mesh, microbatches=2, fill=fill) if fill is not None else None
+        if out is None:
+            out = jax.lax.scan(lambda h, wl: (layer(h, wl), None), x, w)[0]
+        return jnp.sum(out**2)
+
+    want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)(w, x, None)
+    got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)(w, x, float("nan"))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert np.isfinite(a).all()
+        assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
+    assert bubble_fraction(2, 2) == pytest.approx(1 / 3) and bubble_fraction(4, 8, 2) == pytest.approx(3 / 19)
+
+
+def test_stage_3_keeps_the_blocks_split_over_pipeline_x_fsdp():
+    trainer = _trainer(functools.partial(GPT, CFG), zj.make_mesh(pipeline=2, fsdp=4), 3, 2, tx=optax.adam(1e-3))
+    state = trainer.init(KEY, _tokens(0))
+    first = trainer.mesh.devices.flat[0]
+    kept = sum(s.data.nbytes for x in jax.tree.leaves(state) for s in x.addressable_shards if s.device == first)
+    blocks = sum(np.prod(l.shape) for l in jax.tree.leaves(trainer.layout.leaves["blocks"], is_leaf=_is_leaf))
+    rest = CFG.num_params() - blocks
+    # fp32 master + Adam's two moments: 12 bytes a parameter; the blocks over pipeline x fsdp, the
+    # embedding, head and final norm (outside the pipeline) over fsdp
+    want = 12 * (blocks / (2 * 4) + rest / 4)
+    assert abs(kept / want - 1) < 0.01, (kept, want)
+
+
+def _is_leaf(x) -> bool:
+    return hasattr(x, "padded_shape")
+
+
+def test_a_checkpoint_saved_pipelined_restores_at_other_pipeline_sizes(tmp_path):
+    make = functools.partial(GPT, CFG)
+    saved = _trainer(make, zj.make_mesh(pipeline=2, fsdp=4), 3, 2)
+    state = saved.init(KEY, _tokens(0))
+    state, _ = saved.step(state, _tokens(0))
+    writer = CheckpointWriter(str(tmp_path), keep=1, run_meta=run_metadata(saved, seed=0))
+    writer.save(1, state)
+    writer.close()
+    want = logical_params(saved, state)
+    for mesh in ({"fsdp": 8}, {"pipeline": 4, "data": 2, "fsdp": 1}):
+        target = _trainer(make, zj.make_mesh(**mesh), 3, 4)
+        restored, _ = restore(target, str(tmp_path / "1"), KEY, _tokens(1))
+        jax.tree.map(np.testing.assert_array_equal, logical_params(target, restored), want)
+
+
+@pytest.mark.parametrize(
+    "case,words",
+    [
+        ("layers", "4 layers do not divide into mesh.pipeline=8"),
+        ("no-stack", "this model has none"),
+        ("shard_map", "runs on the gspmd engine"),
+        ("microbatches", "train.microbatches=1 is fewer than the 2 pipeline stages"),
+    ],
+)
+def test_what_cannot_be_pipelined_is_one_sentence(case, words):
+    make, mesh, engine, microbatches = functools.partial(GPT, CFG), {"pipeline": 2, "fsdp": 4}, "gspmd", None
+    batch = _tokens(0)
+    if case == "layers":
+        mesh = {"pipeline": 8, "fsdp": 1}
+    elif case == "no-stack":
+        make, batch = unrolled_blocks(24, 4), classification_batch(rows=16, features=24)
+    elif case == "shard_map":
+        engine = "shard_map"
+    else:
+        microbatches = 1
+    with pytest.raises(UserError, match=words):
+        trainer = _trainer(make, zj.make_mesh(**mesh), 3, microbatches, engine=engine)
+        trainer.step(trainer.init(KEY, batch), batch)
