@@ -16,6 +16,7 @@ import pytest
 import zerojax as zj
 from tests.host_copies import logical_params
 from tests.models import classification_batch, stacked_blocks, unrolled_blocks
+from zerojax.accounting.measure import ideal
 from zerojax.engines.pipeline import bubble_fraction, gpipe
 from zerojax.errors import UserError
 from zerojax.models.gpt import GPT, gpt_config
@@ -118,6 +119,7 @@ def test_stage_3_keeps_the_blocks_split_over_pipeline_x_fsdp():
     # embedding, head and final norm (outside the pipeline) over fsdp
     want = 12 * (blocks / (2 * 4) + rest / 4)
     assert abs(kept / want - 1) < 0.01, (kept, want)
+    assert abs(ideal(trainer, "adam").persistent_bytes / want - 1) < 0.01  # the analytic model counts it so
 
 
 def _is_leaf(x) -> bool:
@@ -162,3 +164,24 @@ def test_what_cannot_be_pipelined_is_one_sentence(case, words):
     with pytest.raises(UserError, match=words):
         trainer = _trainer(make, zj.make_mesh(**mesh), 3, microbatches, engine=engine)
         trainer.step(trainer.init(KEY, batch), batch)
+
+
+def test_stage_sends_follow_the_schedule_and_the_gradient_is_reduced_once():
+    """On the partitioned HLO: the activations move between stages once per loop iteration, forward
+    and backward (2 (m + p - 1) b S D x 4 bytes per device, b its rows of a microbatch), and the
+    blocks' weight gradient is reduced over fsdp once per step whatever the number of microbatches."""
+    from zerojax.accounting.measure import measure_step
+
+    mesh, batch, sent = zj.make_mesh(pipeline=2, fsdp=4), _tokens(0), {}
+    stage_bytes = 4 * sum(np.prod(l.shape) for l in jax.tree.leaves(_layouts(mesh)["blocks"], is_leaf=_is_leaf)) / 2
+    for m in (2, 4):
+        trainer = _trainer(functools.partial(GPT, CFG), mesh, 0, m)
+        by_kind = measure_step(trainer, trainer.init(KEY, batch), batch)[0].collective_by_kind_axis
+        rows = 16 // m // 4
+        assert by_kind["collective-permute"] == {"pipeline": 2 * (m + 2 - 1) * rows * CFG.seq_len * CFG.d_model * 4}
+        sent[m] = by_kind["all-reduce"]["fsdp"]
+    assert sent[2] == sent[4] == pytest.approx(2 * 3 / 4 * stage_bytes)
+
+
+def _layouts(mesh):
+    return _trainer(functools.partial(GPT, CFG), mesh, 0, 2).prepare(KEY, _tokens(0)).layout.leaves

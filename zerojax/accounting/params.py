@@ -9,12 +9,14 @@ from zerojax.core.trees import count_params
 
 
 def tensor_local_params(layouts) -> int:
-    """Elements of one tensor-parallel slice of the model: each leaf split over `tensor` counts
-    1/tensor of its elements. FSDP shards this slice (`LeafLayout`s in, as `count_params`)."""
+    """Elements of one tensor-parallel slice of one pipeline stage of the model: each leaf split over
+    `tensor` counts 1/tensor of its elements, each stacked leaf split over `pipeline` 1/pipeline. FSDP
+    shards this slice (`LeafLayout`s in, as `count_params`)."""
     import jax
 
     leaves = jax.tree.leaves(layouts, is_leaf=lambda x: hasattr(x, "tensor_axis"))
-    return int(sum(math.prod(l.shape) // (l.tensor_size if l.tensor_axis is not None else 1) for l in leaves))
+    split = [(l.tensor_size if l.tensor_axis is not None else 1) * l.pipeline_size for l in leaves]
+    return int(sum(math.prod(l.shape) // k for l, k in zip(leaves, split)))
 
 
 def gpt_param_shapes(gpt):

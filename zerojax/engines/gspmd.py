@@ -130,7 +130,8 @@ def _pipelined(layout, model, static, options: EngineOptions):
     microbatches = options.microbatches or pipeline_size(layout.mesh)
 
     def loop(layer, x, stacked):
-        return pipeline.gpipe(layer, x, stacked, mesh=layout.mesh, microbatches=microbatches)
+        inside = functools.partial(activations.rules_active, layout, manual=True)
+        return pipeline.gpipe(layer, x, stacked, mesh=layout.mesh, microbatches=microbatches, inside=inside)
 
     def run(params, model_state, batch, key, train):
         if layout.compute_sharded:

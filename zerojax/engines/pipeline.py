@@ -1,28 +1,29 @@
 """Pipeline parallelism as an SPMD loop: a model's stack of identical layers split into `p` pipeline
 stages of consecutive layers over the mesh's `pipeline` axis, run by GPipe over `m` microbatches.
 
-Each device holds its stage's layers: the stacked params viewed as [p, layers / p, ...], the stage
-axis on `pipeline` (`LeafLayout.pipeline_size`). The loop runs `m + p - 1` iterations. In each,
-every stage applies its layers to its current input at once (one `vmap` over the stage axis, which
-the partitioner splits so each device computes its own stage), the last stage's output is kept as
-microbatch `t - (p - 1)`, and the outputs move one stage on (`jnp.roll` over the stage axis: a
-collective-permute between neighbouring stages). Stage `s` works on microbatch `t - s`; in the
-bubble iterations, where that is outside [0, m), its input is replaced by zeros, so whatever the
-buffer held (NaN included) never reaches an output or a gradient. The backward schedule is the
-loop's derivative; each layer is rematerialised (its input saved, its internals recomputed).
-
-Microbatch j holds rows j, j + m, j + 2m, ... of the batch, so each microbatch keeps the batch's
-split over the data-parallel axes.
+The loop runs inside a `shard_map` manual over `pipeline` and the data-parallel axes (a `tensor`
+axis stays with the partitioner). Each device holds its stage's layers (a stacked leaf's layer axis
+is split over `pipeline`, `LeafLayout.pipeline_size`) and its rows of the batch, split into `m`
+microbatches (microbatch j: its rows j, j + m, ...). The loop runs `m + p - 1` iterations; in each,
+every stage applies its layers to its current input and sends the result to the next stage (a
+`ppermute`), and the last stage keeps its output as microbatch `t - (p - 1)`. Stage `s` works on
+microbatch `t - s`; in the bubble iterations, where that is outside [0, m), its input is replaced by
+zeros, so whatever the buffer held (NaN included) never reaches an output or a gradient. The last
+stage's outputs are then summed over `pipeline` (the others hold zeros), since every stage runs what
+follows the stack. The backward schedule is the loop's derivative; each layer is rematerialised. The
+stage weights enter the region replicated over the data-parallel axes, so their gradient is summed
+over them once, after the last microbatch.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zerojax.core.mesh import BATCH_AXES, PIPELINE_AXIS, data_parallel_size, pipeline_size
+from zerojax.core.mesh import BATCH_AXES, PIPELINE_AXIS, TENSOR_AXIS, data_parallel_size, pipeline_size
 from zerojax.errors import UserError
 
 
@@ -42,45 +43,46 @@ def check_microbatches(mesh, batch_rows: int, microbatches: int) -> None:
         )
 
 
-def gpipe(layer, x, stacked, *, mesh, microbatches: int, fill: float = 0.0):
+def gpipe(layer, x, stacked, *, mesh, microbatches: int, fill: float = 0.0, inside=contextlib.nullcontext):
     """`layer(x, one layer's params) -> x` applied through every layer of `stacked` (leaves [layers,
-    ...]), pipelined over the mesh's `pipeline` axis with GPipe over `microbatches`. The same result
-    as scanning `layer` over the layers in order. `fill`: what the stage buffers start as (the
-    bubbles compute on zeros whatever it is; tests pass NaN to show it)."""
+    ...], split over `pipeline` on axis 0), pipelined with GPipe over `microbatches`: the same result
+    as scanning `layer` over the layers in order. `fill`: what the stage buffers start as (bubbles
+    compute on zeros whatever it is; tests pass NaN to show it). `inside()`: a context the layers
+    run in (the engine's activation rules for a manual region)."""
     p, m = pipeline_size(mesh), microbatches
     check_microbatches(mesh, x.shape[0], m)
-    rows = x.shape[0] // m
-    rest = x.shape[1:]
-    batch = NamedSharding(mesh, P(None, BATCH_AXES))
-    per_stage = NamedSharding(mesh, P(PIPELINE_AXIS, BATCH_AXES))
-    xs = jax.lax.with_sharding_constraint(x.reshape(rows, m, *rest).swapaxes(0, 1), batch)  # [m, rows, ...]
-    stages = jax.tree.map(lambda a: a.reshape(p, a.shape[0] // p, *a.shape[1:]), stacked)
+    manual = (PIPELINE_AXIS, *BATCH_AXES)
+    partial = {"axis_names": frozenset(manual)} if dict(mesh.shape).get(TENSOR_AXIS, 1) > 1 else {}
 
-    def stage(params, h):  # one pipeline stage: its layers in order, each rematerialised
-        def body(h, one):
-            return jax.checkpoint(layer)(h, one), None
+    def stage(params, h):  # this device's pipeline stage: its layers in order, each rematerialised
+        return jax.lax.scan(lambda h, one: (jax.checkpoint(layer)(h, one), None), h, params)[0]
 
-        return jax.lax.scan(body, h, params)[0]
+    def body(x, params):  # x: this device's rows; params: its stage's layers
+        rows, rest = x.shape[0] // m, x.shape[1:]
+        xs = x.reshape(rows, m, *rest).swapaxes(0, 1)  # microbatch j: local rows j, j + m, ...
+        me = jax.lax.axis_index(PIPELINE_AXIS)
 
-    index = jnp.arange(p).reshape(p, *([1] * (1 + len(rest))))
+        def iteration(carry, t):
+            state, outputs = carry
+            first = jax.lax.dynamic_index_in_dim(xs, jnp.minimum(t, m - 1), 0, keepdims=False)
+            busy = (t >= me) & (t - me < m)  # stage `me` works on microbatch t - me
+            out = stage(params, jnp.where(busy, jnp.where(me == 0, first, state), jnp.zeros_like(state)))
+            j = jnp.maximum(t - (p - 1), 0)
+            kept = jax.lax.dynamic_index_in_dim(outputs, j, 0, keepdims=False)
+            done = jnp.where((me == p - 1) & (t >= p - 1), out, kept)
+            outputs = jax.lax.dynamic_update_index_in_dim(outputs, done, j, 0)
+            return (jax.lax.ppermute(out, PIPELINE_AXIS, [(i, i + 1) for i in range(p - 1)]), outputs), None
 
-    def iteration(carry, t):
-        state, outputs = carry
-        first = jax.lax.dynamic_index_in_dim(xs, jnp.minimum(t, m - 1), 0, keepdims=False)
-        inputs = jnp.where(index == 0, first[None], state)
-        busy = (t >= index) & (t - index < m)  # stage s works on microbatch t - s
-        inputs = jax.lax.with_sharding_constraint(jnp.where(busy, inputs, jnp.zeros_like(inputs)), per_stage)
-        out = jax.vmap(stage, spmd_axis_name=PIPELINE_AXIS)(stages, inputs)
-        out = jax.lax.with_sharding_constraint(out, per_stage)
-        j = jnp.maximum(t - (p - 1), 0)
-        done = jnp.where(t >= p - 1, out[p - 1], jax.lax.dynamic_index_in_dim(outputs, j, 0, keepdims=False))
-        outputs = jax.lax.with_sharding_constraint(jax.lax.dynamic_update_index_in_dim(outputs, done, j, 0), batch)
-        return (jnp.roll(out, 1, axis=0), outputs), None
+        with inside():
+            carry = (jnp.full((rows, *rest), fill, x.dtype), jnp.zeros((m, rows, *rest), x.dtype))
+            (_, outputs), _ = jax.lax.scan(iteration, carry, jnp.arange(m + p - 1))
+        # the last stage holds the outputs; every stage runs what follows the stack
+        outputs = jax.lax.psum(jnp.where(me == p - 1, outputs, jnp.zeros_like(outputs)), PIPELINE_AXIS)
+        return outputs.swapaxes(0, 1).reshape(x.shape)
 
-    state = jax.lax.with_sharding_constraint(jnp.full((p, rows, *rest), fill, x.dtype), per_stage)
-    outputs = jnp.zeros((m, rows, *rest), x.dtype)
-    (_, outputs), _ = jax.lax.scan(iteration, (state, outputs), jnp.arange(m + p - 1))
-    return outputs.swapaxes(0, 1).reshape(x.shape)
+    specs = (P(BATCH_AXES), jax.tree.map(lambda _: P(PIPELINE_AXIS), stacked))
+    run = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(BATCH_AXES), check_vma=False, **partial)
+    return run(x, stacked)
 
 
 def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
