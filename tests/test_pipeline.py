@@ -33,8 +33,7 @@ def _tokens(seed: int, rows: int = 16) -> dict:
 
 
 def _trainer(make, mesh, stage: int, microbatches=None, engine="gspmd", tx=None):
-    options = {"microbatches": microbatches} if microbatches else {}
-    return zj.Trainer(make, tx or optax.sgd(LR), mesh=mesh, stage=stage, engine=engine, engine_options=options)
+    return zj.Trainer(make, tx or optax.sgd(LR), mesh=mesh, stage=stage, engine=engine, microbatches=microbatches)
 
 
 def _run(trainer, batches, steps: int = 3):
@@ -136,7 +135,7 @@ def test_a_checkpoint_saved_pipelined_restores_at_other_pipeline_sizes(tmp_path)
     writer.close()
     want = logical_params(saved, state)
     for mesh in ({"fsdp": 8}, {"pipeline": 4, "data": 2, "fsdp": 1}):
-        target = _trainer(make, zj.make_mesh(**mesh), 3, 4)
+        target = _trainer(make, zj.make_mesh(**mesh), 3, 4 if "pipeline" in mesh else None)
         restored, _ = restore(target, str(tmp_path / "1"), KEY, _tokens(1))
         jax.tree.map(np.testing.assert_array_equal, logical_params(target, restored), want)
 
@@ -148,6 +147,7 @@ def test_a_checkpoint_saved_pipelined_restores_at_other_pipeline_sizes(tmp_path)
         ("no-stack", "this model has none"),
         ("shard_map", "runs on the gspmd engine"),
         ("microbatches", "train.microbatches=1 is fewer than the 2 pipeline stages"),
+        ("no-pipeline", "this mesh has no pipeline axis"),
     ],
 )
 def test_what_cannot_be_pipelined_is_one_sentence(case, words):
@@ -159,6 +159,8 @@ def test_what_cannot_be_pipelined_is_one_sentence(case, words):
         make, batch = unrolled_blocks(24, 4), classification_batch(rows=16, features=24)
     elif case == "shard_map":
         engine = "shard_map"
+    elif case == "no-pipeline":
+        mesh, microbatches = {"fsdp": 8}, 2
     else:
         microbatches = 1
     with pytest.raises(UserError, match=words):

@@ -100,9 +100,7 @@ def axis_rules(c: Config) -> dict:
 def engine_options(c: Config) -> EngineOptions:
     """The engine options a config's `zero` section sets: its keys named like `EngineOptions` fields."""
     names = {f.name for f in dataclasses.fields(EngineOptions)}
-    return EngineOptions.of(
-        {k: v for k, v in c.zero.model_dump().items() if k in names} | {"microbatches": c.train.microbatches}
-    )
+    return EngineOptions.of({k: v for k, v in c.zero.model_dump().items() if k in names})
 
 
 def build_experiment(c: Config, devices=None) -> Experiment:
@@ -127,6 +125,7 @@ def build_experiment(c: Config, devices=None) -> Experiment:
         reduce_dtype=c.zero.reduce_dtype,
         engine_options=engine_options(c),
         grad_accum=c.train.grad_accum,
+        microbatches=c.train.microbatches,
         offload=c.zero.offload,
         axis_rules=axis_rules(c),
         trainable=c.train.trainable,

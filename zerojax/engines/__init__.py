@@ -53,8 +53,6 @@ class EngineOptions:
     # also refuse a step whose new state (not only its loss and gradient norm) is non-finite: two
     # optimizer passes, several times the compile time (docs/engines.md, "The update")
     checked_update: bool = False
-    # a `pipeline` mesh axis: GPipe microbatches per step (None: one per pipeline stage)
-    microbatches: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_stacks", tuple(self.layer_stacks))

@@ -29,14 +29,7 @@ from zerojax.engines.unit_plan import (
 from zerojax.engines.update import apply_update, compute_params, constrain, keep_model_state, step_key
 from zerojax.errors import UserError
 
-SUPPORTS = (
-    "layer_stacks",
-    "prefetch",
-    "wrap",
-    "reshard_after_forward",
-    "checked_update",
-    "microbatches",
-)  # `EngineOptions` fields
+SUPPORTS = ("layer_stacks", "prefetch", "wrap", "reshard_after_forward", "checked_update")  # `EngineOptions` fields
 
 
 def _whole(layout, layouts, tree):
@@ -117,7 +110,7 @@ def _units(layout, model, static, options, inputs, model_state):
     return (report, around) if report.route == "units" else None
 
 
-def _pipelined(layout, model, static, options: EngineOptions):
+def _pipelined(layout, model, static, options: EngineOptions, microbatches: int | None):
     """A `run` for a `pipeline` mesh axis: the model's stack of layers through GPipe
     (`zerojax.engines.pipeline`), every weight gathered over FSDP once per step at stage 3 (each
     pipeline stage's layers on its own devices), the gradient reduced once after the last microbatch."""
@@ -127,7 +120,7 @@ def _pipelined(layout, model, static, options: EngineOptions):
             f"mesh.pipeline={pipeline_size(layout.mesh)} needs a model that hands its layer loop to zerojax "
             "(the shipped GPT, or zj.Stacked blocks without BatchNorm or dropout state); this one does not."
         )
-    microbatches = options.microbatches or pipeline_size(layout.mesh)
+    microbatches = microbatches or pipeline_size(layout.mesh)
 
     def loop(layer, x, stacked):
         inside = functools.partial(activations.rules_active, layout, manual=True)
@@ -156,10 +149,20 @@ def _pipelined(layout, model, static, options: EngineOptions):
 
 
 def build(
-    layout, model, static, loss_fn, tx, options: EngineOptions, inputs=None, model_state=None, grad_accum: int = 1
+    layout,
+    model,
+    static,
+    loss_fn,
+    tx,
+    options: EngineOptions,
+    inputs=None,
+    model_state=None,
+    grad_accum: int = 1,
+    microbatches: int | None = None,
 ) -> BuiltStep:
+    """The step; `microbatches`: GPipe's on a `pipeline` mesh axis (None: one per pipeline stage)."""
     if pipeline_size(layout.mesh) > 1:
-        piped, report = _pipelined(layout, model, static, options)
+        piped, report = _pipelined(layout, model, static, options, microbatches)
         if grad_accum > 1:
             grads = _accumulated(accumulated_grads(layout, model, static, loss_fn, piped, grad_accum, False))
         else:

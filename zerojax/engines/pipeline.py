@@ -27,7 +27,7 @@ from zerojax.core.mesh import BATCH_AXES, PIPELINE_AXIS, TENSOR_AXIS, data_paral
 from zerojax.errors import UserError
 
 
-def check_microbatches(mesh, batch_rows: int, microbatches: int) -> None:
+def check_schedule(mesh, batch_rows: int, microbatches: int) -> None:
     """At least one microbatch per stage, and microbatches that split the batch evenly over the
     data-parallel devices."""
     stages, dp = pipeline_size(mesh), data_parallel_size(mesh)
@@ -50,7 +50,7 @@ def gpipe(layer, x, stacked, *, mesh, microbatches: int, fill: float = 0.0, insi
     compute on zeros whatever it is; tests pass NaN to show it). `inside()`: a context the layers
     run in (the engine's activation rules for a manual region)."""
     p, m = pipeline_size(mesh), microbatches
-    check_microbatches(mesh, x.shape[0], m)
+    check_schedule(mesh, x.shape[0], m)
     manual = (PIPELINE_AXIS, *BATCH_AXES)
     partial = {"axis_names": frozenset(manual)} if dict(mesh.shape).get(TENSOR_AXIS, 1) > 1 else {}
 

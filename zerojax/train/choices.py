@@ -24,6 +24,7 @@ class Choices:
     engine_options: Any = None  # `EngineOptions` or a dict of its fields
     rng_streams: tuple[str, ...] = ("dropout",)  # the model's RNG streams, keyed from each step
     grad_accum: int = 1  # micro-batches per step
+    microbatches: int | None = None  # a `pipeline` mesh axis: GPipe microbatches per step; None: one a stage
     offload: str = "none"  # "none", "optimizer" or "optimizer+params" (docs/offload.md)
     axis_rules: Any = None  # logical or foreign axis name -> mesh axis (`zerojax.core.axis_rules`)
     # what trains (`zerojax.core.trainable`): a regex over param paths, (path, leaf) -> bool, an NNX

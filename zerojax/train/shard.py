@@ -41,7 +41,7 @@ from zerojax.core.stages import Stage, get_stage
 from zerojax.core.state import TrainState, run_key
 from zerojax.core.trees import filled
 from zerojax.engines import Engine, EngineOptions, GatherReport, get_engine
-from zerojax.engines.accum import check_accum_batch, check_grad_accum
+from zerojax.engines.accum import check_accum_batch, check_grad_accum, check_microbatches
 from zerojax.engines.unit_plan import stack_paths
 from zerojax.engines.update import compute_params
 from zerojax.errors import UserError
@@ -63,6 +63,7 @@ class Setup:
     loss_fn: Callable
     options: EngineOptions
     grad_accum: int
+    microbatches: int | None  # GPipe's, on a `pipeline` mesh axis (`zerojax.engines.pipeline`)
     offload: str
     replicate_below_bytes: int
     axis_rules: dict  # logical axis name -> mesh axis (`zerojax.core.axis_rules`)
@@ -98,6 +99,7 @@ class Setup:
             c.loss_fn or cross_entropy,
             options,
             grad_accum,
+            check_microbatches(c.microbatches, mesh),
             offload,
             c.replicate_below_bytes,
             rules,
@@ -125,9 +127,7 @@ class Setup:
             optimizer=self.tx,
         )
 
-    @property
-    def batch_sharding(self) -> NamedSharding:
-        return NamedSharding(self.mesh, P(BATCH_AXES))
+    batch_sharding = property(lambda self: NamedSharding(self.mesh, P(BATCH_AXES)))
 
     def check_batch(self, batch: dict) -> None:
         """What any use of `batch` needs: inputs, and rows the data-parallel devices (and micro-batches) divide."""
@@ -256,7 +256,6 @@ def prepare(setup: Setup, key, batch: dict) -> Sharded:
     shardings, abstract = _state_shardings(setup, layout, model_state_shapes)
     static = _static(setup, key, inputs, static_shapes, layout)
     classes = _check_model(setup, key, batch, (param_shapes, abstract.model_state or {}, static))
-    accumulate = {"grad_accum": setup.grad_accum} if setup.grad_accum > 1 else {}
     built = setup.engine.build(
         layout,
         model,
@@ -266,7 +265,8 @@ def prepare(setup: Setup, key, batch: dict) -> Sharded:
         setup.options,
         inputs,
         model_state=model_state_shapes,
-        **accumulate,
+        grad_accum=setup.grad_accum,
+        microbatches=setup.microbatches,
     )
     # Host-offloaded groups stream into device memory at the step's start and back out at its end.
     host = layout.host_groups
