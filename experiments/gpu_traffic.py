@@ -24,10 +24,8 @@ import sys
 import tempfile
 import traceback
 
-from experiments.common import RESULTS, cpu_devices
+from experiments.common import RESULTS, cpu_devices, sweep_config
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-CONFIG = os.path.join(os.path.dirname(HERE), "configs", "tiny.yaml")
 DEVICES = 8
 
 
@@ -60,19 +58,9 @@ def row(jax, model: str, precision: str, engine: str, stage: int, dump: str | No
     from zerojax.accounting.hlo import collective_bytes
     from zerojax.accounting.measure import ideal, persistent_bytes
     from zerojax.accounting.partitioned import compile_partitioned
-    from zerojax.cli.config import load_config
     from zerojax.cli.experiment import build_experiment
 
-    c = load_config(
-        CONFIG,
-        [
-            f"model.preset={model}",
-            f"precision={precision}",
-            f"zero.stage={stage}",
-            f"zero.engine={engine}",
-            "train.batch_size=16",
-        ],
-    )
+    c = sweep_config(model, precision, engine, stage)
     exp = build_experiment(c, devices=jax.devices()[:DEVICES])
     trainer, gpt = exp.trainer, exp.model
     batch = {

@@ -20,36 +20,23 @@ import json
 import os
 import sys
 
-from experiments.common import RESULTS
+from experiments.common import RESULTS, sweep_config
 from zerojax.core.optim import get_optimizer
 from zerojax.core.precision import get_precision
 from zerojax.core.stages import STAGE_INDICES
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-CONFIG = os.path.join(os.path.dirname(HERE), "configs", "tiny.yaml")
 STAGES = STAGE_INDICES
 
 
 def sweep(models, precisions, engines, steps: int) -> list[dict]:
     from zerojax.cli.commands.compare_run import run_row
-    from zerojax.cli.config import load_config
 
     rows = []
     for model in models:
         for precision in precisions:
             for engine in engines:
                 for stage in STAGES:
-                    c = load_config(
-                        CONFIG,
-                        [
-                            f"model.preset={model}",
-                            f"precision={precision}",
-                            f"zero.stage={stage}",
-                            f"zero.engine={engine}",
-                            f"train.steps={steps}",
-                            "train.batch_size=16",
-                        ],
-                    )
+                    c = sweep_config(model, precision, engine, stage, f"train.steps={steps}")
                     row, params, devices = run_row(c, steps)
                     row.update(model=model, params=params, devices=devices)
                     rows.append(row)
