@@ -182,7 +182,12 @@ def test_stage_sends_follow_the_schedule_and_the_gradient_is_reduced_once():
         rows = 16 // m // 4
         assert by_kind["collective-permute"] == {"pipeline": 2 * (m + 2 - 1) * rows * CFG.seq_len * CFG.d_model * 4}
         sent[m] = by_kind["all-reduce"]["fsdp"]
-    assert sent[2] == sent[4] == pytest.approx(2 * 3 / 4 * stage_bytes)
+    assert sent[2] == sent[4]  # once per step, whatever m
+    # jax 0.10: exactly the blocks' all-reduce (2 (f-1)/f of a stage's fp32 weights); jax 0.12's
+    # partitioner adds ~98 KB more over fsdp, also once per step (docs/parallelism.md)
+    assert sent[2] >= 2 * 3 / 4 * stage_bytes
+    if jax.__version_info__ < (0, 11):
+        assert sent[2] == pytest.approx(2 * 3 / 4 * stage_bytes)
 
 
 def _layouts(mesh):
