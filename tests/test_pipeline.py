@@ -192,3 +192,14 @@ def test_stage_sends_follow_the_schedule_and_the_gradient_is_reduced_once():
 
 def _layouts(mesh):
     return _trainer(functools.partial(GPT, CFG), mesh, 0, 2).prepare(KEY, _tokens(0)).layout.leaves
+
+
+def test_inspect_counts_a_kept_compute_copy_per_pipeline_stage():
+    from zerojax.cli.commands.inspect import layout_report
+    from zerojax.cli.config import load_config
+
+    overrides = ["mesh.pipeline=2", "precision=bf16", "zero.stage=1", "model.n_layers=2"]
+    leaves = {l["path"]: l for l in layout_report(load_config("configs/tiny.yaml", overrides))["leaves"]}
+    w_down, embed = leaves["blocks/w_down"], leaves["embed"]
+    assert w_down["bytes_per_device"]["compute_params"] == np.prod(w_down["shape"]) * 2 // 2  # bf16, half the layers
+    assert embed["bytes_per_device"]["compute_params"] == np.prod(embed["shape"]) * 2  # outside the pipeline

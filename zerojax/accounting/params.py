@@ -15,8 +15,7 @@ def tensor_local_params(layouts) -> int:
     import jax
 
     leaves = jax.tree.leaves(layouts, is_leaf=lambda x: hasattr(x, "tensor_axis"))
-    split = [(l.tensor_size if l.tensor_axis is not None else 1) * l.pipeline_size for l in leaves]
-    return int(sum(math.prod(l.shape) // k for l, k in zip(leaves, split)))
+    return int(sum(math.prod(l.shape) // l.model_split for l in leaves))
 
 
 def gpt_param_shapes(gpt):

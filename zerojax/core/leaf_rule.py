@@ -40,6 +40,11 @@ class LeafLayout:
     pipeline_size: int = 1
 
     @property
+    def model_split(self) -> int:
+        """The devices every group splits this leaf over, whatever the stage: tensor x pipeline."""
+        return (self.tensor_size if self.tensor_axis is not None else 1) * self.pipeline_size
+
+    @property
     def padded(self) -> bool:
         return self.padded_shape != self.shape
 
@@ -164,7 +169,6 @@ def describe(layouts) -> list[dict]:
 
 def shard_numel(layout: LeafLayout, sharded: bool, fsdp_size: int) -> int:
     """Elements one device holds of this leaf when its group is (or is not) sharded."""
-    tensor = (layout.tensor_size if layout.tensor_axis is not None else 1) * layout.pipeline_size
     if not sharded or layout.axis is None:
-        return int(np.prod(layout.shape)) // tensor
-    return int(np.prod(layout.padded_shape)) // (fsdp_size * tensor)
+        return int(np.prod(layout.shape)) // layout.model_split
+    return int(np.prod(layout.padded_shape)) // (fsdp_size * layout.model_split)

@@ -141,9 +141,8 @@ def _leaf_row(layout, name: str, l, m, opt: list) -> dict:
     if not l.trainable:
         compute_spec, compute_bytes, compute_note = _spec(m.sharding), _shard_bytes(m), "frozen: kept once, no master"
     elif layout.keeps_compute_copy:
-        tensor = l.tensor_size if l.tensor_axis is not None else 1
         compute_spec = _spec(NamedSharding(layout.mesh, l.spec(False)))
-        compute_bytes, compute_note = math.prod(l.shape) * prec.param_bytes // tensor, "kept"
+        compute_bytes, compute_note = math.prod(l.shape) * prec.param_bytes // l.model_split, "kept"
     elif layout.compute_sharded and prec.separate_compute_copy:
         compute_spec, compute_bytes, compute_note = _spec(m.sharding), 0, "cast from the shard and gathered per use"
     else:
