@@ -52,9 +52,9 @@ def _random_params(cfg) -> dict:
     return out
 
 
-def _trainer(cfg=CFG):
+def _trainer(cfg=CFG, trainable=None):
     mesh = zj.make_mesh(devices=jax.devices()[:1])
-    return zj.Trainer(lambda rngs: GPT(cfg, rngs), optax.sgd(0.1), mesh=mesh, stage=0)
+    return zj.Trainer(lambda rngs: GPT(cfg, rngs), optax.sgd(0.1), mesh=mesh, stage=0, trainable=trainable)
 
 
 def _stream():

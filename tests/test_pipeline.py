@@ -175,23 +175,20 @@ def test_stage_sends_follow_the_schedule_and_the_gradient_is_reduced_once():
     from zerojax.accounting.measure import measure_step
 
     mesh, batch, sent = zj.make_mesh(pipeline=2, fsdp=4), _tokens(0), {}
-    stage_bytes = 4 * sum(np.prod(l.shape) for l in jax.tree.leaves(_layouts(mesh)["blocks"], is_leaf=_is_leaf)) / 2
     for m in (2, 4):
         trainer = _trainer(functools.partial(GPT, CFG), mesh, 0, m)
         by_kind = measure_step(trainer, trainer.init(KEY, batch), batch)[0].collective_by_kind_axis
         rows = 16 // m // 4
         assert by_kind["collective-permute"] == {"pipeline": 2 * (m + 2 - 1) * rows * CFG.seq_len * CFG.d_model * 4}
         sent[m] = by_kind["all-reduce"]["fsdp"]
+    blocks = jax.tree.leaves(trainer.layout.leaves["blocks"], is_leaf=_is_leaf)
+    stage_bytes = 4 * sum(np.prod(l.shape) for l in blocks) / 2  # one pipeline stage's fp32 weights
     assert sent[2] == sent[4]  # once per step, whatever m
     # jax 0.10: exactly the blocks' all-reduce (2 (f-1)/f of a stage's fp32 weights); jax 0.12's
     # partitioner adds ~98 KB more over fsdp, also once per step (docs/parallelism.md)
     assert sent[2] >= 2 * 3 / 4 * stage_bytes
     if jax.__version_info__ < (0, 11):
         assert sent[2] == pytest.approx(2 * 3 / 4 * stage_bytes)
-
-
-def _layouts(mesh):
-    return _trainer(functools.partial(GPT, CFG), mesh, 0, 2).prepare(KEY, _tokens(0)).layout.leaves
 
 
 def test_inspect_counts_a_kept_compute_copy_per_pipeline_stage():

@@ -102,21 +102,13 @@ def _gpt_logits(cfg, params) -> np.ndarray:
 
 def _exported(cfg, params, root: str, fmt: str = "safetensors", trainable=None) -> str:
     """`params` saved as a run's checkpoint under root/ckpt, exported to root/<fmt>."""
-    trainer = _trainer(cfg) if trainable is None else _trainer_with(cfg, trainable)
+    trainer = _trainer(cfg, trainable)
     state = trainer.init(KEY, _stream().host_batch(0), params=params)
     ckpt = _save(trainer, state, os.path.join(root, "ckpt"), dataclasses.asdict(cfg))
     out = os.path.join(root, fmt)
     result = cli_in_process("export", ckpt, out, "--format", fmt)
     assert result.returncode == 0, result.stderr
     return out
-
-
-def _trainer_with(cfg, trainable: str):
-    import jax
-    import optax
-
-    mesh = zj.make_mesh(devices=jax.devices()[:1])
-    return zj.Trainer(lambda rngs: GPT(cfg, rngs), optax.sgd(0.1), mesh=mesh, stage=0, trainable=trainable)
 
 
 def _tensors(folder: str) -> dict:
