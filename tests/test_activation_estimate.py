@@ -13,7 +13,7 @@ import pytest
 import zerojax as zj
 from tests.cli_helpers import REPO, assert_one_line_error, cli_in_process
 from zerojax.accounting import measure
-from zerojax.accounting.activations import activation_bytes_gpt
+from zerojax.accounting.activations import GPTShape, activation_bytes_gpt, gpt_activation_bytes
 from zerojax.models.gpt import GPT, gpt_config
 
 P = 8
@@ -31,6 +31,22 @@ def test_activation_estimate_within_15_percent_at_stage_0(preset, seq, batch):
         cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_ff, cfg.vocab_size, seq, batch // P, 4, cfg.remat
     )
     assert estimate == pytest.approx(measured, rel=0.15), (estimate, measured)
+
+
+def test_activation_estimate_follows_fewer_key_value_heads():
+    # Under remat "dots" the saved k and v are as wide as the key/value heads: a fall from 8 to 2 of
+    # them frees what the estimate says it does (a 3-layer 20M GPT, fp32).
+    seq, batch, out = 128, 64, {}
+    abstract = {k: jax.ShapeDtypeStruct((batch, seq), jnp.int32) for k in ("inputs", "targets")}
+    for kv_heads in (8, 2):
+        cfg = gpt_config("20m", seq_len=seq, n_layers=3, n_kv_heads=kv_heads, remat="dots")
+        trainer = zj.Trainer(functools.partial(GPT, cfg), optax.sgd(1e-3), mesh=zj.make_mesh(fsdp=P), stage=0)
+        trainer.abstract_state(jax.random.key(0), abstract)
+        estimate = gpt_activation_bytes(GPTShape.of(cfg), seq, batch // P, 4, cfg.remat)
+        out[kv_heads] = (measure.activation_temp_bytes(trainer, abstract), estimate)
+    measured_drop, estimated_drop = (out[8][i] - out[2][i] for i in range(2))
+    assert estimated_drop == pytest.approx(measured_drop, rel=0.25), (estimated_drop, measured_drop)
+    assert out[2][1] == pytest.approx(out[2][0], rel=0.15)
 
 
 def _plan_with_rss(*args) -> tuple[dict, int]:

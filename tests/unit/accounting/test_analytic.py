@@ -105,6 +105,9 @@ def test_activation_formula_terms():
     none = activation_bytes_gpt(d, n, h, f, v, L, B, b, "none")
     dots = activation_bytes_gpt(d, n, h, f, v, L, B, b, "dots")
     assert expected < dots < none
+    # grouped-query attention: dots keeps k and v at their own width (2 x (d - kv) less per layer)
+    kv = d // 4
+    assert dots - activation_bytes_gpt(d, n, h, f, v, L, B, b, "dots", kv_dim=kv) == n * T * 2 * (d - kv) * b
     with pytest.raises(UserError):
         activation_bytes_gpt(d, n, h, f, v, L, B, b, "some")
 
