@@ -160,6 +160,14 @@ def gpt_host_activation_bytes(
     return float(host_activation_bytes_gpt(*dims, seq_len, micro_batch, compute_bytes, remat, kv_dim=shape.kv_dim))
 
 
+def gpt_layer_saved_bytes(shape: GPTShape, seq_len: int, micro_batch: int, compute_bytes: float, remat: str) -> float:
+    """What one layer saves for its backward for one micro-batch (the per-layer term of
+    `activation_bytes_gpt`): a pipeline keeps one per layer and iteration in flight."""
+    _check_remat(remat, ACTIVATION_MODEL)
+    dims = (shape.d_model, shape.n_heads, shape.d_ff, seq_len, micro_batch, compute_bytes, shape.kv_dim)
+    return _layer_bytes(ACTIVATION_MODEL.saved[remat], *dims)
+
+
 def gathered_weights_kept(
     params: float, stage: int, remat: str, param_bytes: float, reshard_after_forward: bool = True
 ) -> float:

@@ -11,7 +11,7 @@ device and host bytes apart, and the best one's `--set` overrides are printed
 (`zerojax.accounting.picks`; docs/planner.md).
 
 What is planned comes from `plan.inputs`; the tables are printed by `plan.tables` and the FSDP x
-tensor section by `plan.tensor`.
+tensor section by `plan.tensor`, the pipeline x tensor x fsdp one by `plan.pipeline`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import json
 import math
 
 from zerojax.cli.commands import add_overrides
+from zerojax.cli.commands.plan import pipeline as plan_pipeline
 from zerojax.cli.commands.plan import tensor as plan_tensor
 from zerojax.cli.commands.plan.inputs import inputs_from_config, inputs_from_flags
 from zerojax.errors import UserError
@@ -122,10 +123,12 @@ def _run(args: argparse.Namespace) -> int:
     ranked = _rank(args, result, inputs, hardware, host_memory)
     by_axis = _by_axis(result, inputs)
     tensor = plan_tensor.section(inputs, hardware, _mfu(args))
+    pipeline = plan_pipeline.section(inputs, hardware, _mfu(args), args.headroom)
     if args.json:
         out = _json_out(args, result, ranked, inputs, hardware, host_memory)
         out["stage_3_traffic_by_axis"] = by_axis
         out["tensor_parallel"] = tensor
+        out["pipeline_parallel"] = pipeline
         out["recommendation"] = out["best"]  # the one recommendation: the best combination that fits
         print(json.dumps(out, indent=2))
         return 0
@@ -137,6 +140,8 @@ def _run(args: argparse.Namespace) -> int:
     print_picks(ranked, args.top, hardware, inputs["rows_per_device"], result.seq_len, args.headroom)
     if tensor is not None:
         plan_tensor.print_section(tensor)
+    if pipeline is not None:
+        plan_pipeline.print_section(pipeline)
     return 0
 
 

@@ -43,6 +43,7 @@ def inputs_from_flags(args: argparse.Namespace) -> dict:
         "zeropp": None,
     }
     inputs["rows_per_device"] = inputs["micro_batch"] * inputs["grad_accum"]
+    inputs["global_rows"] = inputs["rows_per_device"] * inputs["devices"]
     if args.lora_rank is not None:
         raise UserError(
             "--lora-rank needs a CONFIG of the shipped GPT (the adapters' shapes); give --trainable instead."
@@ -78,14 +79,15 @@ def counted_model(c, args: argparse.Namespace) -> dict:
 
 def sharding_devices(c, args: argparse.Namespace) -> int:
     """The devices the state is sharded over: `--devices` less the config's replicas, else mesh.fsdp
-    (x mesh.tensor: at stage 3 each device keeps 1/(fsdp x tensor) of the state either way)."""
+    (x mesh.tensor x mesh.pipeline: at stage 3 each device keeps 1/(fsdp x tensor x pipeline) of the
+    state either way, the blocks' part of it)."""
     replicas = c.mesh.data
     if args.devices is not None:
         if args.devices % replicas:
             raise UserError(f"--devices {args.devices} is not divisible by mesh.data = {replicas}.")
         return args.devices // replicas
     if c.mesh.fsdp is not None:
-        return c.mesh.fsdp * c.mesh.tensor
+        return c.mesh.fsdp * c.mesh.tensor * c.mesh.pipeline
     raise UserError(f"--devices is required: {args.config} leaves mesh.fsdp to the device count.")
 
 
@@ -106,6 +108,9 @@ def inputs_from_config(args: argparse.Namespace) -> dict:
     micro = args.micro_batch or max(1, c.train.batch_size // dp // accum)
     return {
         "rows_per_device": micro * accum if args.micro_batch else max(1, c.train.batch_size // dp),
+        "global_rows": c.train.batch_size,
+        "pipeline": c.mesh.pipeline,
+        "microbatches": c.train.microbatches,
         "params": counted["params"],
         "devices": fsdp,
         "seq_len": counted["seq_len"],

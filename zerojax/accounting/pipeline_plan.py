@@ -1,0 +1,191 @@
+"""Choosing pipeline x tensor x fsdp on a pod, with the microbatches and accumulation each needs.
+
+For a GPT of `params` parameters on `devices` chips, `global_rows` sequences of `seq_len` tokens a
+step, every option splits the devices as p x f x t (pipeline across nodes, the outermost mesh axis;
+tensor within a node, the innermost; stage 3 over fsdp between them), runs k accumulation steps of
+G / (f k) rows per device and, where p > 1, GPipe over m microbatches of those rows
+(`zerojax.engines.pipeline`). Per step and device (bf16 compute, bf16 Adam state):
+
+  memory    the state 16 (blocks / p + rest) / (t f) (embedding and head stay outside the pipeline);
+            p > 1: the stage's weights gathered whole once per accumulation step (2 bytes each) and
+            every layer's input kept for each of the m + p - 1 iterations (each layer recomputed
+            in its backward, as remat "full"); p = 1: stage 3's per-layer gathers under remat "full"
+  compute   6 params T / (peak x efficiency), T the tokens per device (G S / devices), stretched by
+            GPipe's (m + p - 1) / m: a stage idles (p - 1) / (m + p - 1) of its iterations
+  fsdp      p = 1: stage 3's two gathers and one reduction per accumulation step
+            (`analytic.traffic_units`); p > 1: one gather (kept for the backward) and one reduction,
+            of the stage's share only; over the links between nodes where t f spans nodes
+  sends     p > 1: each iteration's microbatch to the next stage and its gradient back,
+            2 (m + p - 1) b S D bytes, and the last stage's outputs summed over `pipeline`
+  tensor    Megatron's all-reduces as `tensor_plan` counts them, for every iteration run
+  latency   a fixed cost per collective (`tensor_plan.LATENCY_S`)
+
+The step takes max(compute, fsdp, sends, tensor) + latency. A pipeline pays where the fsdp traffic
+of a whole model outweighs the compute of the tokens each device sees, and its bubble is the price;
+the pick is the fastest option that fits `budget` bytes a device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from zerojax.accounting.activations import GPTShape, gpt_activation_bytes, gpt_layer_saved_bytes
+from zerojax.accounting.hardware import Hardware
+from zerojax.accounting.tensor_plan import LATENCY_S, node_links, sizes
+
+BYTES = 2  # bf16 weights and activations
+
+
+@dataclass(frozen=True)
+class Split:
+    """One way to lay the devices out and feed them: p x f x t, k accumulation steps, m microbatches."""
+
+    pipeline: int
+    tensor: int
+    fsdp: int
+    grad_accum: int
+    microbatches: int  # per accumulation step; 1 without a pipeline
+
+    @property
+    def bubble(self) -> float:
+        """The share of iterations a pipeline stage idles: (p - 1) / (m + p - 1)."""
+        return (self.pipeline - 1) / (self.microbatches + self.pipeline - 1)
+
+
+@dataclass(frozen=True)
+class PipelineOption:
+    split: Split
+    state_bytes: float
+    gathered_bytes: float  # weights held whole
+    activation_bytes: float
+    compute_s: float  # bubble included
+    fsdp_s: float
+    sends_s: float
+    tensor_s: float
+    latency_s: float
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.state_bytes + self.gathered_bytes + self.activation_bytes
+
+    @property
+    def step_s(self) -> float:
+        return max(self.compute_s, self.fsdp_s, self.sends_s, self.tensor_s) + self.latency_s
+
+    @property
+    def bound(self) -> str:
+        """What the step waits for: the largest of its overlapped terms."""
+        terms = ((self.compute_s, "compute"), (self.fsdp_s, "fsdp traffic"), (self.sends_s, "stage sends"))
+        return max((*terms, (self.tensor_s, "tensor traffic")))[1]
+
+
+@dataclass(frozen=True)
+class Pod:
+    """What every option shares: the model, the devices and the batch."""
+
+    params: float
+    devices: int
+    hw: Hardware
+    shape: GPTShape
+    global_rows: int
+    seq_len: int
+    efficiency: float
+    trainable: float  # fraction of the parameters that train
+
+    @property
+    def block_params(self) -> float:
+        """One block's parameters: q, k, v, o (q as wide as d_model), the SwiGLU MLP, two norms."""
+        d, kv = self.shape.d_model, self.shape.kv_dim or self.shape.d_model
+        return d * (d + 2 * kv) + d * d + 3 * d * self.shape.d_ff + 2 * d
+
+    @property
+    def stacked_params(self) -> float:
+        return min(self.params, self.shape.n_layers * self.block_params)
+
+
+def _memory(pod: Pod, s: Split) -> tuple[float, float, float]:
+    """(state, weights held whole, activations) bytes per device."""
+    shape, p, t = pod.shape, s.pipeline, s.tensor
+    share = (pod.stacked_params / p + pod.params - pod.stacked_params) / t  # one tensor slice of a stage
+    state = (2 + 14 * pod.trainable) * share / s.fsdp  # frozen: bf16 only; trained: + fp32 master, Adam
+    rows = pod.global_rows // (s.fsdp * s.grad_accum)  # per device per accumulation step
+    if p == 1:
+        return state, 2 * BYTES * pod.block_params / t, gpt_activation_bytes(shape, pod.seq_len, rows, BYTES, "full")
+    micro, layers = rows // s.microbatches, shape.n_layers // p
+    stage_shape = dataclasses.replace(shape, n_layers=layers)
+    one = gpt_activation_bytes(stage_shape, pod.seq_len, micro, BYTES, "full")  # a microbatch through a stage
+    kept = (s.microbatches + p - 2) * layers * gpt_layer_saved_bytes(shape, pod.seq_len, micro, BYTES, "full")
+    head = (rows - micro) * pod.seq_len * shape.vocab_size * 6  # the head runs on every row at once
+    outputs = 2 * rows * pod.seq_len * shape.d_model * BYTES  # the stack's outputs, and their sum
+    return state, BYTES * share, one + kept + head + outputs
+
+
+def _times(pod: Pod, s: Split) -> tuple[float, float, float, float, float]:
+    """(compute, fsdp, sends, tensor, latency) seconds per step and device."""
+    node, between = node_links(pod.hw, pod.devices)
+    p, t, f, k, m = s.pipeline, s.tensor, s.fsdp, s.grad_accum, s.microbatches
+    iterations = m + p - 1
+    tokens = pod.global_rows * pod.seq_len / pod.devices
+    compute = (4 + 2 * pod.trainable) * pod.params * tokens / (pod.hw.peak_flops * pod.efficiency) * iterations / m
+    share = (pod.stacked_params / p + pod.params - pod.stacked_params) / t
+    gathers = 2 if p == 1 else 1  # stage 3 regathers for the backward; a pipeline keeps its gather
+    fsdp_bytes = k * (gathers + pod.trainable) * BYTES * share * (f - 1) / f
+    fsdp_link = between if t * f > node else pod.hw.link_bytes_per_s
+    micro_bytes = pod.global_rows // (f * k * m) * pod.seq_len * pod.shape.d_model * BYTES
+    sends = 0.0 if p == 1 else k * (2 * iterations * micro_bytes + 2 * m * micro_bytes * 2 * (p - 1) / p)
+    sends_link = between if t * f >= node else pod.hw.link_bytes_per_s
+    all_reduces = 5  # 2 forward, 2 backward, 1 recomputed (remat "full")
+    layers = pod.shape.n_layers // p
+    tensor_bytes = k * iterations * layers * all_reduces * micro_bytes * 2 * (t - 1) / t
+    lat_f = LATENCY_S["between"] if t * f > node else LATENCY_S["node"]
+    latency = k * layers * (3 if p == 1 else 2) * lat_f
+    latency += 0.0 if p == 1 else k * 2 * iterations * LATENCY_S["between" if t * f >= node else "node"]
+    latency += k * iterations * layers * all_reduces * LATENCY_S["node"] if t > 1 else 0.0
+    return compute, fsdp_bytes / fsdp_link, sends / sends_link, tensor_bytes / pod.hw.link_bytes_per_s, latency
+
+
+def option(pod: Pod, split: Split) -> PipelineOption:
+    return PipelineOption(split, *_memory(pod, split), *_times(pod, split))
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
+
+
+def splits(pod: Pod) -> list[Split]:
+    """Every layout to try: tensor sizes as `tensor_plan.sizes`, pipeline sizes dividing the layers
+    and the devices left, accumulation and microbatches (multiples of p) that split the batch."""
+    node, _ = node_links(pod.hw, pod.devices)
+    out = []
+    for t in sizes(pod.devices, pod.shape, node):
+        for p in (p for p in range(1, pod.devices // t + 1) if pod.devices // t % p == 0):
+            f = pod.devices // (t * p)
+            if pod.shape.n_layers % p or pod.global_rows % f:
+                continue
+            for k in (k for k in _powers_of_two(pod.global_rows // f) if pod.global_rows // f % k == 0):
+                rows = pod.global_rows // (f * k)
+                ms = [1] if p == 1 else [p * j for j in _powers_of_two(rows // p) if rows % (p * j) == 0]
+                out += [Split(p, t, f, k, m) for m in ms]
+    return out
+
+
+def options(pod: Pod) -> list[PipelineOption]:
+    return [option(pod, s) for s in splits(pod)]
+
+
+def best(opts: list[PipelineOption], budget: float, pipelined: bool | None = None) -> PipelineOption | None:
+    """The fastest option that fits `budget` bytes a device (None: none does); where two are within
+    1%, the smaller pipeline, then less accumulation, then fewer microbatches. `pipelined`: only
+    options with (True) or without (False) a pipeline."""
+    fits = [o for o in opts if o.memory_bytes <= budget and (pipelined is None or (o.split.pipeline > 1) == pipelined)]
+    if not fits:
+        return None
+    fastest = min(o.step_s for o in fits)
+    near = [o for o in fits if o.step_s <= fastest * 1.01]
+    return min(near, key=lambda o: (o.split.pipeline, o.split.grad_accum, o.split.microbatches, o.step_s))
+
+
+def smallest(opts: list[PipelineOption], pipelined: bool) -> PipelineOption:
+    """The option with (or without) a pipeline that needs the least memory."""
+    return min((o for o in opts if (o.split.pipeline > 1) == pipelined), key=lambda o: o.memory_bytes)

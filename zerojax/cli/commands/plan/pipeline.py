@@ -1,0 +1,104 @@
+"""`zerojax plan`'s pipeline x tensor x fsdp section: the best option at each pipeline size, the pick
+that fits, its bubble, and why (`zerojax.accounting.pipeline_plan`)."""
+
+from __future__ import annotations
+
+
+def _describe(o, **extra) -> dict | None:
+    if o is None:
+        return None
+    terms = ("state_bytes", "gathered_bytes", "activation_bytes", "compute_s", "fsdp_s", "sends_s", "tensor_s")
+    return {
+        **vars(o.split),
+        "bubble": o.split.bubble,
+        **{k: getattr(o, k) for k in (*terms, "latency_s", "memory_bytes", "step_s", "bound")},
+        **extra,
+    }
+
+
+def _why(pick, flat, least, budget: float) -> str:
+    """One sentence on the pick against the best option on the other side of `pipeline > 1`."""
+    from zerojax.cli.commands.plan.tables import duration, gb
+
+    if pick is None:
+        return f"Nothing fits in {gb(budget)} GB a device: the least needs {gb(least.memory_bytes)} GB."
+    s = pick.split
+    said = (
+        f"mesh.pipeline={s.pipeline} x tensor={s.tensor} x fsdp={s.fsdp}, train.grad_accum={s.grad_accum}, "
+        f"train.microbatches={s.microbatches}: bubble {s.bubble:.0%}, step {duration(pick.step_s)}, bound by "
+        f"{pick.bound}, {gb(pick.memory_bytes)} GB a device."
+    )
+    if s.pipeline == 1:
+        return f"No pipeline: {said} Every pipelined option is slower or does not fit."
+    if flat is None:
+        return f"Pipeline: {said} Without a pipeline nothing fits: the least needs {gb(least.memory_bytes)} GB."
+    f = flat.split
+    return (
+        f"Pipeline: {said} Without one the best (tensor={f.tensor} x fsdp={f.fsdp}, "
+        f"train.grad_accum={f.grad_accum}) takes {duration(flat.step_s)}, bound by {flat.bound}: stage 3 gathers "
+        f"every weight twice per accumulation step, a pipeline stage its own share once."
+    )
+
+
+def section(inputs: dict, hardware, efficiency: float, headroom: float) -> dict | None:
+    """The section for a GPT-shaped plan (None without a model shape or any option)."""
+    from zerojax.accounting import pipeline_plan
+
+    shape = inputs["shape"]
+    if shape is None:
+        return None
+    params = inputs["params"]
+    trains = 1.0 if inputs.get("trainable") is None else inputs["trainable"] / params
+    devices = inputs["devices"] * inputs["replicas"]
+    batch = (inputs["global_rows"], inputs["seq_len"])
+    pod = pipeline_plan.Pod(params, devices, hardware, shape, *batch, efficiency, trains)
+    opts = pipeline_plan.options(pod)
+    if not opts:
+        return None
+    budget = hardware.hbm_bytes * (1 - headroom)
+    pick, flat = pipeline_plan.best(opts, budget), pipeline_plan.best(opts, budget, pipelined=False)
+    least = min(opts, key=lambda o: o.memory_bytes)
+    by_size = {}
+    for size in sorted({o.split.pipeline for o in opts}):
+        sized = [o for o in opts if o.split.pipeline == size]
+        by_size[size] = pipeline_plan.best(sized, budget) or min(sized, key=lambda o: o.memory_bytes)
+    return {
+        "devices": devices,
+        "global_rows": inputs["global_rows"],
+        "seq_len": inputs["seq_len"],
+        "budget_bytes": budget,
+        "efficiency": efficiency,
+        "per_pipeline_size": [_describe(o, fits=o.memory_bytes <= budget) for o in by_size.values()],
+        "pick": _describe(pick),
+        "best_without_pipeline": _describe(flat),
+        "why": _why(pick, flat, least, budget),
+        "config": {"pipeline": inputs.get("pipeline"), "microbatches": inputs.get("microbatches")},
+    }
+
+
+def print_section(s: dict) -> None:
+    from rich.table import Table
+
+    from zerojax.cli.commands.plan.tables import console, duration, gb
+
+    table = Table(
+        title=f"Pipeline x tensor x fsdp at stage 3: {s['devices']} devices, {s['global_rows']:,} sequences of "
+        f"{s['seq_len']:,} tokens a step, compute at {s['efficiency']:.0%} of peak; the best at each pipeline size",
+        caption="step = max(compute incl. bubble, fsdp traffic, stage sends, tensor traffic) + latency; "
+        f"memory against {gb(s['budget_bytes'])} GB",
+    )
+    columns = ("pipeline x tensor x fsdp", "accum", "microbatches", "bubble", "memory (GB)", "compute")
+    for col in (*columns, "fsdp traffic", "stage sends", "tensor traffic", "step"):
+        table.add_column(col, justify="left" if col == columns[0] else "right")
+    for o in s["per_pipeline_size"]:
+        times = (o["compute_s"], o["fsdp_s"], o["sends_s"], o["tensor_s"], o["step_s"])
+        memory = gb(o["memory_bytes"]) + ("" if o["fits"] else " (over)")
+        split = f"{o['pipeline']} x {o['tensor']} x {o['fsdp']}"
+        micro = str(o["microbatches"]) if o["pipeline"] > 1 else "-"
+        table.add_row(split, str(o["grad_accum"]), micro, f"{o['bubble']:.0%}", memory, *map(duration, times))
+    out = console()
+    out.print(table)
+    out.print(s["why"])
+    config, pick = s["config"], s["pick"]
+    if pick is not None and config["pipeline"] is not None and config["pipeline"] != pick["pipeline"]:
+        out.print(f"[yellow]The config has mesh.pipeline={config['pipeline']}.[/yellow]")
