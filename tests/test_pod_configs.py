@@ -32,7 +32,9 @@ PODS = {
     "tpu-7b-v5p-128.yaml": ("tpu-v5p", 64, 16, (6e9, 8e9)),
     "gpu-70b-64xh100.yaml": ("h100", 64, 8, (6.5e10, 7.5e10)),
     "gpu-8b-lora-8xh100.yaml": ("h100", 8, 1, (8e9, 9.5e9)),
+    "gpu-405b-512xh100.yaml": ("h100", 512, 64, (4e11, 4.2e11)),
 }
+PIPELINED = {"gpu-405b-512xh100.yaml"}  # planned by the pipeline section: tests/test_pipeline_plan.py
 PLANNER_PICKED = {"gpu-8b-lora-8xh100.yaml"}  # stage, accumulation and remat as `zerojax plan` picks them
 
 
@@ -45,7 +47,7 @@ def test_every_pod_config_is_checked_here():
     assert found == set(PODS)
 
 
-@pytest.mark.parametrize("name", sorted(PODS))
+@pytest.mark.parametrize("name", sorted(set(PODS) - PIPELINED))
 def test_pod_config_validates_and_its_stage_fits(name, capsys):
     hardware, devices, hosts, (low, high) = PODS[name]
     c = load_config(_path(name))  # full validation, as `zerojax train` does before starting JAX

@@ -1,0 +1,83 @@
+"""`zerojax plan`'s pipeline x tensor x fsdp search: a pipeline pays where stage 3's traffic of the whole
+model cannot hide under the compute of the sequences each device's memory holds, and the 405B pod
+config carries what it picks."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from tests.cli_helpers import cli_in_process
+from zerojax.accounting import analytic, pipeline_plan
+from zerojax.accounting.activations import GPTShape
+from zerojax.accounting.hardware import get_hardware
+from zerojax.cli.config import load_config
+from zerojax.cli.experiment import model_config
+from zerojax.engines.pipeline import bubble_fraction
+
+CONFIG = "configs/gpu-405b-512xh100.yaml"
+H100 = get_hardware("h100")
+SHAPE = GPTShape(1024, 16, 8, 4096, 256, 256)
+
+
+def _pod(hw=H100, rows=256, seq=1024) -> pipeline_plan.Pod:
+    stacked = SHAPE.n_layers * pipeline_plan.Pod(0, 1, hw, SHAPE, 1, 1, 1, 1).block_params
+    return pipeline_plan.Pod(stacked, 64, hw, SHAPE, rows, seq, 0.45, 1.0)
+
+
+@pytest.fixture(scope="module")
+def planned() -> dict:
+    r = cli_in_process("plan", CONFIG, "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout)["pipeline_parallel"]
+
+
+def test_the_405b_pod_picks_a_pipeline_and_the_config_uses_it(planned):
+    c = load_config(CONFIG)
+    assert 4e11 < model_config(c).num_params() < 4.2e11 and planned["devices"] == 512
+    pick, flat = planned["pick"], planned["best_without_pipeline"]
+    assert pick["pipeline"] > 1 and pick["memory_bytes"] <= planned["budget_bytes"]
+    mesh, train = c.mesh, c.train
+    assert (pick["pipeline"], pick["tensor"], pick["fsdp"]) == (mesh.pipeline, mesh.tensor, mesh.fsdp)
+    assert (pick["grad_accum"], pick["microbatches"]) == (train.grad_accum, train.microbatches)
+    assert pick["bubble"] == pytest.approx(bubble_fraction(mesh.pipeline, train.microbatches))
+    # why: without a pipeline the step waits on stage 3's gathers; with it, on compute and its bubble
+    assert flat["bound"] == "fsdp traffic" and flat["step_s"] > 1.2 * pick["step_s"]
+    assert pick["bound"] == "compute" and pick["fsdp_s"] < flat["fsdp_s"] / 4
+    assert f"bubble {pick['bubble']:.0%}" in planned["why"] and "fsdp traffic" in planned["why"]
+
+
+def test_the_plan_prints_the_pipeline_pick_and_its_bubble():
+    r = cli_in_process("plan", CONFIG)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Pipeline x tensor x fsdp" in r.stdout and "Pipeline: mesh.pipeline=4 x tensor=8 x fsdp=16" in r.stdout
+    assert "bubble 27%" in r.stdout
+
+
+def test_links_that_carry_stage_3_traffic_need_no_pipeline():
+    # every chip on one fabric at NVLink's rate: stage 3's gathers hide under compute, a bubble would not
+    fast = dataclasses.replace(H100, name="one-fabric")
+    opts = pipeline_plan.options(_pod(fast))
+    assert pipeline_plan.best(opts, 72e9).split.pipeline == 1
+    slow = pipeline_plan.options(_pod(H100, rows=64))
+    assert pipeline_plan.best(slow, 72e9).split.pipeline > 1
+
+
+def test_an_option_adds_up_as_the_module_says():
+    pod = _pod()
+    flat = pipeline_plan.option(pod, pipeline_plan.Split(1, 2, 32, 2, 1))
+    # without a pipeline: stage 3 of one tensor slice, k times, over the links between nodes
+    stage_3 = analytic.traffic_bytes(pod.params / 2, 32, 3, 2, grad_accum=2)["total"]
+    assert flat.fsdp_s == pytest.approx(stage_3 / 50e9) and flat.sends_s == 0
+    assert flat.state_bytes == pytest.approx(16 * pod.params / 64)
+    piped = pipeline_plan.option(pod, pipeline_plan.Split(4, 2, 8, 2, 8))
+    assert piped.state_bytes == pytest.approx(16 * pod.params / 64)
+    assert piped.compute_s == pytest.approx(flat.compute_s * (8 + 3) / 8)  # the bubble stretches compute
+    # one gather and one reduction of a quarter of the slice, k times
+    assert piped.fsdp_s == pytest.approx(2 * 2 * 2 * pod.params / 8 * 7 / 8 / 50e9)
+    micro = 256 // (8 * 2 * 8) * 1024 * SHAPE.d_model * 2  # a device's rows of one microbatch, bf16
+    sends = 2 * (2 * (8 + 3) * micro + 2 * 8 * micro * 2 * 3 / 4)
+    assert piped.sends_s == pytest.approx(sends / 50e9)  # pipeline neighbours on other nodes
+    assert piped.gathered_bytes == pytest.approx(2 * pod.params / 8)  # the stage's weights, whole
