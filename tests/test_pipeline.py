@@ -5,6 +5,7 @@ in the unpipelined layout; what cannot be pipelined is one sentence."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -32,8 +33,16 @@ def _tokens(seed: int, rows: int = 16) -> dict:
     return {k: rng.integers(0, 256, (rows, CFG.seq_len)).astype(np.int32) for k in ("inputs", "targets")}
 
 
-def _trainer(make, mesh, stage: int, microbatches=None, engine="gspmd", tx=None):
-    return zj.Trainer(make, tx or optax.sgd(LR), mesh=mesh, stage=stage, engine=engine, microbatches=microbatches)
+def _trainer(make, mesh, stage: int, microbatches=None, engine="gspmd", tx=None, repeats=1):
+    return zj.Trainer(
+        make,
+        tx or optax.sgd(LR),
+        mesh=mesh,
+        stage=stage,
+        engine=engine,
+        microbatches=microbatches,
+        pipeline_repeats=repeats,
+    )
 
 
 def _run(trainer, batches, steps: int = 3):
@@ -62,19 +71,33 @@ def gpt_reference():
 
 
 @pytest.mark.parametrize(
-    "stage,mesh,microbatches",
+    "stage,mesh,microbatches,repeats",
     [
-        (3, {"pipeline": 2, "fsdp": 4}, 4),
-        pytest.param(0, {"pipeline": 2, "fsdp": 4}, 2, marks=pytest.mark.slow),
-        pytest.param(3, {"pipeline": 4, "data": 2, "fsdp": 1}, 4, marks=pytest.mark.slow),
-        pytest.param(0, {"pipeline": 4, "data": 2, "fsdp": 1}, 8, marks=pytest.mark.slow),
-        pytest.param(3, {"pipeline": 2, "fsdp": 2, "tensor": 2}, 2, marks=pytest.mark.slow),
+        (3, {"pipeline": 2, "fsdp": 4}, 4, 1),
+        (3, {"pipeline": 2, "fsdp": 4}, 2, 2),  # the circular schedule: 2 chunks of one layer a device
+        pytest.param(0, {"pipeline": 2, "fsdp": 4}, 2, 1, marks=pytest.mark.slow),
+        pytest.param(0, {"pipeline": 2, "fsdp": 4}, 4, 2, marks=pytest.mark.slow),
+        pytest.param(3, {"pipeline": 4, "data": 2, "fsdp": 1}, 4, 1, marks=pytest.mark.slow),
+        pytest.param(0, {"pipeline": 4, "data": 2, "fsdp": 1}, 8, 1, marks=pytest.mark.slow),
+        pytest.param(3, {"pipeline": 2, "fsdp": 2, "tensor": 2}, 2, 1, marks=pytest.mark.slow),
+        pytest.param(3, {"pipeline": 2, "fsdp": 2, "tensor": 2}, 4, 2, marks=pytest.mark.slow),
     ],
 )
-def test_the_pipelined_gpt_trains_as_the_unpipelined_one(gpt_reference, stage, mesh, microbatches):
-    trainer = _trainer(functools.partial(GPT, CFG), zj.make_mesh(**mesh), stage, microbatches)
+def test_the_pipelined_gpt_trains_as_the_unpipelined_one(gpt_reference, stage, mesh, microbatches, repeats):
+    trainer = _trainer(functools.partial(GPT, CFG), zj.make_mesh(**mesh), stage, microbatches, repeats=repeats)
     _assert_same_training(_run(trainer, _tokens), gpt_reference)
-    assert "pipelined: 'blocks' split into" in trainer.gather_report().description
+    schedule = "GPipe" if repeats == 1 else f"the circular schedule ({repeats} chunks a device)"
+    assert f"split into {mesh['pipeline']} pipeline stages, {schedule}" in trainer.gather_report().description
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,microbatches", [(0, 4), (3, 8)])
+def test_the_circular_schedule_over_four_pipeline_stages(stage, microbatches):
+    """8 layers over pipeline=4 x data=2, two chunks of one layer a device."""
+    make = functools.partial(GPT, dataclasses.replace(CFG, n_layers=8))
+    reference = _run(_trainer(make, zj.make_mesh(fsdp=8), 0), _tokens)
+    mesh = zj.make_mesh(pipeline=4, data=2, fsdp=1)
+    _assert_same_training(_run(_trainer(make, mesh, stage, microbatches, repeats=2), _tokens), reference)
 
 
 def test_a_users_stacked_blocks_pipeline_too():
@@ -83,9 +106,12 @@ def test_a_users_stacked_blocks_pipeline_too():
     reference = _run(_trainer(model, zj.make_mesh(fsdp=8), 0), batches)
     got = _run(_trainer(model, zj.make_mesh(pipeline=4, data=2, fsdp=1), 3, microbatches=4), batches)
     _assert_same_training(got, reference)
+    circular = _trainer(model, zj.make_mesh(pipeline=2, fsdp=4), 3, microbatches=2, repeats=2)
+    _assert_same_training(_run(circular, batches), reference)
 
 
-def test_bubbles_never_reach_the_output_or_the_gradient():
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_bubbles_never_reach_the_output_or_the_gradient(repeats):
     mesh = zj.make_mesh(pipeline=2, fsdp=4)
     w = jax.random.normal(KEY, (4, 8, 8))
     x = jax.random.normal(jax.random.key(1), (8, 8))
@@ -94,7 +120,7 @@ def test_bubbles_never_reach_the_output_or_the_gradient():
         return jnp.tanh(h @ wl)
 
     def loss(w, x, fill):
-        out = gpipe(layer, x, w, mesh=mesh, microbatches=2, fill=fill) if fill is not None else None
+        out = gpipe(layer, x, w, mesh=mesh, microbatches=2, repeats=repeats, fill=fill) if fill is not None else None
         if out is None:
             out = jax.lax.scan(lambda h, wl: (layer(h, wl), None), x, w)[0]
         return jnp.sum(out**2)
@@ -143,52 +169,58 @@ def test_a_checkpoint_saved_pipelined_restores_at_other_pipeline_sizes(tmp_path)
 @pytest.mark.parametrize(
     "case,words",
     [
-        ("layers", "4 layers do not divide into mesh.pipeline=8"),
+        ("layers", "4 layers do not divide into mesh.pipeline=8 pipeline stages"),
+        ("repeats", "4 layers do not divide into mesh.pipeline=2 x mesh.pipeline_repeats=3"),
         ("no-stack", "this model has none"),
         ("shard_map", "runs on the gspmd engine"),
         ("microbatches", "train.microbatches=1 is fewer than the 2 pipeline stages"),
-        ("no-pipeline", "this mesh has no pipeline axis"),
+        ("no-pipeline", "train.microbatches splits a pipeline's work; this mesh has no pipeline axis"),
+        ("repeats-no-pipeline", "mesh.pipeline_repeats splits a pipeline's work; this mesh has no pipeline axis"),
     ],
 )
 def test_what_cannot_be_pipelined_is_one_sentence(case, words):
     make, mesh, engine, microbatches = functools.partial(GPT, CFG), {"pipeline": 2, "fsdp": 4}, "gspmd", None
-    batch = _tokens(0)
+    batch, repeats = _tokens(0), 3 if case.startswith("repeats") else 1
     if case == "layers":
         mesh = {"pipeline": 8, "fsdp": 1}
     elif case == "no-stack":
         make, batch = unrolled_blocks(24, 4), classification_batch(rows=16, features=24)
     elif case == "shard_map":
         engine = "shard_map"
-    elif case == "no-pipeline":
-        mesh, microbatches = {"fsdp": 8}, 2
-    else:
+    elif case in ("no-pipeline", "repeats-no-pipeline"):
+        mesh, microbatches = {"fsdp": 8}, (2 if case == "no-pipeline" else None)
+    elif case == "microbatches":
         microbatches = 1
     with pytest.raises(UserError, match=words):
-        trainer = _trainer(make, zj.make_mesh(**mesh), 3, microbatches, engine=engine)
+        trainer = _trainer(make, zj.make_mesh(**mesh), 3, microbatches, engine=engine, repeats=repeats)
         trainer.step(trainer.init(KEY, batch), batch)
 
 
 def test_stage_sends_follow_the_schedule_and_the_gradient_is_reduced_once():
     """On the partitioned HLO: the activations move between stages once per loop iteration, forward
-    and backward (2 (m + p - 1) b S D x 4 bytes per device, b its rows of a microbatch), and the
-    blocks' weight gradient is reduced over fsdp once per step whatever the number of microbatches."""
+    and backward (2 (v m + p - 1) b S D x 4 bytes per device, b its rows of a microbatch), and the
+    blocks' weight gradient is reduced over fsdp once per step whatever the number of microbatches.
+    The circular schedule also reorders a stage's weights in and its gradient back (an all-to-all
+    over pipeline of (p - 1) / p of them, each way)."""
     from zerojax.accounting.measure import measure_step
 
     mesh, batch, sent = zj.make_mesh(pipeline=2, fsdp=4), _tokens(0), {}
-    for m in (2, 4):
-        trainer = _trainer(functools.partial(GPT, CFG), mesh, 0, m)
+    for m, v in ((2, 1), (4, 1), (2, 2)):
+        trainer = _trainer(functools.partial(GPT, CFG), mesh, 0, m, repeats=v)
         by_kind = measure_step(trainer, trainer.init(KEY, batch), batch)[0].collective_by_kind_axis
         rows = 16 // m // 4
-        assert by_kind["collective-permute"] == {"pipeline": 2 * (m + 2 - 1) * rows * CFG.seq_len * CFG.d_model * 4}
-        sent[m] = by_kind["all-reduce"]["fsdp"]
+        want = 2 * (v * m + 2 - 1) * rows * CFG.seq_len * CFG.d_model * 4
+        assert by_kind["collective-permute"] == {"pipeline": want}
+        sent[m, v] = by_kind["all-reduce"]["fsdp"], by_kind.get("all-to-all")
     blocks = jax.tree.leaves(trainer.layout.leaves["blocks"], is_leaf=_is_leaf)
     stage_bytes = 4 * sum(np.prod(l.shape) for l in blocks) / 2  # one pipeline stage's fp32 weights
-    assert sent[2] == sent[4]  # once per step, whatever m
+    assert sent[2, 1][0] == sent[4, 1][0] == sent[2, 2][0]  # the fsdp reduction: once per step, whatever m and v
+    assert sent[2, 1][1] is None and sent[2, 2][1] == {"pipeline": 2 * stage_bytes / 2}
     # jax 0.10: exactly the blocks' all-reduce (2 (f-1)/f of a stage's fp32 weights); jax 0.12's
     # partitioner adds ~98 KB more over fsdp, also once per step (docs/parallelism.md)
-    assert sent[2] >= 2 * 3 / 4 * stage_bytes
+    assert sent[2, 1][0] >= 2 * 3 / 4 * stage_bytes
     if jax.__version_info__ < (0, 11):
-        assert sent[2] == pytest.approx(2 * 3 / 4 * stage_bytes)
+        assert sent[2, 1][0] == pytest.approx(2 * 3 / 4 * stage_bytes)
 
 
 def test_inspect_counts_a_kept_compute_copy_per_pipeline_stage():

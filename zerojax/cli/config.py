@@ -94,6 +94,7 @@ class MeshConfig(_Section):
     fsdp: Int | None = None  # default: every device not on `pipeline`, `data` or `tensor`
     tensor: Int = 1  # tensor parallelism: the parameter dimensions `rules` map to it (docs/parallelism.md)
     pipeline: Int = 1  # pipeline stages: the model's stack of blocks split into consecutive layers
+    pipeline_repeats: PositiveInt = 1  # layer chunks per pipeline device: more than 1 runs the circular schedule
     # default: vocab, heads, kv_heads and mlp on tensor
     rules: dict[str, str | list[str] | None] | None = None  # a name -> a mesh axis, a list of them, or null
     # the residual stream between blocks split over `tensor` along the sequence (the rule seq -> tensor)

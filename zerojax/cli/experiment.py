@@ -126,6 +126,7 @@ def build_experiment(c: Config, devices=None) -> Experiment:
         engine_options=engine_options(c),
         grad_accum=c.train.grad_accum,
         microbatches=c.train.microbatches,
+        pipeline_repeats=c.mesh.pipeline_repeats,
         offload=c.zero.offload,
         axis_rules=axis_rules(c),
         trainable=c.train.trainable,

@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 
 from zerojax.core.loss import loss_parts
-from zerojax.core.mesh import pipeline_size
 from zerojax.errors import UserError
 
 
@@ -92,15 +91,3 @@ def zeros_f32(tree):
 def add_scaled(acc, tree, scale):
     """`acc + scale * tree`; a leaf with no accumulator (None: a frozen one, whose gradient is zero) stays None."""
     return jax.tree.map(lambda g, a: None if a is None else a + scale * g.astype(a.dtype), tree, acc)
-
-
-def check_microbatches(microbatches, mesh) -> int | None:
-    """`microbatches` (a `Trainer` choice, `train.microbatches`), checked: a positive integer, for a
-    pipeline's GPipe schedule (`zerojax.engines.pipeline`); None: one per pipeline stage."""
-    if microbatches is None:
-        return None
-    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-        raise UserError(f"train.microbatches must be a positive integer, got {microbatches!r}.")
-    if pipeline_size(mesh) == 1:
-        raise UserError("train.microbatches splits a pipeline's batch; this mesh has no pipeline axis (mesh.pipeline).")
-    return microbatches

@@ -110,7 +110,7 @@ def _units(layout, model, static, options, inputs, model_state):
     return (report, around) if report.route == "units" else None
 
 
-def _pipelined(layout, model, static, options: EngineOptions, microbatches: int | None):
+def _pipelined(layout, model, static, options: EngineOptions, schedule: pipeline.Schedule):
     """A `run` for a `pipeline` mesh axis: the model's stack of layers through GPipe
     (`zerojax.engines.pipeline`), every weight gathered over FSDP once per step at stage 3 (each
     pipeline stage's layers on its own devices), the gradient reduced once after the last microbatch."""
@@ -120,11 +120,13 @@ def _pipelined(layout, model, static, options: EngineOptions, microbatches: int 
             f"mesh.pipeline={pipeline_size(layout.mesh)} needs a model that hands its layer loop to zerojax "
             "(the shipped GPT, or zj.Stacked blocks without BatchNorm or dropout state); this one does not."
         )
-    microbatches = microbatches or pipeline_size(layout.mesh)
+    microbatches, repeats = schedule.microbatches or pipeline_size(layout.mesh), schedule.repeats
 
     def loop(layer, x, stacked):
         inside = functools.partial(activations.rules_active, layout, manual=True)
-        return pipeline.gpipe(layer, x, stacked, mesh=layout.mesh, microbatches=microbatches, inside=inside)
+        return pipeline.gpipe(
+            layer, x, stacked, mesh=layout.mesh, microbatches=microbatches, repeats=repeats, inside=inside
+        )
 
     def run(params, model_state, batch, key, train):
         if layout.compute_sharded:
@@ -142,8 +144,10 @@ def _pipelined(layout, model, static, options: EngineOptions, microbatches: int 
 
     report = GatherReport(
         "layers",
-        f"pipelined: {describe_stacks(stacks)} split into {pipeline_size(layout.mesh)} pipeline stages, GPipe over "
-        f"{microbatches} microbatches" + (", every weight gathered once per step" if layout.compute_sharded else ""),
+        f"pipelined: {describe_stacks(stacks)} split into {pipeline_size(layout.mesh)} pipeline stages, "
+        + ("GPipe" if repeats == 1 else f"the circular schedule ({repeats} chunks a device)")
+        + f" over {microbatches} microbatches"
+        + (", every weight gathered once per step" if layout.compute_sharded else ""),
     )
     return run, report
 
@@ -158,11 +162,12 @@ def build(
     inputs=None,
     model_state=None,
     grad_accum: int = 1,
-    microbatches: int | None = None,
+    schedule: pipeline.Schedule | None = None,
 ) -> BuiltStep:
-    """The step; `microbatches`: GPipe's on a `pipeline` mesh axis (None: one per pipeline stage)."""
+    """The step; `schedule`: a `pipeline` mesh axis's microbatches and repeats (None: GPipe, one
+    microbatch a pipeline stage)."""
     if pipeline_size(layout.mesh) > 1:
-        piped, report = _pipelined(layout, model, static, options, microbatches)
+        piped, report = _pipelined(layout, model, static, options, schedule or pipeline.Schedule())
         if grad_accum > 1:
             grads = _accumulated(accumulated_grads(layout, model, static, loss_fn, piped, grad_accum, False))
         else:

@@ -1,23 +1,28 @@
-"""Pipeline parallelism as an SPMD loop: a model's stack of identical layers split into `p` pipeline
-stages of consecutive layers over the mesh's `pipeline` axis, run by GPipe over `m` microbatches.
+"""Pipeline parallelism as an SPMD loop: a model's stack of identical layers split over the mesh's
+`pipeline` axis into `p` pipeline stages, run over `m` microbatches by GPipe or, with `v` repeats,
+by the circular (interleaved) schedule.
 
 The loop runs inside a `shard_map` manual over `pipeline` and the data-parallel axes (a `tensor`
-axis stays with the partitioner). Each device holds its stage's layers (a stacked leaf's layer axis
-is split over `pipeline`, `LeafLayout.pipeline_size`) and its rows of the batch, split into `m`
-microbatches (microbatch j: its rows j, j + m, ...). The loop runs `m + p - 1` iterations; in each,
-every stage applies its layers to its current input and sends the result to the next stage (a
-`ppermute`), and the last stage keeps its output as microbatch `t - (p - 1)`. Stage `s` works on
-microbatch `t - s`; in the bubble iterations, where that is outside [0, m), its input is replaced by
-zeros, so whatever the buffer held (NaN included) never reaches an output or a gradient. The last
-stage's outputs are then summed over `pipeline` (the others hold zeros), since every stage runs what
-follows the stack. The backward schedule is the loop's derivative; each layer is rematerialised. The
-stage weights enter the region replicated over the data-parallel axes, so their gradient is summed
-over them once, after the last microbatch.
+axis stays with the partitioner). Each device holds its rows of the batch, split into `m`
+microbatches (microbatch j: its rows j, j + m, ...), and its layers: under GPipe (v = 1) its
+consecutive `L / p` (a stacked leaf's layer axis is split over `pipeline`, `LeafLayout.pipeline_size`);
+under the circular schedule `v` chunks of `c = L / (p v)` layers, chunk r of stage s being layers
+`(r p + s) c ...` (the stack is reordered so inside the step, and the gradient back). A work item
+is (repeat r, microbatch j), u = r m + j; stage `s` works on item `t - s` in iteration t, passing
+its output to stage s + 1 (a `ppermute`; the last stage's goes round to stage 0, which keeps it
+until the item's next repeat). The loop runs `v m + p - 1` iterations, and a stage idles
+(p - 1) / (v m + p - 1) of them. In those bubble iterations its input is replaced by zeros, so
+whatever the buffer held (NaN included) never reaches an output or a gradient. The last stage's
+outputs are then summed over `pipeline` (the others hold zeros), since every stage runs what
+follows the stack. The backward schedule is the loop's derivative; each layer is rematerialised.
+The stage weights enter the region replicated over the data-parallel axes, so their gradient is
+summed over them once, after the last microbatch.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -43,46 +48,100 @@ def check_schedule(mesh, batch_rows: int, microbatches: int) -> None:
         )
 
 
-def gpipe(layer, x, stacked, *, mesh, microbatches: int, fill: float = 0.0, inside=contextlib.nullcontext):
+@dataclass(frozen=True)
+class Schedule:
+    """How a pipeline runs its step: `microbatches` per step (None: one a pipeline stage) and
+    `repeats`, the layer chunks each device holds (1: GPipe; more: the circular schedule)."""
+
+    microbatches: int | None = None
+    repeats: int = 1
+
+    @classmethod
+    def of(cls, microbatches, repeats, mesh) -> Schedule:
+        """The `Trainer` choices `microbatches` and `pipeline_repeats` (`train.microbatches`,
+        `mesh.pipeline_repeats`), checked against `mesh`."""
+        for key, value in (("train.microbatches", microbatches), ("mesh.pipeline_repeats", repeats)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise UserError(f"{key} must be a positive integer, got {value!r}.")
+        if pipeline_size(mesh) == 1 and (microbatches is not None or repeats != 1):
+            key = "train.microbatches splits" if microbatches is not None else "mesh.pipeline_repeats splits"
+            raise UserError(f"{key} a pipeline's work; this mesh has no pipeline axis (mesh.pipeline).")
+        return cls(microbatches, repeats)
+
+
+def circular_order(stacked, stages: int, repeats: int):
+    """`stacked` ([layers, ...] leaves) reordered so that stage s's consecutive share holds its
+    circular chunks: layers (r p + s) c ... for r < `repeats`, c = layers / (p v)."""
+
+    def reorder(w):
+        chunk = w.shape[0] // (stages * repeats)
+        return w.reshape(repeats, stages, chunk, *w.shape[1:]).swapaxes(0, 1).reshape(w.shape)
+
+    return stacked if repeats == 1 else jax.tree.map(reorder, stacked)
+
+
+def _check_layers(stacked, stages: int, repeats: int) -> None:
+    layers = jax.tree.leaves(stacked)[0].shape[0]
+    if layers % (stages * repeats):
+        raise UserError(
+            f"{layers} layers do not divide into mesh.pipeline={stages} x mesh.pipeline_repeats={repeats} "
+            "chunks of equal size; choose sizes whose product divides the layers."
+        )
+
+
+def gpipe(layer, x, stacked, *, mesh, microbatches: int, repeats: int = 1, fill=0.0, inside=contextlib.nullcontext):
     """`layer(x, one layer's params) -> x` applied through every layer of `stacked` (leaves [layers,
-    ...], split over `pipeline` on axis 0), pipelined with GPipe over `microbatches`: the same result
-    as scanning `layer` over the layers in order. `fill`: what the stage buffers start as (bubbles
-    compute on zeros whatever it is; tests pass NaN to show it). `inside()`: a context the layers
-    run in (the engine's activation rules for a manual region)."""
-    p, m = pipeline_size(mesh), microbatches
+    ...], split over `pipeline` on axis 0), pipelined over `microbatches` (GPipe; the circular
+    schedule with `repeats` > 1): the same result as scanning `layer` over the layers in order.
+    `fill`: what the stage buffers start as (bubbles compute on zeros whatever it is; tests pass NaN
+    to show it). `inside()`: a context the layers run in (the engine's activation rules for a
+    manual region)."""
+    p, m, v = pipeline_size(mesh), microbatches, repeats
     check_schedule(mesh, x.shape[0], m)
+    _check_layers(stacked, p, v)
     manual = (PIPELINE_AXIS, *BATCH_AXES)
     partial = {"axis_names": frozenset(manual)} if dict(mesh.shape).get(TENSOR_AXIS, 1) > 1 else {}
+    # GPipe's last stage sends nowhere; the circular schedule's sends round to stage 0
+    ring = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
 
-    def stage(params, h):  # this device's pipeline stage: its layers in order, each rematerialised
+    def stage(params, h):  # this device's chunk: its layers in order, each rematerialised
         return jax.lax.scan(lambda h, one: (jax.checkpoint(layer)(h, one), None), h, params)[0]
 
     def body(x, params):  # x: this device's rows; params: its stage's layers
         rows, rest = x.shape[0] // m, x.shape[1:]
         xs = x.reshape(rows, m, *rest).swapaxes(0, 1)  # microbatch j: local rows j, j + m, ...
+        chunks = jax.tree.map(lambda w: w.reshape(v, w.shape[0] // v, *w.shape[1:]), params)
         me = jax.lax.axis_index(PIPELINE_AXIS)
 
         def iteration(carry, t):
-            state, outputs = carry
-            first = jax.lax.dynamic_index_in_dim(xs, jnp.minimum(t, m - 1), 0, keepdims=False)
-            busy = (t >= me) & (t - me < m)  # stage `me` works on microbatch t - me
-            out = stage(params, jnp.where(busy, jnp.where(me == 0, first, state), jnp.zeros_like(state)))
-            j = jnp.maximum(t - (p - 1), 0)
-            kept = jax.lax.dynamic_index_in_dim(outputs, j, 0, keepdims=False)
-            done = jnp.where((me == p - 1) & (t >= p - 1), out, kept)
+            state, held, outputs = carry
+            u = t - me  # this stage's work item: repeat u // m of microbatch u % m
+            busy = (u >= 0) & (u < v * m)
+            r, j = jnp.clip(u, 0, v * m - 1) // m, jnp.clip(u, 0, v * m - 1) % m
+            fresh = jax.lax.dynamic_index_in_dim(xs, j, 0, keepdims=False)
+            if v > 1:  # stage 0 keeps what the last stage sent (item t - p) for its next repeat
+                back = t - p
+                kept = jax.lax.dynamic_update_index_in_dim(held, state, jnp.clip(back, 0, v * m - 1) % m, 0)
+                held = jnp.where((me == 0) & (back >= 0), kept, held)
+                fresh = jnp.where(r == 0, fresh, jax.lax.dynamic_index_in_dim(held, j, 0, keepdims=False))
+            weights = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, r, 0, keepdims=False), chunks)
+            out = stage(weights, jnp.where(busy, jnp.where(me == 0, fresh, state), jnp.zeros_like(state)))
+            last = jax.lax.dynamic_index_in_dim(outputs, j, 0, keepdims=False)
+            done = jnp.where((me == p - 1) & busy & (r == v - 1), out, last)
             outputs = jax.lax.dynamic_update_index_in_dim(outputs, done, j, 0)
-            return (jax.lax.ppermute(out, PIPELINE_AXIS, [(i, i + 1) for i in range(p - 1)]), outputs), None
+            return (jax.lax.ppermute(out, PIPELINE_AXIS, ring), held, outputs), None
 
         with inside():
-            carry = (jnp.full((rows, *rest), fill, x.dtype), jnp.zeros((m, rows, *rest), x.dtype))
-            (_, outputs), _ = jax.lax.scan(iteration, carry, jnp.arange(m + p - 1))
+            held = jnp.zeros((m if v > 1 else 0, rows, *rest), x.dtype)
+            carry = (jnp.full((rows, *rest), fill, x.dtype), held, jnp.zeros((m, rows, *rest), x.dtype))
+            (_, _, outputs), _ = jax.lax.scan(iteration, carry, jnp.arange(v * m + p - 1))
         # the last stage holds the outputs; every stage runs what follows the stack
         outputs = jax.lax.psum(jnp.where(me == p - 1, outputs, jnp.zeros_like(outputs)), PIPELINE_AXIS)
         return outputs.swapaxes(0, 1).reshape(x.shape)
 
     specs = (P(BATCH_AXES), jax.tree.map(lambda _: P(PIPELINE_AXIS), stacked))
     run = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(BATCH_AXES), check_vma=False, **partial)
-    return run(x, stacked)
+    return run(x, circular_order(stacked, p, v))
 
 
 def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:

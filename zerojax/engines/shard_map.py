@@ -254,7 +254,7 @@ def build(
     inputs,
     model_state=None,
     grad_accum: int = 1,
-    microbatches: int | None = None,
+    schedule=None,
 ) -> BuiltStep:
     """`step(state, batch) -> (state, metrics)` and how it gathers params (`inputs`: the abstract
     model inputs, for finding a model's submodules before it is traced).
@@ -265,7 +265,7 @@ def build(
     options.layer_stacks  top-level param names whose leaves stack layers on axis 0 and go through the hook.
     options.reshard_after_forward  stage 3: False gathers the whole model once per step and keeps it.
     grad_accum            k micro-batches per step (see `_accum_grads_fn`).
-    microbatches          GPipe's, for a `pipeline` mesh axis, which this engine does not run yet.
+    schedule              a `pipeline` mesh axis's, which this engine does not run yet.
     """
     if pipeline_size(layout.mesh) > 1:
         raise UserError(

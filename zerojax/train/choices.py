@@ -25,6 +25,7 @@ class Choices:
     rng_streams: tuple[str, ...] = ("dropout",)  # the model's RNG streams, keyed from each step
     grad_accum: int = 1  # micro-batches per step
     microbatches: int | None = None  # a `pipeline` mesh axis: GPipe microbatches per step; None: one a stage
+    pipeline_repeats: int = 1  # layer chunks per pipeline device: more than 1 runs the circular schedule
     offload: str = "none"  # "none", "optimizer" or "optimizer+params" (docs/offload.md)
     axis_rules: Any = None  # logical or foreign axis name -> mesh axis (`zerojax.core.axis_rules`)
     # what trains (`zerojax.core.trainable`): a regex over param paths, (path, leaf) -> bool, an NNX

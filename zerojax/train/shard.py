@@ -22,130 +22,24 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from zerojax.adapt import checks
-from zerojax.adapt.model import FunctionalModel, functional
-from zerojax.core import axis_rules as axis_rules_lib
 from zerojax.core import offload as offload_lib
 from zerojax.core import trainable as trainable_lib
 from zerojax.core.layout import StateLayout, make_layout
 from zerojax.core.loss import cross_entropy, global_loss
-from zerojax.core.mesh import BATCH_AXES, check_batch, check_tensor_used, data_parallel_size, make_mesh
-from zerojax.core.model_mesh import ModelMesh
-from zerojax.core.optim import check_transformation, pads_exactly
-from zerojax.core.precision import Precision, get_precision
-from zerojax.core.stages import Stage, get_stage
+from zerojax.core.mesh import check_tensor_used
+from zerojax.core.optim import pads_exactly
 from zerojax.core.state import TrainState, run_key
 from zerojax.core.trees import filled
-from zerojax.engines import Engine, EngineOptions, GatherReport, get_engine
-from zerojax.engines.accum import check_accum_batch, check_grad_accum, check_microbatches
+from zerojax.engines import GatherReport
 from zerojax.engines.unit_plan import stack_paths
 from zerojax.engines.update import compute_params
 from zerojax.errors import UserError
-from zerojax.train.choices import Choices, with_choices
+from zerojax.train.choices import with_choices
+from zerojax.train.setup import Setup
 
 _KEY_SHAPE = (2,)  # the raw data of a threefry key: the state's `rng`
-
-
-@dataclass(frozen=True)
-class Setup:
-    """The choices a sharded step is built from, each checked once (`Setup.of`)."""
-
-    model: FunctionalModel
-    tx: optax.GradientTransformation
-    mesh: Any
-    stage: Stage
-    engine: Engine
-    precision: Precision
-    loss_fn: Callable
-    options: EngineOptions
-    grad_accum: int
-    microbatches: int | None  # GPipe's, on a `pipeline` mesh axis (`zerojax.engines.pipeline`)
-    offload: str
-    replicate_below_bytes: int
-    axis_rules: dict  # logical axis name -> mesh axis (`zerojax.core.axis_rules`)
-    model_mesh: ModelMesh  # the mesh the model's own shardings mean while it is traced
-
-    source: Any = None  # the model as given (what `reference` rebuilds from)
-    choices: Choices = Choices()  # the keyword choices as given
-    # a bool per param leaf: what trains (`zerojax.core.trainable`); None: everything. Set by
-    # `frozen_where`, which also wraps `model` and `tx`; `optimizer` is the optimizer as given.
-    trainable: Any = None
-    optimizer: Any = None
-
-    @classmethod
-    def of(cls, model, optimizer, **given) -> Setup:
-        """The checked setup for `model` trained by `optimizer`; `given`: the keyword `Choices`."""
-        c = Choices.of(**given)
-        check_transformation(optimizer)
-        built, options = get_engine(c.engine), EngineOptions.of(c.engine_options)
-        built.check(options)
-        grad_accum = check_grad_accum(c.grad_accum)
-        offload = offload_lib.check_mode(c.offload)
-        mesh = c.mesh if c.mesh is not None else make_mesh()
-        offload_lib.check_backend(offload, mesh.devices.flat)
-        rules = axis_rules_lib.as_rules(c.axis_rules)
-        model_mesh = ModelMesh.of(mesh, rules)
-        return cls(
-            functional(model, c.rng_streams).on_mesh(model_mesh.active),
-            optimizer,
-            mesh,
-            get_stage(c.stage),
-            built,
-            get_precision(c.precision, c.reduce_dtype),
-            c.loss_fn or cross_entropy,
-            options,
-            grad_accum,
-            check_microbatches(c.microbatches, mesh),
-            offload,
-            c.replicate_below_bytes,
-            rules,
-            model_mesh,
-            model,
-            c,
-        )
-
-    def reference(self) -> Setup:
-        """The same model, optimizer, loss, precision, rules and mesh at stage 0 under `gspmd`: what
-        `verify` compares against."""
-        plain = dataclasses.replace(self.choices, stage=0, engine="gspmd", engine_options=None, offload="none")
-        return Setup.of(self.source, self.optimizer or self.tx, **plain.given())
-
-    def frozen_where(self, mask) -> Setup:
-        """This setup training only where `mask` is True: the model differentiates the trainable
-        leaves only, and the optimizer updates and keeps state for them only."""
-        if mask is None:
-            return self
-        return dataclasses.replace(
-            self,
-            model=dataclasses.replace(self.model, apply=trainable_lib.frozen_apply(self.model.apply, mask)),
-            tx=trainable_lib.frozen_optimizer(self.tx, mask),
-            trainable=mask,
-            optimizer=self.tx,
-        )
-
-    batch_sharding = property(lambda self: NamedSharding(self.mesh, P(BATCH_AXES)))
-
-    def check_batch(self, batch: dict) -> None:
-        """What any use of `batch` needs: inputs, and rows the data-parallel devices (and micro-batches) divide."""
-        checks.check_keys(batch, default_loss=False)
-        check_batch(batch["inputs"].shape[0], data_parallel_size(self.mesh))
-        check_accum_batch(batch["inputs"].shape[0], data_parallel_size(self.mesh), self.grad_accum)
-
-    def shard_batch(self, batch: dict) -> dict:
-        """A global batch as `jax.Array`s split over the batch axes; device arrays already so are kept."""
-        self.check_batch(batch)
-        sharding, out = self.batch_sharding, {}
-        for name, value in batch.items():
-            if isinstance(value, jax.Array) and value.sharding.is_equivalent_to(sharding, value.ndim):
-                out[name] = value
-            else:
-                host = np.asarray(value)
-                out[name] = jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])  # type: ignore[misc]
-        return out
 
 
 @dataclass(frozen=True)
@@ -266,7 +160,7 @@ def prepare(setup: Setup, key, batch: dict) -> Sharded:
         inputs,
         model_state=model_state_shapes,
         grad_accum=setup.grad_accum,
-        microbatches=setup.microbatches,
+        schedule=setup.schedule,
     )
     # Host-offloaded groups stream into device memory at the step's start and back out at its end.
     host = layout.host_groups

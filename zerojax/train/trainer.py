@@ -30,7 +30,8 @@ from zerojax.core.state import TrainState
 from zerojax.engines import GatherReport
 from zerojax.errors import UserError
 from zerojax.train.choices import with_choices
-from zerojax.train.shard import Setup, Sharded, prepare
+from zerojax.train.setup import Setup
+from zerojax.train.shard import Sharded, prepare
 
 _KEEP_PREPARED = 4  # preparations kept for reuse (one per input shape and key)
 
@@ -46,7 +47,7 @@ class Trainer:
         self._active: Sharded | None = None  # the preparation `step` uses: set by init / restore_state
         self._compiled: tuple[Sharded, Any] | None = None  # (preparation, its compiled step), reused by `step`
 
-    # ---- the choices, as checked (`zerojax.train.shard.Setup`) ---------------------------------------
+    # ---- the choices, as checked (`zerojax.train.setup.Setup`) ---------------------------------------
 
     model = property(lambda self: self.setup.model)
     tx = property(lambda self: self.setup.tx)

@@ -33,8 +33,8 @@ def _error(*overrides: str) -> str:
         ("train.log_every=10", "unknown config key 'train.log_every'"),
         (
             "mesh.tensors=1",
-            "unknown config key 'mesh.tensors'; valid keys here are: data, fsdp, tensor, pipeline, rules, "
-            "sequence_parallel.",
+            "unknown config key 'mesh.tensors'; valid keys here are: data, fsdp, tensor, pipeline, pipeline_repeats, "
+            "rules, sequence_parallel.",
         ),
         ("mesh.tensor=0", "mesh.tensor must be a positive integer, got 0."),
         ("mesh.sequence_parallel=true", "mesh.sequence_parallel splits the sequence over the tensor axis; it needs"),
