@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +34,7 @@ def _tokens(seed: int, rows: int = 16) -> dict:
     return {k: rng.integers(0, 256, (rows, CFG.seq_len)).astype(np.int32) for k in ("inputs", "targets")}
 
 
-def _trainer(make, mesh, stage: int, microbatches=None, engine="gspmd", tx=None, repeats=1):
+def _trainer(make, mesh, stage: int, microbatches=None, engine="gspmd", tx=None, repeats=1, gather="per_step"):
     return zj.Trainer(
         make,
         tx or optax.sgd(LR),
@@ -42,6 +43,7 @@ def _trainer(make, mesh, stage: int, microbatches=None, engine="gspmd", tx=None,
         engine=engine,
         microbatches=microbatches,
         pipeline_repeats=repeats,
+        engine_options={"pipeline_gather": gather} if gather != "per_step" else None,
     )
 
 
@@ -71,20 +73,23 @@ def gpt_reference():
 
 
 @pytest.mark.parametrize(
-    "stage,mesh,microbatches,repeats",
+    "stage,mesh,microbatches,repeats,gather",
     [
-        (3, {"pipeline": 2, "fsdp": 4}, 4, 1),
-        (3, {"pipeline": 2, "fsdp": 4}, 2, 2),  # the circular schedule: 2 chunks of one layer a device
-        pytest.param(0, {"pipeline": 2, "fsdp": 4}, 2, 1, marks=pytest.mark.slow),
-        pytest.param(0, {"pipeline": 2, "fsdp": 4}, 4, 2, marks=pytest.mark.slow),
-        pytest.param(3, {"pipeline": 4, "data": 2, "fsdp": 1}, 4, 1, marks=pytest.mark.slow),
-        pytest.param(0, {"pipeline": 4, "data": 2, "fsdp": 1}, 8, 1, marks=pytest.mark.slow),
-        pytest.param(3, {"pipeline": 2, "fsdp": 2, "tensor": 2}, 2, 1, marks=pytest.mark.slow),
-        pytest.param(3, {"pipeline": 2, "fsdp": 2, "tensor": 2}, 4, 2, marks=pytest.mark.slow),
+        (3, {"pipeline": 2, "fsdp": 4}, 4, 1, "per_step"),
+        (3, {"pipeline": 2, "fsdp": 4}, 2, 2, "per_step"),  # the circular schedule: 2 one-layer chunks a device
+        (3, {"pipeline": 2, "fsdp": 4}, 2, 1, "per_microbatch"),
+        pytest.param(0, {"pipeline": 2, "fsdp": 4}, 2, 1, "per_step", marks=pytest.mark.slow),
+        pytest.param(0, {"pipeline": 2, "fsdp": 4}, 4, 2, "per_step", marks=pytest.mark.slow),
+        pytest.param(3, {"pipeline": 4, "data": 2, "fsdp": 1}, 4, 1, "per_step", marks=pytest.mark.slow),
+        pytest.param(0, {"pipeline": 4, "data": 2, "fsdp": 1}, 8, 1, "per_step", marks=pytest.mark.slow),
+        pytest.param(3, {"pipeline": 2, "fsdp": 2, "tensor": 2}, 2, 1, "per_step", marks=pytest.mark.slow),
+        pytest.param(3, {"pipeline": 2, "fsdp": 2, "tensor": 2}, 4, 2, "per_step", marks=pytest.mark.slow),
+        pytest.param(3, {"pipeline": 2, "fsdp": 2, "tensor": 2}, 4, 2, "per_microbatch", marks=pytest.mark.slow),
     ],
 )
-def test_the_pipelined_gpt_trains_as_the_unpipelined_one(gpt_reference, stage, mesh, microbatches, repeats):
-    trainer = _trainer(functools.partial(GPT, CFG), zj.make_mesh(**mesh), stage, microbatches, repeats=repeats)
+def test_the_pipelined_gpt_trains_as_the_unpipelined_one(gpt_reference, stage, mesh, microbatches, repeats, gather):
+    make = functools.partial(GPT, CFG)
+    trainer = _trainer(make, zj.make_mesh(**mesh), stage, microbatches, repeats=repeats, gather=gather)
     _assert_same_training(_run(trainer, _tokens), gpt_reference)
     schedule = "GPipe" if repeats == 1 else f"the circular schedule ({repeats} chunks a device)"
     assert f"split into {mesh['pipeline']} pipeline stages, {schedule}" in trainer.gather_report().description
@@ -106,7 +111,7 @@ def test_a_users_stacked_blocks_pipeline_too():
     reference = _run(_trainer(model, zj.make_mesh(fsdp=8), 0), batches)
     got = _run(_trainer(model, zj.make_mesh(pipeline=4, data=2, fsdp=1), 3, microbatches=4), batches)
     _assert_same_training(got, reference)
-    circular = _trainer(model, zj.make_mesh(pipeline=2, fsdp=4), 3, microbatches=2, repeats=2)
+    circular = _trainer(model, zj.make_mesh(pipeline=2, fsdp=4), 3, microbatches=2, repeats=2, gather="per_microbatch")
     _assert_same_training(_run(circular, batches), reference)
 
 
@@ -176,23 +181,31 @@ def test_a_checkpoint_saved_pipelined_restores_at_other_pipeline_sizes(tmp_path)
         ("microbatches", "train.microbatches=1 is fewer than the 2 pipeline stages"),
         ("no-pipeline", "train.microbatches splits a pipeline's work; this mesh has no pipeline axis"),
         ("repeats-no-pipeline", "mesh.pipeline_repeats splits a pipeline's work; this mesh has no pipeline axis"),
+        ("gather-stage-0", "zero.pipeline_gather=per_microbatch gathers weights split over fsdp, which only stage 3"),
+        ("gather-no-pipeline", "zero.pipeline_gather chooses how a pipeline gathers; this mesh has no pipeline axis"),
     ],
 )
 def test_what_cannot_be_pipelined_is_one_sentence(case, words):
     make, mesh, engine, microbatches = functools.partial(GPT, CFG), {"pipeline": 2, "fsdp": 4}, "gspmd", None
     batch, repeats = _tokens(0), 3 if case.startswith("repeats") else 1
+    stage, gather = (
+        (0 if case == "gather-stage-0" else 3),
+        ("per_microbatch" if case.startswith("gather") else "per_step"),
+    )
     if case == "layers":
         mesh = {"pipeline": 8, "fsdp": 1}
     elif case == "no-stack":
         make, batch = unrolled_blocks(24, 4), classification_batch(rows=16, features=24)
     elif case == "shard_map":
         engine = "shard_map"
-    elif case in ("no-pipeline", "repeats-no-pipeline"):
+    elif case in ("no-pipeline", "repeats-no-pipeline", "gather-no-pipeline"):
         mesh, microbatches = {"fsdp": 8}, (2 if case == "no-pipeline" else None)
     elif case == "microbatches":
         microbatches = 1
     with pytest.raises(UserError, match=words):
-        trainer = _trainer(make, zj.make_mesh(**mesh), 3, microbatches, engine=engine, repeats=repeats)
+        trainer = _trainer(
+            make, zj.make_mesh(**mesh), stage, microbatches, engine=engine, repeats=repeats, gather=gather
+        )
         trainer.step(trainer.init(KEY, batch), batch)
 
 
@@ -221,6 +234,39 @@ def test_stage_sends_follow_the_schedule_and_the_gradient_is_reduced_once():
     assert sent[2, 1][0] >= 2 * 3 / 4 * stage_bytes
     if jax.__version_info__ < (0, 11):
         assert sent[2, 1][0] == pytest.approx(2 * 3 / 4 * stage_bytes)
+
+
+def test_stage_3_gathers_each_weight_once_per_step_or_each_layer_per_microbatch():
+    """Counted on the partitioned HLO (fp32, pipeline=2 x fsdp=4, m = 2): gathering once per step, each
+    of a pipeline stage's stacked weights is all-gathered over fsdp by one collective that runs once
+    ((f-1)/f of the stage's weights in all); per microbatch, every loop iteration gathers the stage's
+    layers forward and again in the rematerialised backward and reduce-scatters their gradient, for a
+    smaller peak."""
+    from tests.programs import lower_abstract
+    from zerojax.accounting.groups import axes_spanned
+    from zerojax.accounting.hlo import collectives
+    from zerojax.accounting.partitioned import compile_partitioned
+
+    mesh, batch, m, found = zj.make_mesh(pipeline=2, fsdp=4), _tokens(0), 2, {}
+    for gather in ("per_step", "per_microbatch"):
+        trainer = _trainer(functools.partial(GPT, CFG), mesh, 3, m, gather=gather)
+        compiled, hlo = compile_partitioned(lower_abstract(trainer, batch), tempfile.mkdtemp(prefix="zerojax-hlo-"))
+        on_fsdp = [c for c in collectives(hlo) if axes_spanned(c.groups, dict(mesh.shape)) == "fsdp"]
+        found[gather] = on_fsdp, compiled.memory_analysis().temp_size_in_bytes
+    blocks = jax.tree.leaves(trainer.prepare(KEY, batch).layout.leaves["blocks"], is_leaf=_is_leaf)
+    stage_bytes = 4 * sum(np.prod(l.shape) for l in blocks) / 2
+    once, each = found["per_step"][0], found["per_microbatch"][0]
+    gathers = [c for c in once if c.kind == "all-gather"]
+    assert len(gathers) == len(blocks) and all(c.runs == 1 for c in gathers)
+    assert sum(c.sent * c.runs for c in gathers) == 3 / 4 * stage_bytes
+
+    def moved(kind):
+        return sum(c.sent * c.runs for c in each if c.kind == kind)
+
+    iterations = m + 2 - 1
+    assert moved("all-gather") == 2 * iterations * 3 / 4 * stage_bytes
+    assert moved("reduce-scatter") == iterations * 3 / 4 * stage_bytes
+    assert found["per_microbatch"][1] < found["per_step"][1]
 
 
 def test_inspect_counts_a_kept_compute_copy_per_pipeline_stage():

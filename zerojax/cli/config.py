@@ -87,6 +87,8 @@ class ZeroConfig(_Section):
     quantize_block: PositiveInt = 256  # elements per quantization scale
     hierarchical: StrictBool = False  # ZeRO++ hpZ, shard_map stage 3 on a data x fsdp mesh
     checked_update: StrictBool = False  # also refuse a non-finite new state: two optimizer passes
+    # stage 3, mesh.pipeline > 1: gather the stage weights once per step, or each layer per microbatch
+    pipeline_gather: Literal["per_step", "per_microbatch"] = "per_step"
 
 
 class MeshConfig(_Section):

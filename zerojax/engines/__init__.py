@@ -53,6 +53,10 @@ class EngineOptions:
     # also refuse a step whose new state (not only its loss and gradient norm) is non-finite: two
     # optimizer passes, several times the compile time (docs/engines.md, "The update")
     checked_update: bool = False
+    # stage 3 on a `pipeline` mesh axis: "per_step" gathers each pipeline stage's weights once per
+    # step and keeps them for every microbatch; "per_microbatch" gathers each layer as it runs, for
+    # every microbatch (least memory, m + p - 1 times the gathers)
+    pipeline_gather: str = "per_step"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_stacks", tuple(self.layer_stacks))

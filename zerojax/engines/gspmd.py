@@ -29,7 +29,14 @@ from zerojax.engines.unit_plan import (
 from zerojax.engines.update import apply_update, compute_params, constrain, keep_model_state, step_key
 from zerojax.errors import UserError
 
-SUPPORTS = ("layer_stacks", "prefetch", "wrap", "reshard_after_forward", "checked_update")  # `EngineOptions` fields
+SUPPORTS = (
+    "layer_stacks",
+    "prefetch",
+    "wrap",
+    "reshard_after_forward",
+    "checked_update",
+    "pipeline_gather",
+)  # `EngineOptions` fields
 
 
 def _whole(layout, layouts, tree):
@@ -111,26 +118,35 @@ def _units(layout, model, static, options, inputs, model_state):
 
 
 def _pipelined(layout, model, static, options: EngineOptions, schedule: pipeline.Schedule):
-    """A `run` for a `pipeline` mesh axis: the model's stack of layers through GPipe
-    (`zerojax.engines.pipeline`), every weight gathered over FSDP once per step at stage 3 (each
-    pipeline stage's layers on its own devices), the gradient reduced once after the last microbatch."""
+    """A `run` for a `pipeline` mesh axis: the model's stack of layers through GPipe or the circular
+    schedule (`zerojax.engines.pipeline`). At stage 3 every weight is gathered over FSDP once per
+    step (each pipeline stage's layers on its own devices) and the gradient reduced once after the
+    last microbatch; or, with `pipeline_gather="per_microbatch"`, each stacked layer is gathered as
+    it runs for every microbatch."""
     stacks = stack_paths(model, layout.leaves, options)
     if not model.accepts_layer_loop or not stacks:
         raise UserError(
             f"mesh.pipeline={pipeline_size(layout.mesh)} needs a model that hands its layer loop to zerojax "
             "(the shipped GPT, or zj.Stacked blocks without BatchNorm or dropout state); this one does not."
         )
+    per_microbatch = _per_microbatch(layout, options)
     microbatches, repeats = schedule.microbatches or pipeline_size(layout.mesh), schedule.repeats
 
-    def loop(layer, x, stacked):
+    def loop(stack, layer, x, stacked):
         inside = functools.partial(activations.rules_active, layout, manual=True)
-        return pipeline.gpipe(
-            layer, x, stacked, mesh=layout.mesh, microbatches=microbatches, repeats=repeats, inside=inside
+        run = functools.partial(
+            pipeline.gpipe, mesh=layout.mesh, microbatches=microbatches, repeats=repeats, inside=inside
         )
+        return _split_loop(layout, stack, run, layer, x, stacked) if per_microbatch else run(layer, x, stacked)
 
     def run(params, model_state, batch, key, train):
         if layout.compute_sharded:
-            params = _whole(layout, layout.leaves, params)
+            whole = functools.partial(_whole_leaf, layout)
+            params = (
+                outside_stacks(whole, stacks, layout.leaves, params)
+                if per_microbatch
+                else _whole(layout, layout.leaves, params)
+            )
         with activations.rules_active(layout, manual=False):
             return model.apply(
                 params,
@@ -139,17 +155,54 @@ def _pipelined(layout, model, static, options: EngineOptions, schedule: pipeline
                 batch["inputs"],
                 rng=key,
                 train=train,
-                layer_loop={s: loop for s in stacks},
+                layer_loop={s: functools.partial(loop, s) for s in stacks},
             )
 
+    gathers = ""
+    if layout.compute_sharded:
+        gathers = ", each layer gathered per microbatch" if per_microbatch else ", every weight gathered once per step"
     report = GatherReport(
         "layers",
         f"pipelined: {describe_stacks(stacks)} split into {pipeline_size(layout.mesh)} pipeline stages, "
         + ("GPipe" if repeats == 1 else f"the circular schedule ({repeats} chunks a device)")
-        + f" over {microbatches} microbatches"
-        + (", every weight gathered once per step" if layout.compute_sharded else ""),
+        + f" over {microbatches} microbatches{gathers}",
     )
     return run, report
+
+
+def _split_loop(layout, stack, gpipe, layer, x, stacked):
+    """`gpipe` over a stack whose layers are gathered per microbatch: the leaves fsdp splits evenly
+    enter the loop split (`gather_axes`), the rest whole; `layer` still gets its params as the model
+    built them (an `nnx.State`, or a dict)."""
+    leaves, tree = jax.tree.flatten(at(layout.leaves, stack), is_leaf=is_layout)
+    values = tree.flatten_up_to(nnx.to_pure_dict(stacked) if isinstance(stacked, nnx.State) else stacked)
+    axes = [_split_axis(layout, leaf, value) for leaf, value in zip(leaves, values)]
+    values = [v if a is not None else _whole_leaf(layout, leaf, v) for leaf, v, a in zip(leaves, values, axes)]
+
+    def one_layer(h, layer_values):
+        params = tree.unflatten(layer_values)
+        return layer(h, nnx.State(params) if isinstance(stacked, nnx.State) else params)
+
+    return gpipe(one_layer, x, values, gather_axes=axes)
+
+
+def _per_microbatch(layout, options: EngineOptions) -> bool:
+    """`pipeline_gather`, checked: per-microbatch gathers need weights split over fsdp (stage 3)."""
+    if options.pipeline_gather not in ("per_step", "per_microbatch"):
+        raise UserError(f"zero.pipeline_gather must be per_step or per_microbatch, got {options.pipeline_gather!r}.")
+    if options.pipeline_gather == "per_microbatch" and not layout.compute_sharded:
+        raise UserError(
+            "zero.pipeline_gather=per_microbatch gathers weights split over fsdp, which only stage 3 does "
+            f"(this is stage {layout.stage.index}, fsdp={dict(layout.mesh.shape).get('fsdp', 1)})."
+        )
+    return options.pipeline_gather == "per_microbatch"
+
+
+def _split_axis(layout, leaf: LeafLayout, value) -> int | None:
+    """The axis a stacked leaf's layers gather over fsdp inside the pipeline loop: its fsdp axis where
+    its logical size splits evenly (a padded leaf is gathered whole before the loop instead)."""
+    fsdp = dict(layout.mesh.shape).get("fsdp", 1)
+    return leaf.axis if leaf.axis is not None and value.shape[leaf.axis] % fsdp == 0 else None
 
 
 def build(
@@ -173,6 +226,10 @@ def build(
         else:
             grads = _grads(layout, loss_fn, piped)
         return BuiltStep(grads, _update(layout, tx, options), report, _evaluate(layout, piped))
+    if options.pipeline_gather != "per_step":
+        raise UserError(
+            "zero.pipeline_gather chooses how a pipeline gathers; this mesh has no pipeline axis (mesh.pipeline)."
+        )
     units = _units(layout, model, static, options, inputs, model_state or {})
     around = units[1] if units else None
     if options.prefetch and layout.compute_sharded and model.accepts_layer_hook:

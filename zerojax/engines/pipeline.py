@@ -16,19 +16,24 @@ whatever the buffer held (NaN included) never reaches an output or a gradient. T
 outputs are then summed over `pipeline` (the others hold zeros), since every stage runs what
 follows the stack. The backward schedule is the loop's derivative; each layer is rematerialised.
 The stage weights enter the region replicated over the data-parallel axes, so their gradient is
-summed over them once, after the last microbatch.
+summed over them once, after the last microbatch; or, under `zero.pipeline_gather: per_microbatch`
+(`gather_axes`), split over `fsdp` as stage 3 stores them, each layer gathered as it runs in every
+iteration and its gradient reduce-scattered there: a layer's weights whole at a time instead of a
+pipeline stage's, for (v m + p - 1) / v times a stage's gathers, twice over (the backward
+rematerialises them).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from zerojax.core.mesh import BATCH_AXES, PIPELINE_AXIS, TENSOR_AXIS, data_parallel_size, pipeline_size
+from zerojax.core.mesh import BATCH_AXES, FSDP_AXIS, PIPELINE_AXIS, TENSOR_AXIS, data_parallel_size, pipeline_size
 from zerojax.errors import UserError
 
 
@@ -89,59 +94,98 @@ def _check_layers(stacked, stages: int, repeats: int) -> None:
         )
 
 
-def gpipe(layer, x, stacked, *, mesh, microbatches: int, repeats: int = 1, fill=0.0, inside=contextlib.nullcontext):
+def gpipe(
+    layer,
+    x,
+    stacked,
+    *,
+    mesh,
+    microbatches: int,
+    repeats: int = 1,
+    fill=0.0,
+    inside=contextlib.nullcontext,
+    gather_axes=None,
+):
     """`layer(x, one layer's params) -> x` applied through every layer of `stacked` (leaves [layers,
     ...], split over `pipeline` on axis 0), pipelined over `microbatches` (GPipe; the circular
     schedule with `repeats` > 1): the same result as scanning `layer` over the layers in order.
     `fill`: what the stage buffers start as (bubbles compute on zeros whatever it is; tests pass NaN
     to show it). `inside()`: a context the layers run in (the engine's activation rules for a
-    manual region)."""
+    manual region). `gather_axes` (`zero.pipeline_gather: per_microbatch`): for each leaf of
+    `stacked` in order, the axis it is split over `fsdp` on (None: whole); such a leaf enters the
+    loop split and each layer of it is gathered as that layer runs, for every microbatch, forward
+    and again in the rematerialised backward, its gradient reduce-scattered each time."""
     p, m, v = pipeline_size(mesh), microbatches, repeats
     check_schedule(mesh, x.shape[0], m)
     _check_layers(stacked, p, v)
     manual = (PIPELINE_AXIS, *BATCH_AXES)
     partial = {"axis_names": frozenset(manual)} if dict(mesh.shape).get(TENSOR_AXIS, 1) > 1 else {}
-    # GPipe's last stage sends nowhere; the circular schedule's sends round to stage 0
-    ring = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
-
-    def stage(params, h):  # this device's chunk: its layers in order, each rematerialised
-        return jax.lax.scan(lambda h, one: (jax.checkpoint(layer)(h, one), None), h, params)[0]
-
-    def body(x, params):  # x: this device's rows; params: its stage's layers
-        rows, rest = x.shape[0] // m, x.shape[1:]
-        xs = x.reshape(rows, m, *rest).swapaxes(0, 1)  # microbatch j: local rows j, j + m, ...
-        chunks = jax.tree.map(lambda w: w.reshape(v, w.shape[0] // v, *w.shape[1:]), params)
-        me = jax.lax.axis_index(PIPELINE_AXIS)
-
-        def iteration(carry, t):
-            state, held, outputs = carry
-            u = t - me  # this stage's work item: repeat u // m of microbatch u % m
-            busy = (u >= 0) & (u < v * m)
-            r, j = jnp.clip(u, 0, v * m - 1) // m, jnp.clip(u, 0, v * m - 1) % m
-            fresh = jax.lax.dynamic_index_in_dim(xs, j, 0, keepdims=False)
-            if v > 1:  # stage 0 keeps what the last stage sent (item t - p) for its next repeat
-                back = t - p
-                kept = jax.lax.dynamic_update_index_in_dim(held, state, jnp.clip(back, 0, v * m - 1) % m, 0)
-                held = jnp.where((me == 0) & (back >= 0), kept, held)
-                fresh = jnp.where(r == 0, fresh, jax.lax.dynamic_index_in_dim(held, j, 0, keepdims=False))
-            weights = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, r, 0, keepdims=False), chunks)
-            out = stage(weights, jnp.where(busy, jnp.where(me == 0, fresh, state), jnp.zeros_like(state)))
-            last = jax.lax.dynamic_index_in_dim(outputs, j, 0, keepdims=False)
-            done = jnp.where((me == p - 1) & busy & (r == v - 1), out, last)
-            outputs = jax.lax.dynamic_update_index_in_dim(outputs, done, j, 0)
-            return (jax.lax.ppermute(out, PIPELINE_AXIS, ring), held, outputs), None
-
-        with inside():
-            held = jnp.zeros((m if v > 1 else 0, rows, *rest), x.dtype)
-            carry = (jnp.full((rows, *rest), fill, x.dtype), held, jnp.zeros((m, rows, *rest), x.dtype))
-            (_, _, outputs), _ = jax.lax.scan(iteration, carry, jnp.arange(v * m + p - 1))
-        # the last stage holds the outputs; every stage runs what follows the stack
-        outputs = jax.lax.psum(jnp.where(me == p - 1, outputs, jnp.zeros_like(outputs)), PIPELINE_AXIS)
-        return outputs.swapaxes(0, 1).reshape(x.shape)
-
-    specs = (P(BATCH_AXES), jax.tree.map(lambda _: P(PIPELINE_AXIS), stacked))
+    run_layer = layer if gather_axes is None else functools.partial(_gathered, layer, gather_axes)
+    body = functools.partial(_loop, run_layer, stages=p, microbatches=m, repeats=v, fill=fill, inside=inside)
+    leaves, tree = jax.tree.flatten(stacked)
+    axes = gather_axes if gather_axes is not None else [None] * len(leaves)
+    specs = (P(BATCH_AXES), jax.tree.unflatten(tree, [_stage_spec(w.ndim, a) for w, a in zip(leaves, axes)]))
     run = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(BATCH_AXES), check_vma=False, **partial)
     return run(x, circular_order(stacked, p, v))
+
+
+def _gathered(layer, gather_axes, h, one):
+    """`layer` on one layer whose split leaves are gathered over fsdp here, inside the remat."""
+    leaves, tree = jax.tree.flatten(one)
+    leaves = [
+        w if a is None else jax.lax.all_gather(w, FSDP_AXIS, axis=a - 1, tiled=True)
+        for w, a in zip(leaves, gather_axes)
+    ]
+    return layer(h, jax.tree.unflatten(tree, leaves))
+
+
+def _loop(layer, x, params, *, stages: int, microbatches: int, repeats: int, fill, inside):
+    """The SPMD loop on one device: `x` its rows, `params` its pipeline stage's layers."""
+    p, m, v = stages, microbatches, repeats
+    # GPipe's last stage sends nowhere; the circular schedule's sends round to stage 0
+    ring = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
+    rows, rest = x.shape[0] // m, x.shape[1:]
+    xs = x.reshape(rows, m, *rest).swapaxes(0, 1)  # microbatch j: local rows j, j + m, ...
+    chunks = jax.tree.map(lambda w: w.reshape(v, w.shape[0] // v, *w.shape[1:]), params)
+    me = jax.lax.axis_index(PIPELINE_AXIS)
+
+    def stage(weights, h):  # one chunk: its layers in order, each rematerialised
+        return jax.lax.scan(lambda h, one: (jax.checkpoint(layer)(h, one), None), h, weights)[0]
+
+    def iteration(carry, t):
+        state, held, outputs = carry
+        u = t - me  # this stage's work item: repeat u // m of microbatch u % m
+        busy = (u >= 0) & (u < v * m)
+        r, j = jnp.clip(u, 0, v * m - 1) // m, jnp.clip(u, 0, v * m - 1) % m
+        fresh = jax.lax.dynamic_index_in_dim(xs, j, 0, keepdims=False)
+        if v > 1:  # stage 0 keeps what the last stage sent (item t - p) for its next repeat
+            back = t - p
+            kept = jax.lax.dynamic_update_index_in_dim(held, state, jnp.clip(back, 0, v * m - 1) % m, 0)
+            held = jnp.where((me == 0) & (back >= 0), kept, held)
+            fresh = jnp.where(r == 0, fresh, jax.lax.dynamic_index_in_dim(held, j, 0, keepdims=False))
+        weights = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, r, 0, keepdims=False), chunks)
+        out = stage(weights, jnp.where(busy, jnp.where(me == 0, fresh, state), jnp.zeros_like(state)))
+        last = jax.lax.dynamic_index_in_dim(outputs, j, 0, keepdims=False)
+        done = jnp.where((me == p - 1) & busy & (r == v - 1), out, last)
+        outputs = jax.lax.dynamic_update_index_in_dim(outputs, done, j, 0)
+        return (jax.lax.ppermute(out, PIPELINE_AXIS, ring), held, outputs), None
+
+    with inside():
+        held = jnp.zeros((m if v > 1 else 0, rows, *rest), x.dtype)
+        carry = (jnp.full((rows, *rest), fill, x.dtype), held, jnp.zeros((m, rows, *rest), x.dtype))
+        (_, _, outputs), _ = jax.lax.scan(iteration, carry, jnp.arange(v * m + p - 1))
+    # the last stage holds the outputs; every stage runs what follows the stack
+    outputs = jax.lax.psum(jnp.where(me == p - 1, outputs, jnp.zeros_like(outputs)), PIPELINE_AXIS)
+    return outputs.swapaxes(0, 1).reshape(x.shape)
+
+
+def _stage_spec(ndim: int, fsdp_axis: int | None):
+    """A stacked leaf inside the loop: its layers split over `pipeline`, and over `fsdp` on
+    `fsdp_axis` where the layers gather it per microbatch."""
+    entries: list = [PIPELINE_AXIS] + [None] * (ndim - 1)
+    if fsdp_axis is not None:
+        entries[fsdp_axis] = FSDP_AXIS
+    return P(*entries)
 
 
 def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
