@@ -237,11 +237,11 @@ def test_stage_sends_follow_the_schedule_and_the_gradient_is_reduced_once():
 
 
 def test_stage_3_gathers_each_weight_once_per_step_or_each_layer_per_microbatch():
-    """Counted on the partitioned HLO (fp32, pipeline=2 x fsdp=4, m = 2): gathering once per step, each
-    of a pipeline stage's stacked weights is all-gathered over fsdp by one collective that runs once
-    ((f-1)/f of the stage's weights in all); per microbatch, every loop iteration gathers the stage's
-    layers forward and again in the rematerialised backward and reduce-scatters their gradient, for a
-    smaller peak."""
+    """Counted on the partitioned HLO (fp32, pipeline=2 x fsdp=4, m = 2): gathering once per step,
+    each of a pipeline stage's stacked weights is all-gathered over fsdp by one collective that runs
+    once ((f-1)/f of the stage's weights in all) and its gradient reduce-scattered once; per
+    microbatch, every loop iteration gathers the stage's layers forward and again in the
+    rematerialised backward and reduce-scatters their gradient, for a smaller peak."""
     from tests.programs import lower_abstract
     from zerojax.accounting.groups import axes_spanned
     from zerojax.accounting.hlo import collectives
@@ -259,6 +259,9 @@ def test_stage_3_gathers_each_weight_once_per_step_or_each_layer_per_microbatch(
     gathers = [c for c in once if c.kind == "all-gather"]
     assert len(gathers) == len(blocks) and all(c.runs == 1 for c in gathers)
     assert sum(c.sent * c.runs for c in gathers) == 3 / 4 * stage_bytes
+    # and its gradient reduce-scattered once, after the last microbatch (no fsdp all-reduce of it)
+    assert sum(c.sent * c.runs for c in once if c.kind == "reduce-scatter") == 3 / 4 * stage_bytes
+    assert sum(c.sent * c.runs for c in once if c.kind == "all-reduce") < 100
 
     def moved(kind):
         return sum(c.sent * c.runs for c in each if c.kind == kind)

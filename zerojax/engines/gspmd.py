@@ -137,16 +137,13 @@ def _pipelined(layout, model, static, options: EngineOptions, schedule: pipeline
         run = functools.partial(
             pipeline.gpipe, mesh=layout.mesh, microbatches=microbatches, repeats=repeats, inside=inside
         )
-        return _split_loop(layout, stack, run, layer, x, stacked) if per_microbatch else run(layer, x, stacked)
+        if not layout.compute_sharded:
+            return run(layer, x, stacked)
+        return _split_loop(layout, stack, functools.partial(run, gather_each_layer=per_microbatch), layer, x, stacked)
 
     def run(params, model_state, batch, key, train):
         if layout.compute_sharded:
-            whole = functools.partial(_whole_leaf, layout)
-            params = (
-                outside_stacks(whole, stacks, layout.leaves, params)
-                if per_microbatch
-                else _whole(layout, layout.leaves, params)
-            )
+            params = outside_stacks(functools.partial(_whole_leaf, layout), stacks, layout.leaves, params)
         with activations.rules_active(layout, manual=False):
             return model.apply(
                 params,
@@ -171,9 +168,9 @@ def _pipelined(layout, model, static, options: EngineOptions, schedule: pipeline
 
 
 def _split_loop(layout, stack, gpipe, layer, x, stacked):
-    """`gpipe` over a stack whose layers are gathered per microbatch: the leaves fsdp splits evenly
-    enter the loop split (`gather_axes`), the rest whole; `layer` still gets its params as the model
-    built them (an `nnx.State`, or a dict)."""
+    """`gpipe` over a stage-3 stack: the leaves fsdp splits evenly enter the loop split
+    (`gather_axes`, gathered inside it, so their gradient is reduce-scattered), the rest whole;
+    `layer` still gets its params as the model built them (an `nnx.State`, or a dict)."""
     leaves, tree = jax.tree.flatten(at(layout.leaves, stack), is_leaf=is_layout)
     values = tree.flatten_up_to(nnx.to_pure_dict(stacked) if isinstance(stacked, nnx.State) else stacked)
     axes = [_split_axis(layout, leaf, value) for leaf, value in zip(leaves, values)]

@@ -16,10 +16,11 @@ whatever the buffer held (NaN included) never reaches an output or a gradient. T
 outputs are then summed over `pipeline` (the others hold zeros), since every stage runs what
 follows the stack. The backward schedule is the loop's derivative; each layer is rematerialised.
 The stage weights enter the region replicated over the data-parallel axes, so their gradient is
-summed over them once, after the last microbatch; or, under `zero.pipeline_gather: per_microbatch`
-(`gather_axes`), split over `fsdp` as stage 3 stores them, each layer gathered as it runs in every
-iteration and its gradient reduce-scattered there: a layer's weights whole at a time instead of a
-pipeline stage's, for (v m + p - 1) / v times a stage's gathers, twice over (the backward
+summed over them once, after the last microbatch. At stage 3 (`gather_axes`) they enter as their
+`fsdp` shards and are gathered inside: the whole pipeline stage once before the loop, its gradient
+reduce-scattered once after it; or (`zero.pipeline_gather: per_microbatch`) each layer as it runs
+in every iteration, its gradient reduce-scattered there: a layer's weights whole at a time instead
+of a pipeline stage's, for (v m + p - 1) / v times a stage's gathers, twice over (the backward
 rematerialises them).
 """
 
@@ -105,23 +106,29 @@ def gpipe(
     fill=0.0,
     inside=contextlib.nullcontext,
     gather_axes=None,
+    gather_each_layer: bool = False,
 ):
     """`layer(x, one layer's params) -> x` applied through every layer of `stacked` (leaves [layers,
     ...], split over `pipeline` on axis 0), pipelined over `microbatches` (GPipe; the circular
     schedule with `repeats` > 1): the same result as scanning `layer` over the layers in order.
     `fill`: what the stage buffers start as (bubbles compute on zeros whatever it is; tests pass NaN
     to show it). `inside()`: a context the layers run in (the engine's activation rules for a
-    manual region). `gather_axes` (`zero.pipeline_gather: per_microbatch`): for each leaf of
-    `stacked` in order, the axis it is split over `fsdp` on (None: whole); such a leaf enters the
-    loop split and each layer of it is gathered as that layer runs, for every microbatch, forward
-    and again in the rematerialised backward, its gradient reduce-scattered each time."""
+    manual region). `gather_axes` (stage 3): for each leaf of `stacked` in order, the axis it is
+    split over `fsdp` on (None: whole); such a leaf enters the region split and is gathered there,
+    its gradient reduce-scattered: the whole pipeline stage once before the loop (and reduced once
+    after it), or with `gather_each_layer` (`zero.pipeline_gather: per_microbatch`) each layer as
+    it runs, for every microbatch, forward and again in the rematerialised backward."""
     p, m, v = pipeline_size(mesh), microbatches, repeats
     check_schedule(mesh, x.shape[0], m)
     _check_layers(stacked, p, v)
     manual = (PIPELINE_AXIS, *BATCH_AXES)
     partial = {"axis_names": frozenset(manual)} if dict(mesh.shape).get(TENSOR_AXIS, 1) > 1 else {}
-    run_layer = layer if gather_axes is None else functools.partial(_gathered, layer, gather_axes)
-    body = functools.partial(_loop, run_layer, stages=p, microbatches=m, repeats=v, fill=fill, inside=inside)
+    per_layer = gather_axes is not None and gather_each_layer
+    run_layer = functools.partial(_gathered, layer, gather_axes, 1) if per_layer else layer
+    loop = functools.partial(_loop, run_layer, stages=p, microbatches=m, repeats=v, fill=fill, inside=inside)
+    body = loop
+    if gather_axes is not None and not per_layer:  # the whole stage gathered once, before the loop
+        body = functools.partial(_gathered, loop, gather_axes, 0)
     leaves, tree = jax.tree.flatten(stacked)
     axes = gather_axes if gather_axes is not None else [None] * len(leaves)
     specs = (P(BATCH_AXES), jax.tree.unflatten(tree, [_stage_spec(w.ndim, a) for w, a in zip(leaves, axes)]))
@@ -129,11 +136,13 @@ def gpipe(
     return run(x, circular_order(stacked, p, v))
 
 
-def _gathered(layer, gather_axes, h, one):
-    """`layer` on one layer whose split leaves are gathered over fsdp here, inside the remat."""
-    leaves, tree = jax.tree.flatten(one)
+def _gathered(layer, gather_axes, sliced: int, h, params):
+    """`layer(h, params)` with `params`' split leaves gathered over fsdp here (their axes counted on
+    the stack, of which `sliced` leading axes are gone: 1 for one layer); inside a remat, the
+    backward gathers them again. The gather's transpose reduce-scatters the gradient."""
+    leaves, tree = jax.tree.flatten(params)
     leaves = [
-        w if a is None else jax.lax.all_gather(w, FSDP_AXIS, axis=a - 1, tiled=True)
+        w if a is None else jax.lax.all_gather(w, FSDP_AXIS, axis=a - sliced, tiled=True)
         for w, a in zip(leaves, gather_axes)
     ]
     return layer(h, jax.tree.unflatten(tree, leaves))
