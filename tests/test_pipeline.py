@@ -73,23 +73,34 @@ def gpt_reference():
 
 
 @pytest.mark.parametrize(
-    "stage,mesh,microbatches,repeats,gather",
+    "stage,mesh,microbatches,repeats,gather,engine",
     [
-        (3, {"pipeline": 2, "fsdp": 4}, 4, 1, "per_step"),
-        (3, {"pipeline": 2, "fsdp": 4}, 2, 2, "per_step"),  # the circular schedule: 2 one-layer chunks a device
-        (3, {"pipeline": 2, "fsdp": 4}, 2, 1, "per_microbatch"),
-        pytest.param(0, {"pipeline": 2, "fsdp": 4}, 2, 1, "per_step", marks=pytest.mark.slow),
-        pytest.param(0, {"pipeline": 2, "fsdp": 4}, 4, 2, "per_step", marks=pytest.mark.slow),
-        pytest.param(3, {"pipeline": 4, "data": 2, "fsdp": 1}, 4, 1, "per_step", marks=pytest.mark.slow),
-        pytest.param(0, {"pipeline": 4, "data": 2, "fsdp": 1}, 8, 1, "per_step", marks=pytest.mark.slow),
-        pytest.param(3, {"pipeline": 2, "fsdp": 2, "tensor": 2}, 2, 1, "per_step", marks=pytest.mark.slow),
-        pytest.param(3, {"pipeline": 2, "fsdp": 2, "tensor": 2}, 4, 2, "per_step", marks=pytest.mark.slow),
-        pytest.param(3, {"pipeline": 2, "fsdp": 2, "tensor": 2}, 4, 2, "per_microbatch", marks=pytest.mark.slow),
+        (3, {"pipeline": 2, "fsdp": 4}, 4, 1, "per_step", "gspmd"),
+        (3, {"pipeline": 2, "fsdp": 4}, 2, 2, "per_step", "gspmd"),  # circular: 2 one-layer chunks a device
+        (3, {"pipeline": 2, "fsdp": 4}, 2, 1, "per_microbatch", "gspmd"),
+        (3, {"pipeline": 2, "fsdp": 4}, 2, 1, "per_step", "shard_map"),
+        pytest.param(0, {"pipeline": 2, "fsdp": 4}, 2, 1, "per_step", "gspmd", marks=pytest.mark.slow),
+        pytest.param(0, {"pipeline": 2, "fsdp": 4}, 4, 2, "per_step", "gspmd", marks=pytest.mark.slow),
+        pytest.param(3, {"pipeline": 4, "data": 2, "fsdp": 1}, 4, 1, "per_step", "gspmd", marks=pytest.mark.slow),
+        pytest.param(0, {"pipeline": 4, "data": 2, "fsdp": 1}, 8, 1, "per_step", "gspmd", marks=pytest.mark.slow),
+        pytest.param(3, {"pipeline": 2, "fsdp": 2, "tensor": 2}, 2, 1, "per_step", "gspmd", marks=pytest.mark.slow),
+        pytest.param(3, {"pipeline": 2, "fsdp": 2, "tensor": 2}, 4, 2, "per_step", "gspmd", marks=pytest.mark.slow),
+        pytest.param(
+            3, {"pipeline": 2, "fsdp": 2, "tensor": 2}, 4, 2, "per_microbatch", "gspmd", marks=pytest.mark.slow
+        ),
+        pytest.param(0, {"pipeline": 2, "fsdp": 4}, 4, 1, "per_step", "shard_map", marks=pytest.mark.slow),
+        pytest.param(2, {"pipeline": 2, "fsdp": 4}, 2, 1, "per_step", "shard_map", marks=pytest.mark.slow),
+        pytest.param(3, {"pipeline": 2, "fsdp": 4}, 4, 1, "per_microbatch", "shard_map", marks=pytest.mark.slow),
+        pytest.param(3, {"pipeline": 4, "data": 2, "fsdp": 1}, 4, 1, "per_step", "shard_map", marks=pytest.mark.slow),
+        pytest.param(0, {"pipeline": 4, "data": 2, "fsdp": 1}, 8, 1, "per_step", "shard_map", marks=pytest.mark.slow),
+        pytest.param(3, {"pipeline": 2, "fsdp": 2, "tensor": 2}, 2, 1, "per_step", "shard_map", marks=pytest.mark.slow),
     ],
 )
-def test_the_pipelined_gpt_trains_as_the_unpipelined_one(gpt_reference, stage, mesh, microbatches, repeats, gather):
+def test_the_pipelined_gpt_trains_as_the_unpipelined_one(
+    gpt_reference, stage, mesh, microbatches, repeats, gather, engine
+):
     make = functools.partial(GPT, CFG)
-    trainer = _trainer(make, zj.make_mesh(**mesh), stage, microbatches, repeats=repeats, gather=gather)
+    trainer = _trainer(make, zj.make_mesh(**mesh), stage, microbatches, engine, repeats=repeats, gather=gather)
     _assert_same_training(_run(trainer, _tokens), gpt_reference)
     schedule = "GPipe" if repeats == 1 else f"the circular schedule ({repeats} chunks a device)"
     assert f"split into {mesh['pipeline']} pipeline stages, {schedule}" in trainer.gather_report().description
@@ -113,6 +124,8 @@ def test_a_users_stacked_blocks_pipeline_too():
     _assert_same_training(got, reference)
     circular = _trainer(model, zj.make_mesh(pipeline=2, fsdp=4), 3, microbatches=2, repeats=2, gather="per_microbatch")
     _assert_same_training(_run(circular, batches), reference)
+    manual = _trainer(model, zj.make_mesh(pipeline=2, fsdp=4), 3, microbatches=2, engine="shard_map")
+    _assert_same_training(_run(manual, batches), reference)
 
 
 @pytest.mark.parametrize("repeats", [1, 2])
@@ -177,7 +190,7 @@ def test_a_checkpoint_saved_pipelined_restores_at_other_pipeline_sizes(tmp_path)
         ("layers", "4 layers do not divide into mesh.pipeline=8 pipeline stages"),
         ("repeats", "4 layers do not divide into mesh.pipeline=2 x mesh.pipeline_repeats=3"),
         ("no-stack", "this model has none"),
-        ("shard_map", "runs on the gspmd engine"),
+        ("shard_map", "mesh.pipeline_repeats=2 \\(the circular schedule\\) runs on the gspmd engine"),
         ("microbatches", "train.microbatches=1 is fewer than the 2 pipeline stages"),
         ("no-pipeline", "train.microbatches splits a pipeline's work; this mesh has no pipeline axis"),
         ("repeats-no-pipeline", "mesh.pipeline_repeats splits a pipeline's work; this mesh has no pipeline axis"),
@@ -197,7 +210,7 @@ def test_what_cannot_be_pipelined_is_one_sentence(case, words):
     elif case == "no-stack":
         make, batch = unrolled_blocks(24, 4), classification_batch(rows=16, features=24)
     elif case == "shard_map":
-        engine = "shard_map"
+        engine, repeats, microbatches = "shard_map", 2, 2
     elif case in ("no-pipeline", "repeats-no-pipeline", "gather-no-pipeline"):
         mesh, microbatches = {"fsdp": 8}, (2 if case == "no-pipeline" else None)
     elif case == "microbatches":
@@ -207,6 +220,17 @@ def test_what_cannot_be_pipelined_is_one_sentence(case, words):
             make, zj.make_mesh(**mesh), stage, microbatches, engine=engine, repeats=repeats, gather=gather
         )
         trainer.step(trainer.init(KEY, batch), batch)
+
+
+def test_what_the_shard_map_engine_does_not_pipeline_yet_is_one_sentence():
+    make, mesh = functools.partial(GPT, CFG), zj.make_mesh(pipeline=2, fsdp=4)
+    for options, words in (
+        ({"prefetch": True}, "zero.prefetch does not combine with mesh.pipeline on the shard_map engine yet"),
+        ({"reshard_after_forward": False}, "zero.reshard_after_forward=false does not combine with mesh.pipeline"),
+    ):
+        trainer = zj.Trainer(make, optax.sgd(LR), mesh=mesh, stage=3, engine="shard_map", engine_options=options)
+        with pytest.raises(UserError, match=words):
+            trainer.init(KEY, _tokens(0))
 
 
 def test_stage_sends_follow_the_schedule_and_the_gradient_is_reduced_once():
@@ -236,7 +260,8 @@ def test_stage_sends_follow_the_schedule_and_the_gradient_is_reduced_once():
         assert sent[2, 1][0] == pytest.approx(2 * 3 / 4 * stage_bytes)
 
 
-def test_stage_3_gathers_each_weight_once_per_step_or_each_layer_per_microbatch():
+@pytest.mark.parametrize("engine", ["gspmd", "shard_map"])
+def test_stage_3_gathers_each_weight_once_per_step_or_each_layer_per_microbatch(engine):
     """Counted on the partitioned HLO (fp32, pipeline=2 x fsdp=4, m = 2): gathering once per step,
     each of a pipeline stage's stacked weights is all-gathered over fsdp by one collective that runs
     once ((f-1)/f of the stage's weights in all) and its gradient reduce-scattered once; per
@@ -249,26 +274,33 @@ def test_stage_3_gathers_each_weight_once_per_step_or_each_layer_per_microbatch(
 
     mesh, batch, m, found = zj.make_mesh(pipeline=2, fsdp=4), _tokens(0), 2, {}
     for gather in ("per_step", "per_microbatch"):
-        trainer = _trainer(functools.partial(GPT, CFG), mesh, 3, m, gather=gather)
+        trainer = _trainer(functools.partial(GPT, CFG), mesh, 3, m, engine, gather=gather)
         compiled, hlo = compile_partitioned(lower_abstract(trainer, batch), tempfile.mkdtemp(prefix="zerojax-hlo-"))
         on_fsdp = [c for c in collectives(hlo) if axes_spanned(c.groups, dict(mesh.shape)) == "fsdp"]
         found[gather] = on_fsdp, compiled.memory_analysis().temp_size_in_bytes
-    blocks = jax.tree.leaves(trainer.prepare(KEY, batch).layout.leaves["blocks"], is_leaf=_is_leaf)
+    leaves = trainer.prepare(KEY, batch).layout.leaves
+    blocks = jax.tree.leaves(leaves["blocks"], is_leaf=_is_leaf)
     stage_bytes = 4 * sum(np.prod(l.shape) for l in blocks) / 2
+    # shard_map also gathers the embedding, head and final norm over fsdp alone, once (gspmd: over
+    # pipeline x fsdp), and reduce-scatters their gradient once
+    rest = [l for k, v in leaves.items() if k != "blocks" for l in jax.tree.leaves(v, is_leaf=_is_leaf)]
+    rest_count, rest_bytes = (
+        (len(rest), 3 / 4 * 4 * sum(np.prod(l.shape) for l in rest)) if engine == "shard_map" else (0, 0)
+    )
     once, each = found["per_step"][0], found["per_microbatch"][0]
     gathers = [c for c in once if c.kind == "all-gather"]
-    assert len(gathers) == len(blocks) and all(c.runs == 1 for c in gathers)
-    assert sum(c.sent * c.runs for c in gathers) == 3 / 4 * stage_bytes
+    assert len(gathers) == len(blocks) + rest_count and all(c.runs == 1 for c in gathers)
+    assert sum(c.sent * c.runs for c in gathers) == 3 / 4 * stage_bytes + rest_bytes
     # and its gradient reduce-scattered once, after the last microbatch (no fsdp all-reduce of it)
-    assert sum(c.sent * c.runs for c in once if c.kind == "reduce-scatter") == 3 / 4 * stage_bytes
-    assert sum(c.sent * c.runs for c in once if c.kind == "all-reduce") < 100
+    assert sum(c.sent * c.runs for c in once if c.kind == "reduce-scatter") == 3 / 4 * stage_bytes + rest_bytes
+    assert sum(c.sent * c.runs for c in once if c.kind == "all-reduce") < 100  # scalars only
 
     def moved(kind):
         return sum(c.sent * c.runs for c in each if c.kind == kind)
 
     iterations = m + 2 - 1
-    assert moved("all-gather") == 2 * iterations * 3 / 4 * stage_bytes
-    assert moved("reduce-scatter") == iterations * 3 / 4 * stage_bytes
+    assert moved("all-gather") == 2 * iterations * 3 / 4 * stage_bytes + rest_bytes
+    assert moved("reduce-scatter") == iterations * 3 / 4 * stage_bytes + rest_bytes
     assert found["per_microbatch"][1] < found["per_step"][1]
 
 

@@ -61,6 +61,16 @@ class LeafLayout:
             pipeline_size=1,
         )
 
+    def pipeline_stage(self) -> LeafLayout:
+        """What a device holds of this leaf inside a region manual over `pipeline`: a stacked leaf's
+        share of the layers (one pipeline stage's), laid out as a leaf of its own; others as they are."""
+        if self.pipeline_size == 1:
+            return self
+        layers = self.shape[0] // self.pipeline_size
+        return dataclasses.replace(
+            self, shape=(layers, *self.shape[1:]), padded_shape=(layers, *self.padded_shape[1:]), pipeline_size=1
+        )
+
     def spec(self, sharded: bool):
         """The leaf's `PartitionSpec` in a sharded (or replicated) group: `fsdp` on `axis` only where
         sharded, `tensor` on `tensor_axis` always. Trailing unsplit axes are left out."""

@@ -334,7 +334,7 @@ class Reduce:
             return lambda leaf, x: keep_tensor_split(self.gathered(leaf, x), leaf)
         if stage.resident_compute:
             return lambda leaf, x: keep_tensor_split(self.resident(leaf)(x.full, x.shard), leaf)
-        return keep_tensor_split
+        return lambda leaf, x: keep_tensor_split(x, leaf)
 
     def group_materializer(self, stage: Stage, bucket_bytes: int = 0):
         """`(leaves, stored values) -> whole values` of a group used together (one layer's or unit's

@@ -124,12 +124,8 @@ def _pipelined(layout, model, static, options: EngineOptions, schedule: pipeline
     last microbatch; or, with `pipeline_gather="per_microbatch"`, each stacked layer is gathered as
     it runs for every microbatch."""
     stacks = stack_paths(model, layout.leaves, options)
-    if not model.accepts_layer_loop or not stacks:
-        raise UserError(
-            f"mesh.pipeline={pipeline_size(layout.mesh)} needs a model that hands its layer loop to zerojax "
-            "(the shipped GPT, or zj.Stacked blocks without BatchNorm or dropout state); this one does not."
-        )
-    per_microbatch = _per_microbatch(layout, options)
+    pipeline.check_model(model, stacks, layout.mesh)
+    per_microbatch = pipeline.gathers_each_layer(options.pipeline_gather, layout.stage, layout.mesh)
     microbatches, repeats = schedule.microbatches or pipeline_size(layout.mesh), schedule.repeats
 
     def loop(stack, layer, x, stacked):
@@ -155,15 +151,10 @@ def _pipelined(layout, model, static, options: EngineOptions, schedule: pipeline
                 layer_loop={s: functools.partial(loop, s) for s in stacks},
             )
 
-    gathers = ""
+    gathers = None
     if layout.compute_sharded:
-        gathers = ", each layer gathered per microbatch" if per_microbatch else ", every weight gathered once per step"
-    report = GatherReport(
-        "layers",
-        f"pipelined: {describe_stacks(stacks)} split into {pipeline_size(layout.mesh)} pipeline stages, "
-        + ("GPipe" if repeats == 1 else f"the circular schedule ({repeats} chunks a device)")
-        + f" over {microbatches} microbatches{gathers}",
-    )
+        gathers = "each layer gathered per microbatch" if per_microbatch else "every weight gathered once per step"
+    report = GatherReport("layers", pipeline.describe(describe_stacks(stacks), layout.mesh, schedule, gathers))
     return run, report
 
 
@@ -181,18 +172,6 @@ def _split_loop(layout, stack, gpipe, layer, x, stacked):
         return layer(h, nnx.State(params) if isinstance(stacked, nnx.State) else params)
 
     return gpipe(one_layer, x, values, gather_axes=axes)
-
-
-def _per_microbatch(layout, options: EngineOptions) -> bool:
-    """`pipeline_gather`, checked: per-microbatch gathers need weights split over fsdp (stage 3)."""
-    if options.pipeline_gather not in ("per_step", "per_microbatch"):
-        raise UserError(f"zero.pipeline_gather must be per_step or per_microbatch, got {options.pipeline_gather!r}.")
-    if options.pipeline_gather == "per_microbatch" and not layout.compute_sharded:
-        raise UserError(
-            "zero.pipeline_gather=per_microbatch gathers weights split over fsdp, which only stage 3 does "
-            f"(this is stage {layout.stage.index}, fsdp={dict(layout.mesh.shape).get('fsdp', 1)})."
-        )
-    return options.pipeline_gather == "per_microbatch"
 
 
 def _split_axis(layout, leaf: LeafLayout, value) -> int | None:
@@ -223,10 +202,7 @@ def build(
         else:
             grads = _grads(layout, loss_fn, piped)
         return BuiltStep(grads, _update(layout, tx, options), report, _evaluate(layout, piped))
-    if options.pipeline_gather != "per_step":
-        raise UserError(
-            "zero.pipeline_gather chooses how a pipeline gathers; this mesh has no pipeline axis (mesh.pipeline)."
-        )
+    pipeline.gathers_each_layer(options.pipeline_gather, layout.stage, layout.mesh)  # set without a pipeline
     units = _units(layout, model, static, options, inputs, model_state or {})
     around = units[1] if units else None
     if options.prefetch and layout.compute_sharded and model.accepts_layer_hook:

@@ -75,6 +75,40 @@ class Schedule:
         return cls(microbatches, repeats)
 
 
+def check_model(model, stacks, mesh) -> None:
+    """A pipeline runs a model's stack through its own loop: the model must hand it over."""
+    if not model.accepts_layer_loop or not stacks:
+        raise UserError(
+            f"mesh.pipeline={pipeline_size(mesh)} needs a model that hands its layer loop to zerojax "
+            "(the shipped GPT, or zj.Stacked blocks without BatchNorm or dropout state); this one does not."
+        )
+
+
+def gathers_each_layer(pipeline_gather: str, stage, mesh) -> bool:
+    """`zero.pipeline_gather`, checked: "per_microbatch" gathers weights split over fsdp (stage 3)."""
+    if pipeline_gather not in ("per_step", "per_microbatch"):
+        raise UserError(f"zero.pipeline_gather must be per_step or per_microbatch, got {pipeline_gather!r}.")
+    if pipeline_gather != "per_step" and pipeline_size(mesh) == 1:
+        raise UserError(
+            "zero.pipeline_gather chooses how a pipeline gathers; this mesh has no pipeline axis (mesh.pipeline)."
+        )
+    if pipeline_gather == "per_microbatch" and not (stage.compute_params and dict(mesh.shape).get("fsdp", 1) > 1):
+        raise UserError(
+            "zero.pipeline_gather=per_microbatch gathers weights split over fsdp, which only stage 3 does "
+            f"(this is stage {stage.index}, fsdp={dict(mesh.shape).get('fsdp', 1)})."
+        )
+    return pipeline_gather == "per_microbatch"
+
+
+def describe(stacks: str, mesh, schedule: Schedule, gathers: str | None) -> str:
+    """The gather report's sentence for a pipelined step (`gathers`: how stage 3 gathers, if it does)."""
+    m, v = schedule.microbatches or pipeline_size(mesh), schedule.repeats
+    how = "GPipe" if v == 1 else f"the circular schedule ({v} chunks a device)"
+    return f"pipelined: {stacks} split into {pipeline_size(mesh)} pipeline stages, {how} over {m} microbatches" + (
+        f", {gathers}" if gathers else ""
+    )
+
+
 def circular_order(stacked, stages: int, repeats: int):
     """`stacked` ([layers, ...] leaves) reordered so that stage s's consecutive share holds its
     circular chunks: layers (r p + s) c ... for r < `repeats`, c = layers / (p v)."""
@@ -125,7 +159,7 @@ def gpipe(
     partial = {"axis_names": frozenset(manual)} if dict(mesh.shape).get(TENSOR_AXIS, 1) > 1 else {}
     per_layer = gather_axes is not None and gather_each_layer
     run_layer = functools.partial(_gathered, layer, gather_axes, 1) if per_layer else layer
-    loop = functools.partial(_loop, run_layer, stages=p, microbatches=m, repeats=v, fill=fill, inside=inside)
+    loop = functools.partial(on_device, run_layer, stages=p, microbatches=m, repeats=v, fill=fill, inside=inside)
     body = loop
     if gather_axes is not None and not per_layer:  # the whole stage gathered once, before the loop
         body = functools.partial(_gathered, loop, gather_axes, 0)
@@ -148,9 +182,27 @@ def _gathered(layer, gather_axes, sliced: int, h, params):
     return layer(h, jax.tree.unflatten(tree, leaves))
 
 
-def _loop(layer, x, params, *, stages: int, microbatches: int, repeats: int, fill, inside):
-    """The SPMD loop on one device: `x` its rows, `params` its pipeline stage's layers."""
+def on_device(
+    layer,
+    x,
+    params,
+    *,
+    stages: int,
+    microbatches: int,
+    repeats: int = 1,
+    fill=0.0,
+    inside=contextlib.nullcontext,
+    own_grads: bool = False,
+):
+    """The SPMD loop on one device, inside a region manual over `pipeline` and the data-parallel axes:
+    `x` its rows, `params` its pipeline stage's layers (in circular order where `repeats` > 1).
+    `own_grads`: the region differentiates itself (the shard_map engine), so what enters and leaves
+    the stack carries its gradient explicitly: the stack's outputs are every stage's (the last
+    stage's, broadcast) while their gradient enters the last stage once; the gradient of `x`, which
+    only stage 0 reads, is summed over the stages so that each holds the whole of it."""
     p, m, v = stages, microbatches, repeats
+    if own_grads:
+        x = _summed_cotangent(x)
     # GPipe's last stage sends nowhere; the circular schedule's sends round to stage 0
     ring = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
     rows, rest = x.shape[0] // m, x.shape[1:]
@@ -184,8 +236,38 @@ def _loop(layer, x, params, *, stages: int, microbatches: int, repeats: int, fil
         carry = (jnp.full((rows, *rest), fill, x.dtype), held, jnp.zeros((m, rows, *rest), x.dtype))
         (_, _, outputs), _ = jax.lax.scan(iteration, carry, jnp.arange(v * m + p - 1))
     # the last stage holds the outputs; every stage runs what follows the stack
-    outputs = jax.lax.psum(jnp.where(me == p - 1, outputs, jnp.zeros_like(outputs)), PIPELINE_AXIS)
+    outputs = (_from_last_stage if own_grads else _sum_from_last)(outputs, p)
     return outputs.swapaxes(0, 1).reshape(x.shape)
+
+
+def _sum_from_last(outputs, p: int):
+    me = jax.lax.axis_index(PIPELINE_AXIS)
+    return jax.lax.psum(jnp.where(me == p - 1, outputs, jnp.zeros_like(outputs)), PIPELINE_AXIS)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _from_last_stage(outputs, p: int):
+    return _sum_from_last(outputs, p)
+
+
+def _from_last_stage_fwd(outputs, p: int):
+    return _sum_from_last(outputs, p), None
+
+
+def _from_last_stage_bwd(p: int, _, ct):
+    # every stage's loss is the same one: its gradient enters the stack once, at the last stage
+    return (jnp.where(jax.lax.axis_index(PIPELINE_AXIS) == p - 1, ct, jnp.zeros_like(ct)),)
+
+
+_from_last_stage.defvjp(_from_last_stage_fwd, _from_last_stage_bwd)
+
+
+@jax.custom_vjp
+def _summed_cotangent(x):
+    return x
+
+
+_summed_cotangent.defvjp(lambda x: (x, None), lambda _, ct: (jax.lax.psum(ct, PIPELINE_AXIS),))
 
 
 def _stage_spec(ndim: int, fsdp_axis: int | None):

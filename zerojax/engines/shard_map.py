@@ -23,13 +23,22 @@ from zerojax.core import constraints as activations
 from zerojax.core.layout import StateLayout
 from zerojax.core.leaf_rule import LeafLayout
 from zerojax.core.loss import loss_parts
-from zerojax.core.mesh import BATCH_AXES, FSDP_AXIS, TENSOR_AXIS, data_parallel_size, pipeline_size
+from zerojax.core.mesh import BATCH_AXES, FSDP_AXIS, PIPELINE_AXIS, TENSOR_AXIS, data_parallel_size, pipeline_size
 from zerojax.core.stages import Stage
-from zerojax.engines import BuiltStep, EngineOptions, GatherReport, accum, kept_whole_report
+from zerojax.engines import (
+    BuiltStep,
+    EngineOptions,
+    GatherReport,
+    accum,
+    kept_whole_report,
+    pipeline,
+    shard_map_pipeline,
+)
 from zerojax.engines.collectives import Reduce, Resident
+from zerojax.engines.pipeline import Schedule
 from zerojax.engines.quantize import Quantizer
 from zerojax.engines.shard_map_routes import RunModel, route
-from zerojax.engines.unit_plan import is_layout
+from zerojax.engines.unit_plan import is_layout, stack_paths
 from zerojax.engines.update import apply_update, compute_params, keep_model_state, step_key
 from zerojax.errors import UserError
 
@@ -43,6 +52,7 @@ SUPPORTS = (
     "quantize_block",
     "hierarchical",
     "checked_update",
+    "pipeline_gather",
 )
 
 
@@ -67,10 +77,11 @@ def _without_tensor(spec):
 
 
 def _manual(fn, layout: StateLayout, in_specs, out_specs):
-    """`fn` once per device over the data-parallel axes, every collective placed by hand; a `tensor`
+    """`fn` once per device over the data-parallel axes (and `pipeline`), every collective placed by hand; a `tensor`
     axis is left automatic (shard_map's partial manual axes), so XLA's partitioner splits each
     matmul over it as the parameters' tensor-parallel shardings ask (Megatron's collectives)."""
-    manual = {} if dict(layout.mesh.shape).get(TENSOR_AXIS, 1) == 1 else {"axis_names": frozenset(BATCH_AXES)}
+    axes = (*BATCH_AXES, PIPELINE_AXIS) if pipeline_size(layout.mesh) > 1 else BATCH_AXES
+    manual = {} if dict(layout.mesh.shape).get(TENSOR_AXIS, 1) == 1 else {"axis_names": frozenset(axes)}
 
     def body(*args):
         with activations.rules_active(layout, manual=True):
@@ -79,9 +90,15 @@ def _manual(fn, layout: StateLayout, in_specs, out_specs):
     return jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False, **manual)
 
 
+def _device_leaves(layout: StateLayout):
+    """The leaves' layouts as a device inside the region holds them: a stacked leaf's own pipeline
+    stage's layers (`LeafLayout.pipeline_stage`), which is what its local gradient covers."""
+    return jax.tree.map(LeafLayout.pipeline_stage, layout.leaves, is_leaf=is_layout)
+
+
 def _grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: Reduce):
     """shard_map'd `(params, batch) -> (loss, grads)`, gradients reduced as the stage asks."""
-    stage, leaves, mesh = layout.stage, layout.leaves, layout.mesh
+    stage, leaves, mesh = layout.stage, _device_leaves(layout), layout.mesh
     dp, fsdp = data_parallel_size(mesh), mesh.shape[FSDP_AXIS]
 
     def local(params, model_state, key, batch):
@@ -126,7 +143,7 @@ def _accum_grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: R
     fp32 and the step reduces it once, after the scan: an all-reduce at stage 0, a reduce-scatter
     at stages 1-3.
     """
-    stage, leaves, mesh = layout.stage, layout.leaves, layout.mesh
+    stage, leaves, mesh = layout.stage, _device_leaves(layout), layout.mesh
     dp = data_parallel_size(mesh)
     psum_weight = lambda w: jax.lax.psum(w, BATCH_AXES)  # noqa: E731
 
@@ -265,13 +282,11 @@ def build(
     options.layer_stacks  top-level param names whose leaves stack layers on axis 0 and go through the hook.
     options.reshard_after_forward  stage 3: False gathers the whole model once per step and keeps it.
     grad_accum            k micro-batches per step (see `_accum_grads_fn`).
-    schedule              a `pipeline` mesh axis's, which this engine does not run yet.
+    schedule              a `pipeline` mesh axis's microbatches (GPipe: `zerojax.engines.shard_map_pipeline`).
     """
+    schedule = schedule or Schedule()
     if pipeline_size(layout.mesh) > 1:
-        raise UserError(
-            f"mesh.pipeline={pipeline_size(layout.mesh)} runs on the gspmd engine (zero.engine: gspmd); the "
-            "shard_map engine does not pipeline yet."
-        )
+        shard_map_pipeline.check(options, schedule, layout.mesh)
     stage, prec = layout.stage, layout.precision
     replicas = tuple(a for a in BATCH_AXES if a != FSDP_AXIS and layout.mesh.shape[a] > 1)
     quantize_weights, quantize_grads = _quantizers(options, stage)
@@ -285,16 +300,23 @@ def build(
         quantize_grads,
         hierarchical=hierarchical,
     )
-    report, run_model = route(layout, model, static, options, reduce, inputs, model_state or {})
+    if pipeline_size(layout.mesh) > 1:
+        stacks = stack_paths(model, layout.leaves, options)
+        report, run_model = shard_map_pipeline.route(layout, model, static, stacks, reduce, options, schedule)
+        run_whole = shard_map_pipeline.route(layout, model, static, stacks, reduce, options, schedule, whole=True)[1]
+    else:
+        pipeline.gathers_each_layer(options.pipeline_gather, stage, layout.mesh)  # set without a pipeline
+        report, run_model = route(layout, model, static, options, reduce, inputs, model_state or {})
+        run_whole = None
     train_report, grads_fn = _train_grads(
-        layout, model, static, loss_fn, options, reduce, report, run_model, grad_accum
+        layout, model, static, loss_fn, options, reduce, report, run_model, grad_accum, run_whole
     )
     update = _update(layout, tx, options, reduce)
     evaluate = _eval_fn(layout, run_model, reduce) if stage.compute_params else None
     return BuiltStep(_grads(layout, grads_fn), update, train_report, evaluate)
 
 
-def _train_grads(layout, model, static, loss_fn, options, reduce, report, run_model, grad_accum):
+def _train_grads(layout, model, static, loss_fn, options, reduce, report, run_model, grad_accum, run_whole=None):
     """(the training step's GatherReport, its shard_map'd `(params, model_state, key, batch) -> (loss,
     grads, model_state)`). Micro-batches differentiate the whole compute params (reduced once, after
     the scan) where the stage keeps them resident or stage 3 keeps its gathered weights for the step."""
@@ -310,10 +332,10 @@ def _train_grads(layout, model, static, loss_fn, options, reduce, report, run_mo
         text = "compute params are replicated, the local gradient reduce-scattered once per step"
         train_report = GatherReport("replicated", f"stage {stage.index} with gradient accumulation: {text}")
 
-    def run_whole(raw, ms, x, key, train=True):
+    def whole(raw, ms, x, key, train=True):
         return model.apply(raw, ms, static, x, rng=key, train=train, sync=BATCH_AXES)
 
-    return train_report, _accum_grads_fn(layout, run_whole, loss_fn, reduce, grad_accum, keep)
+    return train_report, _accum_grads_fn(layout, run_whole or whole, loss_fn, reduce, grad_accum, keep)
 
 
 def _grads(layout: StateLayout, grads_fn):

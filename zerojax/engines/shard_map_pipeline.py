@@ -1,0 +1,94 @@
+"""The `shard_map` engine's route for a `pipeline` mesh axis: GPipe inside the engine's own manual
+region (`zerojax.engines.pipeline.on_device`).
+
+The region is manual over `pipeline` too, so each device holds its pipeline stage's layers of every
+stacked leaf (axis 0 split over `pipeline`) and the rest of the model whole over `pipeline`. Each
+device differentiates the same loss: the stack's gradient enters at the last stage once and the
+gradient of its input is summed over the stages (`own_grads`), so every leaf outside the stack has
+its whole gradient on every stage, and the engine reduces each leaf over fsdp (and data) as it
+does without a pipeline. The stage's layers are materialised once per step before the loop (stage
+3: gathered, their gradient reduce-scattered once after the last microbatch; stage 2: the resident
+copy, reduced once), or at stage 3 with `pipeline_gather="per_microbatch"` each layer as it runs.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from zerojax.adapt.stacked import at
+from zerojax.core.leaf_rule import LeafLayout
+from zerojax.core.mesh import BATCH_AXES, data_parallel_size, pipeline_size
+from zerojax.engines import EngineOptions, GatherReport, pipeline
+from zerojax.engines.collectives import Reduce, keep_tensor_split
+from zerojax.engines.unit_plan import describe_stacks, is_layout, materialize_tree, outside_stacks
+from zerojax.errors import UserError
+
+_NOT_YET = ("prefetch", "quantize_weights", "quantize_grads", "hierarchical")
+
+
+def check(options: EngineOptions, schedule: pipeline.Schedule, mesh) -> None:
+    """What the shard_map engine does not combine with a pipeline yet: one sentence each."""
+    for name in _NOT_YET:
+        if getattr(options, name) not in (False, None):
+            raise UserError(f"zero.{name} does not combine with mesh.pipeline on the shard_map engine yet.")
+    if not options.reshard_after_forward:
+        raise UserError(
+            "zero.reshard_after_forward=false does not combine with mesh.pipeline; a pipeline stage keeps its "
+            "gathered weights for the step already (zero.pipeline_gather: per_step)."
+        )
+    if schedule.repeats > 1:
+        raise UserError(
+            f"mesh.pipeline_repeats={schedule.repeats} (the circular schedule) runs on the gspmd engine; the "
+            "shard_map engine pipelines with GPipe (mesh.pipeline_repeats=1)."
+        )
+
+
+class _Loop:
+    """The model's layer loop for one stack: its pipeline stage's layers materialised (at once, or
+    each as it runs), then GPipe on this device."""
+
+    def __init__(self, layouts, materialize_group, each_layer: bool, mesh, microbatches: int):
+        layouts = jax.tree.map(LeafLayout.pipeline_stage, layouts, is_leaf=is_layout)  # this device's layers
+        self.layouts, self.materialize_group, self.each_layer = layouts, materialize_group, each_layer
+        self.one_layer = jax.tree.map(LeafLayout.one_layer, layouts, is_leaf=is_layout)
+        self.mesh, self.microbatches = mesh, microbatches
+
+    def _materialized(self, layouts, values):
+        out = materialize_tree(layouts, values, self.materialize_group)
+        return nnx.State(out) if isinstance(values, nnx.State) else out
+
+    def __call__(self, layer, x, stacked):
+        pipeline.check_schedule(self.mesh, x.shape[0] * data_parallel_size(self.mesh), self.microbatches)
+        if self.each_layer:
+            run_layer, weights = (lambda h, one: layer(h, self._materialized(self.one_layer, one))), stacked
+        else:
+            run_layer, weights = layer, self._materialized(self.layouts, stacked)
+        return pipeline.on_device(
+            run_layer, x, weights, stages=pipeline_size(self.mesh), microbatches=self.microbatches, own_grads=True
+        )
+
+
+def route(layout, model, static, stacks, reduce: Reduce, options: EngineOptions, schedule, whole: bool = False):
+    """(report, run_model) of a pipelined step: the leaves outside the stacks materialised at once,
+    each stack through `_Loop`. `whole`: the values arrive as whole compute params already (a step
+    that accumulates whole local gradients), so nothing is materialised but the tensor split."""
+    pipeline.check_model(model, stacks, layout.mesh)
+    stage, leaves, mesh = layout.stage, layout.leaves, layout.mesh
+    each_layer = pipeline.gathers_each_layer(options.pipeline_gather, stage, mesh)
+    if whole:
+        one, group = (lambda l, x: keep_tensor_split(x, l)), (lambda ls, vs: list(map(keep_tensor_split, vs, ls)))
+    else:
+        one, group = reduce.materializer(stage), reduce.group_materializer(stage)
+    microbatches = schedule.microbatches or pipeline_size(mesh)
+    loops = {s: _Loop(at(leaves, s), group, each_layer and not whole, mesh, microbatches) for s in stacks}
+    gathers = None
+    if stage.compute_params and not whole:
+        gathers = "each layer gathered per microbatch" if each_layer else "every weight gathered once per step"
+    report = GatherReport("layers", pipeline.describe(describe_stacks(stacks), mesh, schedule, gathers))
+
+    def run(raw, model_state, inputs, key, train=True):
+        params = outside_stacks(one, stacks, leaves, raw)
+        return model.apply(params, model_state, static, inputs, rng=key, train=train, layer_loop=loops, sync=BATCH_AXES)
+
+    return report, run
