@@ -42,7 +42,8 @@ def test_the_405b_pod_picks_a_pipeline_and_the_config_uses_it(planned):
     mesh, train = c.mesh, c.train
     assert (pick["pipeline"], pick["tensor"], pick["fsdp"]) == (mesh.pipeline, mesh.tensor, mesh.fsdp)
     assert (pick["grad_accum"], pick["microbatches"]) == (train.grad_accum, train.microbatches)
-    assert pick["bubble"] == pytest.approx(bubble_fraction(mesh.pipeline, train.microbatches))
+    assert (pick["repeats"], pick["gather"]) == (mesh.pipeline_repeats, c.zero.pipeline_gather)
+    assert pick["bubble"] == pytest.approx(bubble_fraction(mesh.pipeline, train.microbatches, mesh.pipeline_repeats))
     # why: without a pipeline the step waits on stage 3's gathers; with it, on compute and its bubble
     assert flat["bound"] == "fsdp traffic" and flat["step_s"] > 1.2 * pick["step_s"]
     assert pick["bound"] == "compute" and pick["fsdp_s"] < flat["fsdp_s"] / 4
@@ -53,7 +54,7 @@ def test_the_plan_prints_the_pipeline_pick_and_its_bubble():
     r = cli_in_process("plan", CONFIG)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "Pipeline x tensor x fsdp" in r.stdout and "Pipeline: mesh.pipeline=4 x tensor=8 x fsdp=16" in r.stdout
-    assert "bubble 27%" in r.stdout
+    assert "mesh.pipeline_repeats=4: bubble 9%" in r.stdout
 
 
 def test_links_that_carry_stage_3_traffic_need_no_pipeline():
@@ -81,3 +82,22 @@ def test_an_option_adds_up_as_the_module_says():
     sends = 2 * (2 * (8 + 3) * micro + 2 * 8 * micro * 2 * 3 / 4)
     assert piped.sends_s == pytest.approx(sends / 50e9)  # pipeline neighbours on other nodes
     assert piped.gathered_bytes == pytest.approx(2 * pod.params / 8)  # the stage's weights, whole
+
+
+def test_the_circular_schedule_and_per_microbatch_gathers_add_up():
+    pod = _pod()
+    gpipe = pipeline_plan.option(pod, pipeline_plan.Split(4, 2, 8, 2, 8))
+    circular = pipeline_plan.option(pod, pipeline_plan.Split(4, 2, 8, 2, 8, repeats=2))
+    assert circular.split.bubble == pytest.approx(bubble_fraction(4, 8, 2)) == pytest.approx(3 / 19)
+    assert circular.compute_s == pytest.approx(gpipe.compute_s * (19 / 16) / (11 / 8))  # a smaller bubble
+    micro = 256 // (8 * 2 * 8) * 1024 * SHAPE.d_model * 2
+    stage_share = pod.params / 4 / 2  # one tensor slice of a pipeline stage
+    reorder = 2 * 3 / 4 * 2 * stage_share / 8  # the shards into chunks and their gradient back
+    sends = 2 * (2 * 19 * micro + 2 * 8 * micro * 2 * 3 / 4 + reorder)
+    assert circular.sends_s == pytest.approx(sends / 50e9)
+    assert circular.fsdp_s == pytest.approx(gpipe.fsdp_s)  # still gathered once per step
+    each = pipeline_plan.option(pod, pipeline_plan.Split(4, 2, 8, 2, 8, gather="per_microbatch"))
+    # every iteration gathers its chunk forward and backward and reduces it: (2 + 1) x 11, k times
+    assert each.fsdp_s == pytest.approx(2 * 3 * 11 * 2 * stage_share * 7 / 8 / 50e9)
+    assert each.gathered_bytes == pytest.approx(2 * 2 * pod.block_params / 2)  # two layers, one tensor slice
+    assert each.gathered_bytes < gpipe.gathered_bytes  # per step: a stage (two layers) and the rest

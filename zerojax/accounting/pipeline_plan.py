@@ -3,20 +3,25 @@
 For a GPT of `params` parameters on `devices` chips, `global_rows` sequences of `seq_len` tokens a
 step, every option splits the devices as p x f x t (pipeline across nodes, the outermost mesh axis;
 tensor within a node, the innermost; stage 3 over fsdp between them), runs k accumulation steps of
-G / (f k) rows per device and, where p > 1, GPipe over m microbatches of those rows
-(`zerojax.engines.pipeline`). Per step and device (bf16 compute, bf16 Adam state):
+G / (f k) rows per device and, where p > 1, GPipe (v = 1) or the circular schedule (v chunks of
+layers a device) over m microbatches of those rows, gathering a stage's weights once per step or
+each layer per microbatch (`zerojax.engines.pipeline`). A loop runs n = v m + p - 1 iterations, each
+through a chunk of L / (p v) layers. Per step and device (bf16 compute, bf16 Adam state):
 
   memory    the state 16 (blocks / p + rest) / (t f) (embedding and head stay outside the pipeline);
-            p > 1: the stage's weights gathered whole once per accumulation step (2 bytes each) and
-            every layer's input kept for each of the m + p - 1 iterations (each layer recomputed
-            in its backward, as remat "full"); p = 1: stage 3's per-layer gathers under remat "full"
+            p > 1: the stage's weights gathered whole (per step) or a layer's (per microbatch), and
+            every layer's input kept for each of the n iterations (each layer recomputed in its
+            backward, as remat "full"), and under the circular schedule the m microbatches stage 0
+            holds between repeats; p = 1: stage 3's per-layer gathers under remat "full"
   compute   6 params T / (peak x efficiency), T the tokens per device (G S / devices), stretched by
-            GPipe's (m + p - 1) / m: a stage idles (p - 1) / (m + p - 1) of its iterations
+            n / (v m): a stage idles (p - 1) / n of its iterations
   fsdp      p = 1: stage 3's two gathers and one reduction per accumulation step
-            (`analytic.traffic_units`); p > 1: one gather (kept for the backward) and one reduction,
-            of the stage's share only; over the links between nodes where t f spans nodes
+            (`analytic.traffic_units`); p > 1, per step: one gather (kept for the backward) and
+            one reduction of the stage's share; per microbatch: the stage's share gathered 2 n / v
+            times and reduced n / v times; over the links between nodes where t f spans nodes
   sends     p > 1: each iteration's microbatch to the next stage and its gradient back,
-            2 (m + p - 1) b S D bytes, and the last stage's outputs summed over `pipeline`
+            2 n b S D bytes, the last stage's outputs summed over `pipeline`, and under the circular
+            schedule the stage's shards reordered and their gradient back (2 (p - 1) / p of them)
   tensor    Megatron's all-reduces as `tensor_plan` counts them, for every iteration run
   latency   a fixed cost per collective (`tensor_plan.LATENCY_S`)
 
@@ -39,18 +44,27 @@ BYTES = 2  # bf16 weights and activations
 
 @dataclass(frozen=True)
 class Split:
-    """One way to lay the devices out and feed them: p x f x t, k accumulation steps, m microbatches."""
+    """One way to lay the devices out and feed them: p x f x t, k accumulation steps, m microbatches,
+    v layer chunks a device (`mesh.pipeline_repeats`), the stage's weights gathered `per_step` or
+    `per_microbatch` (`zero.pipeline_gather`)."""
 
     pipeline: int
     tensor: int
     fsdp: int
     grad_accum: int
     microbatches: int  # per accumulation step; 1 without a pipeline
+    repeats: int = 1
+    gather: str = "per_step"
+
+    @property
+    def iterations(self) -> int:
+        """The loop's iterations per accumulation step: v m + p - 1."""
+        return self.repeats * self.microbatches + self.pipeline - 1
 
     @property
     def bubble(self) -> float:
-        """The share of iterations a pipeline stage idles: (p - 1) / (m + p - 1)."""
-        return (self.pipeline - 1) / (self.microbatches + self.pipeline - 1)
+        """The share of iterations a pipeline stage idles: (p - 1) / (v m + p - 1)."""
+        return (self.pipeline - 1) / self.iterations
 
 
 @dataclass(frozen=True)
@@ -112,36 +126,47 @@ def _memory(pod: Pod, s: Split) -> tuple[float, float, float]:
     rows = pod.global_rows // (s.fsdp * s.grad_accum)  # per device per accumulation step
     if p == 1:
         return state, 2 * BYTES * pod.block_params / t, gpt_activation_bytes(shape, pod.seq_len, rows, BYTES, "full")
-    micro, layers = rows // s.microbatches, shape.n_layers // p
-    stage_shape = dataclasses.replace(shape, n_layers=layers)
-    one = gpt_activation_bytes(stage_shape, pod.seq_len, micro, BYTES, "full")  # a microbatch through a stage
-    kept = (s.microbatches + p - 2) * layers * gpt_layer_saved_bytes(shape, pod.seq_len, micro, BYTES, "full")
+    micro, chunk = rows // s.microbatches, shape.n_layers // (p * s.repeats)
+    chunk_shape = dataclasses.replace(shape, n_layers=chunk)
+    one = gpt_activation_bytes(chunk_shape, pod.seq_len, micro, BYTES, "full")  # a microbatch through a chunk
+    kept = (s.iterations - 1) * chunk * gpt_layer_saved_bytes(shape, pod.seq_len, micro, BYTES, "full")
     head = (rows - micro) * pod.seq_len * shape.vocab_size * 6  # the head runs on every row at once
     outputs = 2 * rows * pod.seq_len * shape.d_model * BYTES  # the stack's outputs, and their sum
-    return state, BYTES * share, one + kept + head + outputs
+    held = rows * pod.seq_len * shape.d_model * BYTES if s.repeats > 1 else 0  # stage 0's, between repeats
+    whole = BYTES * (share if s.gather == "per_step" else 2 * pod.block_params / t)
+    return state, whole, one + kept + head + outputs + held
 
 
 def _times(pod: Pod, s: Split) -> tuple[float, float, float, float, float]:
     """(compute, fsdp, sends, tensor, latency) seconds per step and device."""
     node, between = node_links(pod.hw, pod.devices)
-    p, t, f, k, m = s.pipeline, s.tensor, s.fsdp, s.grad_accum, s.microbatches
-    iterations = m + p - 1
+    p, t, f, k, m, v = s.pipeline, s.tensor, s.fsdp, s.grad_accum, s.microbatches, s.repeats
+    iterations = s.iterations
     tokens = pod.global_rows * pod.seq_len / pod.devices
-    compute = (4 + 2 * pod.trainable) * pod.params * tokens / (pod.hw.peak_flops * pod.efficiency) * iterations / m
-    share = (pod.stacked_params / p + pod.params - pod.stacked_params) / t
-    gathers = 2 if p == 1 else 1  # stage 3 regathers for the backward; a pipeline keeps its gather
-    fsdp_bytes = k * (gathers + pod.trainable) * BYTES * share * (f - 1) / f
+    compute = (
+        (4 + 2 * pod.trainable) * pod.params * tokens / (pod.hw.peak_flops * pod.efficiency) * iterations / (v * m)
+    )
+    stage_share, rest_share = pod.stacked_params / p / t, (pod.params - pod.stacked_params) / t
+    if p == 1:  # stage 3 regathers for the backward
+        moved = (2 + pod.trainable) * (stage_share + rest_share)
+    elif s.gather == "per_step":  # a pipeline keeps its gather for the step
+        moved = (1 + pod.trainable) * (stage_share + rest_share)
+    else:  # every iteration gathers its chunk forward and backward, and reduces it
+        moved = (2 + pod.trainable) * iterations / v * stage_share + (1 + pod.trainable) * rest_share
+    fsdp_bytes = k * moved * BYTES * (f - 1) / f
     fsdp_link = between if t * f > node else pod.hw.link_bytes_per_s
     micro_bytes = pod.global_rows // (f * k * m) * pod.seq_len * pod.shape.d_model * BYTES
-    sends = 0.0 if p == 1 else k * (2 * iterations * micro_bytes + 2 * m * micro_bytes * 2 * (p - 1) / p)
+    reorder = 2 * (p - 1) / p * BYTES * stage_share / f if v > 1 else 0.0
+    sends = 0.0 if p == 1 else k * (2 * iterations * micro_bytes + 2 * m * micro_bytes * 2 * (p - 1) / p + reorder)
     sends_link = between if t * f >= node else pod.hw.link_bytes_per_s
     all_reduces = 5  # 2 forward, 2 backward, 1 recomputed (remat "full")
-    layers = pod.shape.n_layers // p
-    tensor_bytes = k * iterations * layers * all_reduces * micro_bytes * 2 * (t - 1) / t
+    layers, chunk = pod.shape.n_layers // p, pod.shape.n_layers // (p * v)
+    tensor_bytes = k * iterations * chunk * all_reduces * micro_bytes * 2 * (t - 1) / t
     lat_f = LATENCY_S["between"] if t * f > node else LATENCY_S["node"]
-    latency = k * layers * (3 if p == 1 else 2) * lat_f
+    gathered = layers * 2 if s.gather == "per_step" else iterations * chunk * 3  # collectives a step
+    latency = k * (layers * 3 if p == 1 else gathered) * lat_f
     latency += 0.0 if p == 1 else k * 2 * iterations * LATENCY_S["between" if t * f >= node else "node"]
-    latency += k * iterations * layers * all_reduces * LATENCY_S["node"] if t > 1 else 0.0
+    latency += k * iterations * chunk * all_reduces * LATENCY_S["node"] if t > 1 else 0.0
     return compute, fsdp_bytes / fsdp_link, sends / sends_link, tensor_bytes / pod.hw.link_bytes_per_s, latency
 
 
@@ -155,7 +180,8 @@ def _powers_of_two(limit: int) -> list[int]:
 
 def splits(pod: Pod) -> list[Split]:
     """Every layout to try: tensor sizes as `tensor_plan.sizes`, pipeline sizes dividing the layers
-    and the devices left, accumulation and microbatches (multiples of p) that split the batch."""
+    and the devices left, accumulation and microbatches (multiples of p) that split the batch, and
+    with a pipeline 1, 2 or 4 repeats that divide the layers, each gathering per step or per microbatch."""
     node, _ = node_links(pod.hw, pod.devices)
     out = []
     for t in sizes(pod.devices, pod.shape, node):
@@ -166,8 +192,16 @@ def splits(pod: Pod) -> list[Split]:
             for k in (k for k in _powers_of_two(pod.global_rows // f) if pod.global_rows // f % k == 0):
                 rows = pod.global_rows // (f * k)
                 ms = [1] if p == 1 else [p * j for j in _powers_of_two(rows // p) if rows % (p * j) == 0]
-                out += [Split(p, t, f, k, m) for m in ms]
+                for m in ms:
+                    out += [Split(p, t, f, k, m, v, g) for v, g in _schedules(pod, p, f)]
     return out
+
+
+def _schedules(pod: Pod, p: int, f: int) -> list[tuple[int, str]]:
+    if p == 1:
+        return [(1, "per_step")]
+    gathers = ("per_step", "per_microbatch") if f > 1 else ("per_step",)
+    return [(v, g) for v in (1, 2, 4) if pod.shape.n_layers % (p * v) == 0 for g in gathers]
 
 
 def options(pod: Pod) -> list[PipelineOption]:
@@ -183,7 +217,14 @@ def best(opts: list[PipelineOption], budget: float, pipelined: bool | None = Non
         return None
     fastest = min(o.step_s for o in fits)
     near = [o for o in fits if o.step_s <= fastest * 1.01]
-    return min(near, key=lambda o: (o.split.pipeline, o.split.grad_accum, o.split.microbatches, o.step_s))
+    return min(near, key=_simplest)
+
+
+def _simplest(o: PipelineOption):
+    """Among near-equal options: the smaller pipeline, less accumulation, fewer microbatches, GPipe
+    before the circular schedule, gathers per step before per microbatch, then the faster."""
+    s = o.split
+    return (s.pipeline, s.grad_accum, s.microbatches, s.repeats, s.gather != "per_step", o.step_s)
 
 
 def smallest(opts: list[PipelineOption], pipelined: bool) -> PipelineOption:

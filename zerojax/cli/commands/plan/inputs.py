@@ -111,6 +111,8 @@ def inputs_from_config(args: argparse.Namespace) -> dict:
         "global_rows": c.train.batch_size,
         "pipeline": c.mesh.pipeline,
         "microbatches": c.train.microbatches,
+        "pipeline_repeats": c.mesh.pipeline_repeats,
+        "pipeline_gather": c.zero.pipeline_gather,
         "params": counted["params"],
         "devices": fsdp,
         "seq_len": counted["seq_len"],

@@ -11,9 +11,24 @@ def _describe(o, **extra) -> dict | None:
     return {
         **vars(o.split),
         "bubble": o.split.bubble,
+        "schedule": _schedule(o.split),
         **{k: getattr(o, k) for k in (*terms, "latency_s", "memory_bytes", "step_s", "bound")},
         **extra,
     }
+
+
+def _schedule(s) -> str:
+    """How a split runs its pipeline, in words: GPipe or the circular schedule, and its gathers."""
+    if s.pipeline == 1:
+        return "-"
+    how = "GPipe" if s.repeats == 1 else f"circular x{s.repeats}"
+    return how + (", per-microbatch gathers" if s.gather == "per_microbatch" else "")
+
+
+def _settings(s) -> str:
+    """The config keys that choose a split's schedule, where they differ from the defaults."""
+    out = f", mesh.pipeline_repeats={s.repeats}" if s.repeats > 1 else ""
+    return out + (f", zero.pipeline_gather={s.gather}" if s.gather != "per_step" else "")
 
 
 def _why(pick, flat, least, budget: float) -> str:
@@ -25,8 +40,8 @@ def _why(pick, flat, least, budget: float) -> str:
     s = pick.split
     said = (
         f"mesh.pipeline={s.pipeline} x tensor={s.tensor} x fsdp={s.fsdp}, train.grad_accum={s.grad_accum}, "
-        f"train.microbatches={s.microbatches}: bubble {s.bubble:.0%}, step {duration(pick.step_s)}, bound by "
-        f"{pick.bound}, {gb(pick.memory_bytes)} GB a device."
+        f"train.microbatches={s.microbatches}{_settings(s)}: bubble {s.bubble:.0%}, step {duration(pick.step_s)}, "
+        f"bound by {pick.bound}, {gb(pick.memory_bytes)} GB a device."
     )
     if s.pipeline == 1:
         return f"No pipeline: {said} Every pipelined option is slower or does not fit."
@@ -72,7 +87,7 @@ def section(inputs: dict, hardware, efficiency: float, headroom: float) -> dict 
         "pick": _describe(pick),
         "best_without_pipeline": _describe(flat),
         "why": _why(pick, flat, least, budget),
-        "config": {"pipeline": inputs.get("pipeline"), "microbatches": inputs.get("microbatches")},
+        "config": {k: inputs.get(k) for k in ("pipeline", "microbatches", "pipeline_repeats", "pipeline_gather")},
     }
 
 
@@ -87,7 +102,7 @@ def print_section(s: dict) -> None:
         caption="step = max(compute incl. bubble, fsdp traffic, stage sends, tensor traffic) + latency; "
         f"memory against {gb(s['budget_bytes'])} GB",
     )
-    columns = ("pipeline x tensor x fsdp", "accum", "microbatches", "bubble", "memory (GB)", "compute")
+    columns = ("pipeline x tensor x fsdp", "accum", "microbatches", "schedule", "bubble", "memory (GB)", "compute")
     for col in (*columns, "fsdp traffic", "stage sends", "tensor traffic", "step"):
         table.add_column(col, justify="left" if col == columns[0] else "right")
     for o in s["per_pipeline_size"]:
@@ -95,7 +110,8 @@ def print_section(s: dict) -> None:
         memory = gb(o["memory_bytes"]) + ("" if o["fits"] else " (over)")
         split = f"{o['pipeline']} x {o['tensor']} x {o['fsdp']}"
         micro = str(o["microbatches"]) if o["pipeline"] > 1 else "-"
-        table.add_row(split, str(o["grad_accum"]), micro, f"{o['bubble']:.0%}", memory, *map(duration, times))
+        row = (split, str(o["grad_accum"]), micro, o["schedule"], f"{o['bubble']:.0%}", memory)
+        table.add_row(*row, *map(duration, times))
     out = console()
     out.print(table)
     out.print(s["why"])
