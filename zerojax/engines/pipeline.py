@@ -7,7 +7,7 @@ axis stays with the partitioner). Each device holds its rows of the batch, split
 microbatches (microbatch j: its rows j, j + m, ...), and its layers: under GPipe (v = 1) its
 consecutive `L / p` (a stacked leaf's layer axis is split over `pipeline`, `LeafLayout.pipeline_size`);
 under the circular schedule `v` chunks of `c = L / (p v)` layers, chunk r of stage s being layers
-`(r p + s) c ...` (the stack is reordered so inside the step, and the gradient back). A work item
+`(r p + s) c ...` (`circular_chunks` exchanges them in the step, and the gradient back). A work item
 is (repeat r, microbatch j), u = r m + j; stage `s` works on item `t - s` in iteration t, passing
 its output to stage s + 1 (a `ppermute`; the last stage's goes round to stage 0, which keeps it
 until the item's next repeat). The loop runs `v m + p - 1` iterations, and a stage idles
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from zerojax.core.mesh import BATCH_AXES, FSDP_AXIS, PIPELINE_AXIS, TENSOR_AXIS, data_parallel_size, pipeline_size
@@ -109,19 +110,49 @@ def describe(stacks: str, mesh, schedule: Schedule, gathers: str | None) -> str:
     )
 
 
-def circular_order(stacked, stages: int, repeats: int):
-    """`stacked` ([layers, ...] leaves) reordered so that stage s's consecutive share holds its
-    circular chunks: layers (r p + s) c ... for r < `repeats`, c = layers / (p v)."""
+def circular_chunks(stacked, stages: int, repeats: int):
+    """Inside a region manual over `pipeline`: this device's consecutive share of `stacked` (leaves
+    [L / p, ...]) exchanged for its circular chunks, layers (r p + s) c ... for r < `repeats` (c =
+    L / (p v)), in one all-to-all over `pipeline` (its transpose sends the gradient back). A device
+    sends each of its chunks to the stage that runs it, in slots of ceil(v / p) chunks per stage
+    (zeros where it has fewer for that stage)."""
+    if repeats == 1:
+        return stacked
+    send, take = _chunk_tables(stages, repeats)
+    me = jax.lax.axis_index(PIPELINE_AXIS)
 
-    def reorder(w):
-        chunk = w.shape[0] // (stages * repeats)
-        return w.reshape(repeats, stages, chunk, *w.shape[1:]).swapaxes(0, 1).reshape(w.shape)
+    def exchange(w):
+        chunks = w.reshape(repeats, w.shape[0] // repeats, *w.shape[1:])
+        padded = jnp.concatenate([chunks, jnp.zeros_like(chunks[:1])])  # chunk `repeats`: the zero slot
+        out = jnp.take(padded, jnp.asarray(send)[me], axis=0)  # [p * slots, c, ...], stage d's at d
+        got = jax.lax.all_to_all(out, PIPELINE_AXIS, 0, 0, tiled=True)  # stage s's slots at s
+        return jnp.take(got, jnp.asarray(take)[me], axis=0).reshape(w.shape)
 
-    return stacked if repeats == 1 else jax.tree.map(reorder, stacked)
+    return jax.tree.map(exchange, stacked)
 
 
-def _check_layers(stacked, stages: int, repeats: int) -> None:
-    layers = jax.tree.leaves(stacked)[0].shape[0]
+def _chunk_tables(stages: int, repeats: int):
+    """(send, take): send[s] lists, slot by slot for each destination stage, the local chunk stage s
+    sends there (`repeats`: a zero chunk); take[d][r] is where stage d finds its chunk r among what
+    it received. Global chunk q = s v + i (stage s's i-th) is run by stage q mod p as its chunk q // p."""
+    p, v = stages, repeats
+    slots = -(-v // p)
+    send, take = np.full((p, p * slots), v), np.zeros((p, v), dtype=np.int32)
+    for s in range(p):
+        used = [0] * p
+        for i in range(v):
+            q = s * v + i
+            d = q % p
+            send[s, d * slots + used[d]] = i
+            take[d, q // p] = s * slots + used[d]
+            used[d] += 1
+    return send.astype(np.int32), take
+
+
+def check_layers(stacked, split: int, repeats: int, stages: int) -> None:
+    """The stack's layers (`stacked`'s leading axis times `split`: what share of them it holds)
+    divide into `stages` x `repeats` chunks of equal size."""
+    layers = jax.tree.leaves(stacked)[0].shape[0] * split
     if layers % (stages * repeats):
         raise UserError(
             f"{layers} layers do not divide into mesh.pipeline={stages} x mesh.pipeline_repeats={repeats} "
@@ -154,7 +185,7 @@ def gpipe(
     it runs, for every microbatch, forward and again in the rematerialised backward."""
     p, m, v = pipeline_size(mesh), microbatches, repeats
     check_schedule(mesh, x.shape[0], m)
-    _check_layers(stacked, p, v)
+    check_layers(stacked, 1, v, p)
     manual = (PIPELINE_AXIS, *BATCH_AXES)
     partial = {"axis_names": frozenset(manual)} if dict(mesh.shape).get(TENSOR_AXIS, 1) > 1 else {}
     per_layer = gather_axes is not None and gather_each_layer
@@ -163,11 +194,12 @@ def gpipe(
     body = loop
     if gather_axes is not None and not per_layer:  # the whole stage gathered once, before the loop
         body = functools.partial(_gathered, loop, gather_axes, 0)
+    reordered = lambda x, params: body(x, circular_chunks(params, p, v))  # noqa: E731  (shards, before any gather)
     leaves, tree = jax.tree.flatten(stacked)
     axes = gather_axes if gather_axes is not None else [None] * len(leaves)
     specs = (P(BATCH_AXES), jax.tree.unflatten(tree, [_stage_spec(w.ndim, a) for w, a in zip(leaves, axes)]))
-    run = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(BATCH_AXES), check_vma=False, **partial)
-    return run(x, circular_order(stacked, p, v))
+    run = jax.shard_map(reordered, mesh=mesh, in_specs=specs, out_specs=P(BATCH_AXES), check_vma=False, **partial)
+    return run(x, stacked)
 
 
 def _gathered(layer, gather_axes, sliced: int, h, params):

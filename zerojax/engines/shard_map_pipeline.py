@@ -1,5 +1,5 @@
-"""The `shard_map` engine's route for a `pipeline` mesh axis: GPipe inside the engine's own manual
-region (`zerojax.engines.pipeline.on_device`).
+"""The `shard_map` engine's route for a `pipeline` mesh axis: GPipe or the circular schedule inside
+the engine's own manual region (`zerojax.engines.pipeline.on_device`).
 
 The region is manual over `pipeline` too, so each device holds its pipeline stage's layers of every
 stacked leaf (axis 0 split over `pipeline`) and the rest of the model whole over `pipeline`. Each
@@ -37,35 +37,35 @@ def check(options: EngineOptions, schedule: pipeline.Schedule, mesh) -> None:
             "zero.reshard_after_forward=false does not combine with mesh.pipeline; a pipeline stage keeps its "
             "gathered weights for the step already (zero.pipeline_gather: per_step)."
         )
-    if schedule.repeats > 1:
-        raise UserError(
-            f"mesh.pipeline_repeats={schedule.repeats} (the circular schedule) runs on the gspmd engine; the "
-            "shard_map engine pipelines with GPipe (mesh.pipeline_repeats=1)."
-        )
 
 
 class _Loop:
-    """The model's layer loop for one stack: its pipeline stage's layers materialised (at once, or
-    each as it runs), then GPipe on this device."""
+    """The model's layer loop for one stack: its pipeline stage's layers (under the circular schedule
+    exchanged for its chunks, as stored: shards at stage 3) materialised at once or each as it runs,
+    then the schedule on this device."""
 
-    def __init__(self, layouts, materialize_group, each_layer: bool, mesh, microbatches: int):
+    def __init__(self, layouts, materialize_group, each_layer: bool, mesh, schedule: pipeline.Schedule):
         layouts = jax.tree.map(LeafLayout.pipeline_stage, layouts, is_leaf=is_layout)  # this device's layers
         self.layouts, self.materialize_group, self.each_layer = layouts, materialize_group, each_layer
         self.one_layer = jax.tree.map(LeafLayout.one_layer, layouts, is_leaf=is_layout)
-        self.mesh, self.microbatches = mesh, microbatches
+        self.mesh, self.microbatches = mesh, schedule.microbatches or pipeline_size(mesh)
+        self.repeats = schedule.repeats
 
     def _materialized(self, layouts, values):
         out = materialize_tree(layouts, values, self.materialize_group)
         return nnx.State(out) if isinstance(values, nnx.State) else out
 
     def __call__(self, layer, x, stacked):
+        p = pipeline_size(self.mesh)
         pipeline.check_schedule(self.mesh, x.shape[0] * data_parallel_size(self.mesh), self.microbatches)
+        pipeline.check_layers(stacked, p, self.repeats, p)
+        stacked = pipeline.circular_chunks(stacked, p, self.repeats)
         if self.each_layer:
             run_layer, weights = (lambda h, one: layer(h, self._materialized(self.one_layer, one))), stacked
         else:
             run_layer, weights = layer, self._materialized(self.layouts, stacked)
         return pipeline.on_device(
-            run_layer, x, weights, stages=pipeline_size(self.mesh), microbatches=self.microbatches, own_grads=True
+            run_layer, x, weights, stages=p, microbatches=self.microbatches, repeats=self.repeats, own_grads=True
         )
 
 
@@ -80,8 +80,7 @@ def route(layout, model, static, stacks, reduce: Reduce, options: EngineOptions,
         one, group = (lambda l, x: keep_tensor_split(x, l)), (lambda ls, vs: list(map(keep_tensor_split, vs, ls)))
     else:
         one, group = reduce.materializer(stage), reduce.group_materializer(stage)
-    microbatches = schedule.microbatches or pipeline_size(mesh)
-    loops = {s: _Loop(at(leaves, s), group, each_layer and not whole, mesh, microbatches) for s in stacks}
+    loops = {s: _Loop(at(leaves, s), group, each_layer and not whole, mesh, schedule) for s in stacks}
     gathers = None
     if stage.compute_params and not whole:
         gathers = "each layer gathered per microbatch" if each_layer else "every weight gathered once per step"
