@@ -115,29 +115,26 @@ def apply_update(
 
 def _master_then_moments(layout, tx, state, grads, kept):
     """The new state, each leaf written over the old one: the master (and compute copy) first, then
-    the optimizer state, from a second run of the update whose inputs wait for the master's write.
+    the optimizer state, each optimizer-state leaf shaped like a parameter tied to an exact zero read
+    from that parameter's *written* master (`ordering.zeros_after`).
 
-    Elementwise, in place needs every reader of an old value to run before its write. One run shares
-    the new moments between the master's write and their own, so XLA either holds every new moment
-    beside the old until the last master is written or copies the old state at the step's entry
-    (12 bytes per parameter shard with Adam). Two runs share nothing: the first computes the
-    moments inline into the master's write, the second writes them, each optimizer-state leaf shaped
-    like a parameter tied to an exact zero read from that parameter's written master
-    (`ordering.zeros_after`; one zero per leaf, not one from the whole tree, which made compiling
-    many times slower: docs/engines.md, "The update"). The tie also keeps the second run from being
-    merged with the first."""
-    first = kept(_updated(layout, tx, state, grads)[0])
-    zeros = _written_zeros(layout, first["params"])
+    Elementwise, in place needs every reader of an old value to run before its write. Left
+    unordered, the new moments are shared between the master's write and their own, so XLA holds
+    every new moment beside the old until the last master is written (12 bytes per parameter shard
+    with Adam). Tied, each moment's write reads its old value again after the master's write (XLA
+    recomputes the cheap elementwise moment inside each consumer), so nothing new waits beside the
+    old. One zero per leaf, read inside one conditional for the tree: one per leaf made compiling
+    many times slower (docs/engines.md, "The update"). The update itself is traced once."""
+    new = kept(_updated(layout, tx, state, grads)[0])
+    zeros = _written_zeros(layout, new["params"])
     treedef = jax.tree.structure(zeros)
     like_params = lambda sub: jax.tree.structure(sub) == treedef  # noqa: E731
-    opt_state = jax.tree.map(
+    new["opt_state"] = jax.tree.map(
         lambda sub: jax.tree.map(ordering.tie, sub, zeros) if like_params(sub) else sub,
-        state.opt_state,
+        new["opt_state"],
         is_leaf=like_params,
     )
-    tied_grads = constrain(jax.tree.map(ordering.tie, grads, zeros), layout.opt_shardings())
-    second = kept(_updated(layout, tx, state.replace(opt_state=opt_state), tied_grads)[0])
-    return {**first, "opt_state": second["opt_state"]}
+    return new
 
 
 def _written_zeros(layout: StateLayout, params):
