@@ -163,9 +163,13 @@ def ideal(
     psi, p, stage, prec = (tensor_local_params(layout.leaves), layout.fsdp_size, trainer.stage.index, trainer.precision)
     # frozen leaves (`trainable=`): kept as compute params only, never reduced
     trains = tensor_local_params(layout.trained_leaves()) if layout.frozen_leaves() else None
-    kept = analytic.kept_state_bytes(psi, p, stage, prec, get_optimizer(optimizer), trainable=trains)
     k, reshard = trainer.grad_accum, trainer.options.reshard_after_forward
-    traffic = analytic.traffic_bytes(psi, p, stage, prec.param_bytes, prec.reduce_bytes, k, reshard, trains)
+    kept = _summed(
+        layout, lambda n, d, t: analytic.kept_state_bytes(n, d, stage, prec, get_optimizer(optimizer), trainable=t)
+    )
+    traffic = _summed(
+        layout, lambda n, d, t: analytic.traffic_bytes(n, d, stage, prec.param_bytes, prec.reduce_bytes, k, reshard, t)
+    )
     by_kind_axis = _zeropp_traffic(trainer, psi, shape, k, trains)
     if by_kind_axis is not None:
         traffic = zeropp.totals(by_kind_axis)
@@ -179,6 +183,24 @@ def ideal(
     return Ideal(
         psi, p, kept["total"], kept, traffic["param_allgather"], traffic["grad_reduce"], temp, act, by_kind_axis
     )
+
+
+def _summed(layout, figures) -> dict[str, float]:
+    """`figures(params, devices, trainable params or None)` summed over the leaves grouped by the
+    devices a sharded group splits them over: fsdp, and on a pipeline fsdp x pipeline for the
+    leaves outside the stack (`zerojax.core.layout.make_layout`)."""
+    leaves = jax.tree.leaves(layout.leaves, is_leaf=_is_layout)
+    stages = dict(layout.mesh.shape).get("pipeline", 1)
+    out: dict[str, float] = {}
+    for beside in (False, True):
+        group = [l for l in leaves if ("pipeline" in l.over) == beside]
+        if not group:
+            continue
+        trains = tensor_local_params([l for l in group if l.trainable]) if any(not l.trainable for l in group) else None
+        part = figures(tensor_local_params(group), layout.fsdp_size * (stages if beside else 1), trains)
+        for key, value in part.items():
+            out[key] = out.get(key, 0.0) + value
+    return out
 
 
 def _zeropp_traffic(trainer, psi: int, shape: GPTShape | None, grad_accum: int, trains=None) -> dict | None:

@@ -8,7 +8,8 @@ layers a device) over m microbatches of those rows, gathering a stage's weights 
 each layer per microbatch (`zerojax.engines.pipeline`). A loop runs n = v m + p - 1 iterations, each
 through a chunk of L / (p v) layers. Per step and device (bf16 compute, bf16 Adam state):
 
-  memory    the state 16 (blocks / p + rest) / (t f) (embedding and head stay outside the pipeline);
+  memory    the state 16 params / (p t f) (the embedding and head, outside the pipeline, are
+            sharded over fsdp x pipeline);
             p > 1: the stage's weights gathered whole (per step) or a layer's (per microbatch), and
             every layer's input kept for each of the n iterations (each layer recomputed in its
             backward, as remat "full"), and under the circular schedule the m microbatches stage 0
@@ -122,7 +123,8 @@ def _memory(pod: Pod, s: Split) -> tuple[float, float, float]:
     """(state, weights held whole, activations) bytes per device."""
     shape, p, t = pod.shape, s.pipeline, s.tensor
     share = (pod.stacked_params / p + pod.params - pod.stacked_params) / t  # one tensor slice of a stage
-    state = (2 + 14 * pod.trainable) * share / s.fsdp  # frozen: bf16 only; trained: + fp32 master, Adam
+    # the state over p x t x f, the leaves outside the stack too; frozen: bf16 only; trained: + fp32 master, Adam
+    state = (2 + 14 * pod.trainable) * pod.params / (p * t * s.fsdp)
     rows = pod.global_rows // (s.fsdp * s.grad_accum)  # per device per accumulation step
     if p == 1:
         return state, 2 * BYTES * pod.block_params / t, gpt_activation_bytes(shape, pod.seq_len, rows, BYTES, "full")

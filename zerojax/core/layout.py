@@ -21,7 +21,7 @@ from zerojax.core import axis_rules as axis_rules_lib
 from zerojax.core import offload as offload_lib
 from zerojax.core import optim
 from zerojax.core.leaf_rule import LeafLayout, fit_to, leaf_layout
-from zerojax.core.mesh import FSDP_AXIS, TENSOR_AXIS, pipeline_size
+from zerojax.core.mesh import FSDP_AXIS, PIPELINE_AXIS, TENSOR_AXIS, pipeline_size
 from zerojax.core.precision import Precision, cast_tree
 from zerojax.core.stages import Stage
 from zerojax.core.state import TrainState
@@ -284,7 +284,7 @@ def make_layout(
 ) -> StateLayout:
     """One `LeafLayout` per parameter; leaves under one of the `stack_paths` (the param paths of the
     model's layer stacks: `zj.Stacked`, or what a model taking `layer_hook` declares) keep axis 0 whole
-    from FSDP (on a `pipeline` mesh it is split into pipeline stages).
+    from FSDP (a `pipeline` mesh splits it into pipeline stages, every other leaf over fsdp x pipeline).
 
     `pad_free_optimizer`: the optimizer group keeps padded leaves replicated in their logical shape
     (for an optimizer whose update is not elementwise, which the zero padding would change).
@@ -295,22 +295,22 @@ def make_layout(
     rules = axis_rules_lib.as_rules(axis_rules)
     tensor = dict(mesh.shape).get(TENSOR_AXIS, 1)
     stages = pipelined_stages(mesh, param_shapes, stack_paths)
-    fsdp = mesh.shape[FSDP_AXIS]
     over = (FSDP_AXIS, "data") if hierarchical else (FSDP_AXIS,)  # hpZ: state sharded over fsdp x data
-    fsdp *= mesh.shape["data"] if hierarchical else 1
+    fsdp = mesh.shape[FSDP_AXIS] * (mesh.shape["data"] if hierarchical else 1)
 
     def rule(path, leaf):
         name = path_str(path)
         stacked = under(tuple(getattr(k, "key", k) for k in path), stack_paths)
         tensor_axis, fsdp_axis = axis_rules_lib.dims(name, (axis_names or {}).get(name), leaf.shape, rules, tensor)
+        beside = not stacked and stages > 1
         return leaf_layout(
             name,
             leaf.shape,
             np.dtype(precision.master_dtype).itemsize,
-            fsdp,
+            fsdp * (stages if beside else 1),
             layer_axis=0 if stacked else None,
             replicate_below_bytes=replicate_below_bytes,
-            over=over,
+            over=(*over, PIPELINE_AXIS) if beside else over,
             tensor_axis=tensor_axis,
             tensor_size=tensor,
             fsdp_axis=fsdp_axis,

@@ -26,8 +26,8 @@ class LeafLayout:
     padded_shape: tuple[int, ...]
     axis: int | None
     reason: str
-    # the mesh axes `axis` is split over, major first: ("fsdp",), or ("fsdp", "data") for hpZ's
-    # primary partition (`zero.hierarchical`)
+    # the mesh axes `axis` is split over, major first: ("fsdp",), ("fsdp", "data") for hpZ's
+    # primary partition (`zero.hierarchical`), ("fsdp", "pipeline") beside a pipelined stack
     over: tuple[str, ...] = (FSDP_AXIS,)
     # tensor parallelism: the array axis split over the mesh's `tensor` axis in *every* group (it is
     # model parallelism, not ZeRO: no stage gathers it), and that axis's size

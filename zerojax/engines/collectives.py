@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from zerojax.adapt.ordering import held_on_cpu
 from zerojax.core.leaf_rule import LeafLayout, fit_to, join_shards
-from zerojax.core.mesh import FSDP_AXIS
+from zerojax.core.mesh import FSDP_AXIS, PIPELINE_AXIS
 from zerojax.core.stages import Stage
 from zerojax.engines import quantize
 
@@ -96,6 +96,27 @@ def _reduced_transposed(ndim: int) -> bool:
     return ndim == 2 and jax.default_backend() == "cpu"  # measured on CPU only
 
 
+def _beside_pipeline(leaf: LeafLayout) -> bool:
+    """A leaf outside a pipelined stack: sharded over fsdp x pipeline (`zerojax.core.layout`), and whole
+    on every pipeline stage, which all run it and each hold its whole local gradient."""
+    return PIPELINE_AXIS in leaf.over
+
+
+def _gathered_over(leaf: LeafLayout):
+    """The axes a stage-3 gather of `leaf` spans (hpZ's secondary copy is split over fsdp only)."""
+    return (FSDP_AXIS, PIPELINE_AXIS) if _beside_pipeline(leaf) else FSDP_AXIS
+
+
+def _pipeline_part(reduced, leaf: LeafLayout, axis: int):
+    """A leaf's gradient reduce-scattered over fsdp -> this device's shard of it. Beside a pipeline
+    every stage holds the same whole gradient, so its part over `pipeline` is cut, not summed (fsdp
+    is the major axis of the pair, as in the leaf's spec)."""
+    if not _beside_pipeline(leaf):
+        return reduced
+    size = reduced.shape[axis] // jax.lax.axis_size(PIPELINE_AXIS)
+    return jax.lax.dynamic_slice_in_dim(reduced, jax.lax.axis_index(PIPELINE_AXIS) * size, size, axis)
+
+
 def _from_row(row, leaf: LeafLayout):
     """This device's part of a reduced row (`Reduce._grad_rows`) -> its shard of the leaf."""
     shard = list(leaf.padded_shape)
@@ -145,8 +166,10 @@ class Reduce:
             ct = quantize.reduce_scatter(ct, leaf, self.grads).astype(self.reduce_dtype)  # summed in fp32
         else:
             ct = _transposed(
-                lambda c, axis: jax.lax.psum_scatter(
-                    c.astype(self.reduce_dtype), FSDP_AXIS, scatter_dimension=axis, tiled=True
+                lambda c, axis: _pipeline_part(
+                    jax.lax.psum_scatter(c.astype(self.reduce_dtype), FSDP_AXIS, scatter_dimension=axis, tiled=True),
+                    leaf,
+                    axis,
                 ),
                 ct,
                 leaf.axis,
@@ -159,7 +182,7 @@ class Reduce:
     def cast_gather(self, shard, leaf: LeafLayout):
         x = keep_tensor_split(shard, leaf).astype(self.compute_dtype)  # cast first: the gather moves compute bytes
         if leaf.axis is not None:
-            x = keep_tensor_split(gather_bits(x, leaf.axis), leaf)
+            x = keep_tensor_split(gather_bits(x, leaf.axis, _gathered_over(leaf)), leaf)
         return fit_to(x, leaf.shape)
 
     def shard_gather(self, shard, leaf: LeafLayout):
@@ -293,7 +316,7 @@ class Reduce:
         # the partitioner gather its tensor split as well.
         shard = x.copy if isinstance(x, Secondary) else x
         weights = self.weights is not None and self.weights.applies(shard.size)
-        return leaf.axis is not None and leaf.tensor_axis is None and not weights
+        return leaf.axis is not None and leaf.tensor_axis is None and not weights and not _beside_pipeline(leaf)
 
     def _bits(self, x):
         """The compute-dtype bits a stage-3 gather moves for this stored value (not differentiated)."""

@@ -15,6 +15,8 @@ How parameters are gathered: `zerojax.engines.shard_map_routes`.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -56,11 +58,12 @@ SUPPORTS = (
 )
 
 
-def _local_shape(leaf: LeafLayout, fsdp: int) -> tuple[int, ...]:
+def _local_shape(leaf: LeafLayout, mesh) -> tuple[int, ...]:
+    """A device's shard of a sharded leaf: split over every mesh axis of its `over`."""
     if leaf.axis is None:
         return leaf.shape
     shape = list(leaf.padded_shape)
-    shape[leaf.axis] //= fsdp
+    shape[leaf.axis] //= math.prod(mesh.shape[a] for a in leaf.over)
     return tuple(shape)
 
 
@@ -99,7 +102,7 @@ def _device_leaves(layout: StateLayout):
 def _grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: Reduce):
     """shard_map'd `(params, batch) -> (loss, grads)`, gradients reduced as the stage asks."""
     stage, leaves, mesh = layout.stage, _device_leaves(layout), layout.mesh
-    dp, fsdp = data_parallel_size(mesh), mesh.shape[FSDP_AXIS]
+    dp = data_parallel_size(mesh)
 
     def local(params, model_state, key, batch):
         """Per device: loss and gradient of the local batch, reduced as the stage asks."""
@@ -109,7 +112,7 @@ def _grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: Reduce)
         fixed = params if stage.resident_compute else None
         if stage.resident_compute:  # differentiate w.r.t. shard-shaped zeros: see `Resident`
             params = jax.tree.map(
-                lambda l: jnp.zeros(_local_shape(l, fsdp), reduce.reduce_dtype), leaves, is_leaf=is_layout
+                lambda l: jnp.zeros(_local_shape(l, mesh), reduce.reduce_dtype), leaves, is_leaf=is_layout
             )
 
         def loss_of(diff):
