@@ -85,7 +85,7 @@ def gpt_reference():
     "stage,mesh,microbatches,repeats,gather,engine",
     [
         (3, {"pipeline": 2, "fsdp": 4}, 4, 1, "per_step", "gspmd"),
-        (3, {"pipeline": 2, "fsdp": 4}, 2, 2, "per_step", "gspmd"),  # circular: 2 one-layer chunks a device
+        pytest.param(3, {"pipeline": 2, "fsdp": 4}, 2, 2, "per_step", "gspmd", marks=pytest.mark.slow),  # circular
         (3, {"pipeline": 2, "fsdp": 4}, 2, 1, "per_microbatch", "gspmd"),
         (3, {"pipeline": 2, "fsdp": 4}, 2, 2, "per_step", "shard_map"),
         pytest.param(
@@ -288,15 +288,43 @@ def test_what_cannot_be_pipelined_is_one_sentence(case, words):
         trainer.step(trainer.init(KEY, batch), batch)
 
 
-def test_what_the_shard_map_engine_does_not_pipeline_yet_is_one_sentence():
+@pytest.mark.parametrize(
+    "engine,options,accum,words",
+    [
+        ("shard_map", {"prefetch": True}, 1, "zero.prefetch does not combine with mesh.pipeline=2"),
+        ("gspmd", {"prefetch": True}, 1, "zero.prefetch does not combine with mesh.pipeline=2"),
+        ("shard_map", {"reshard_after_forward": False, "pipeline_gather": "per_microbatch"}, 1, "contradicts"),
+        ("gspmd", {"reshard_after_forward": False, "pipeline_gather": "per_microbatch"}, 1, "contradicts"),
+        ("gspmd", {"reshard_after_forward": False}, 2, "on the shard_map engine only"),
+        ("shard_map", {"quantize_weights": True}, 1, "zero.quantize_weights does not combine with mesh.pipeline"),
+    ],
+)
+def test_options_a_pipeline_cannot_honour_are_one_sentence(engine, options, accum, words):
     make, mesh = functools.partial(GPT, CFG), zj.make_mesh(pipeline=2, fsdp=4)
-    for options, words in (
-        ({"prefetch": True}, "zero.prefetch does not combine with mesh.pipeline on the shard_map engine yet"),
-        ({"reshard_after_forward": False}, "zero.reshard_after_forward=false does not combine with mesh.pipeline"),
-    ):
-        trainer = zj.Trainer(make, optax.sgd(LR), mesh=mesh, stage=3, engine="shard_map", engine_options=options)
-        with pytest.raises(UserError, match=words):
-            trainer.init(KEY, _tokens(0))
+    trainer = zj.Trainer(
+        make, optax.sgd(LR), mesh=mesh, stage=3, engine=engine, grad_accum=accum, engine_options=options
+    )
+    with pytest.raises(UserError, match=words):
+        trainer.init(KEY, _tokens(0))
+
+
+def test_kept_weights_on_a_pipeline_train_as_unpipelined(gpt_reference):
+    """shard_map, stage 3, reshard_after_forward=False: a pipeline stage's weights gathered once per
+    step and kept across two accumulation micro-batches."""
+    trainer = zj.Trainer(
+        functools.partial(GPT, CFG),
+        optax.sgd(LR),
+        mesh=zj.make_mesh(pipeline=2, fsdp=4),
+        stage=3,
+        engine="shard_map",
+        microbatches=2,
+        grad_accum=2,
+        engine_options={"reshard_after_forward": False},
+    )
+    _assert_same_training(_run(trainer, _tokens), gpt_reference)
+    assert trainer.gather_report().description.endswith(
+        "every weight gathered once per step, kept for every micro-batch"
+    )
 
 
 def test_stage_sends_follow_the_schedule_and_the_gradient_is_reduced_once():

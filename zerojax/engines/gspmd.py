@@ -125,6 +125,7 @@ def _pipelined(layout, model, static, options: EngineOptions, schedule: pipeline
     it runs for every microbatch."""
     stacks = stack_paths(model, layout.leaves, options)
     pipeline.check_model(model, stacks, layout.mesh)
+    pipeline.check_options(options, layout.mesh)
     per_microbatch = pipeline.gathers_each_layer(options.pipeline_gather, layout.stage, layout.mesh)
     microbatches, repeats = schedule.microbatches or pipeline_size(layout.mesh), schedule.repeats
 
@@ -153,7 +154,7 @@ def _pipelined(layout, model, static, options: EngineOptions, schedule: pipeline
 
     gathers = None
     if layout.compute_sharded:
-        gathers = "each layer gathered per microbatch" if per_microbatch else "every weight gathered once per step"
+        gathers = pipeline.PER_MICROBATCH if per_microbatch else pipeline.ONCE_PER_PASS
     report = GatherReport("layers", pipeline.describe(describe_stacks(stacks), layout.mesh, schedule, gathers))
     return run, report
 
@@ -197,6 +198,12 @@ def build(
     microbatch a pipeline stage)."""
     if pipeline_size(layout.mesh) > 1:
         piped, report = _pipelined(layout, model, static, options, schedule or pipeline.Schedule())
+        if grad_accum > 1 and layout.compute_sharded and not options.reshard_after_forward:
+            raise UserError(
+                "zero.reshard_after_forward=false with train.grad_accum > 1 on a pipeline keeps a stage's gathered "
+                "weights across micro-batches on the shard_map engine only; the gspmd engine gathers them per "
+                "micro-batch (set zero.reshard_after_forward=true, or use zero.engine=shard_map)."
+            )
         if grad_accum > 1:
             grads = _accumulated(accumulated_grads(layout, model, static, loss_fn, piped, grad_accum, False))
         else:

@@ -101,6 +101,28 @@ def gathers_each_layer(pipeline_gather: str, stage, mesh) -> bool:
     return pipeline_gather == "per_microbatch"
 
 
+def check_options(options, mesh) -> None:
+    """Engine options a pipeline cannot honour, one sentence each (both engines): a pipeline stage's
+    layers are gathered by the loop itself (`zero.pipeline_gather`), so there is nothing to prefetch,
+    and keeping the gathered weights (`reshard_after_forward=false`) contradicts gathering each layer
+    per microbatch."""
+    if options.prefetch:
+        raise UserError(
+            f"zero.prefetch does not combine with mesh.pipeline={pipeline_size(mesh)}: the pipeline loop gathers "
+            "a stage's layers itself (zero.pipeline_gather); set zero.prefetch=false."
+        )
+    if not options.reshard_after_forward and options.pipeline_gather == "per_microbatch":
+        raise UserError(
+            "zero.reshard_after_forward=false keeps the gathered weights for the step, which contradicts "
+            "zero.pipeline_gather=per_microbatch (each layer gathered as it runs); choose one."
+        )
+
+
+# How stage 3 gathers a pipeline stage's weights, for the gather report (`describe`).
+ONCE_PER_PASS = "every weight gathered once per pass over the microbatches"
+PER_MICROBATCH = "each layer gathered per microbatch"
+
+
 def describe(stacks: str, mesh, schedule: Schedule, gathers: str | None) -> str:
     """The gather report's sentence for a pipelined step (`gathers`: how stage 3 gathers, if it does)."""
     m, v = schedule.microbatches or pipeline_size(mesh), schedule.repeats

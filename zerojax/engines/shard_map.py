@@ -15,6 +15,7 @@ How parameters are gathered: `zerojax.engines.shard_map_routes`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -329,7 +330,10 @@ def _train_grads(layout, model, static, loss_fn, options, reduce, report, run_mo
         return report, _grads_fn(layout, run_model, loss_fn, reduce)
     if not (stage.resident_compute or keep):
         return report, _accum_grads_fn(layout, run_model, loss_fn, reduce, grad_accum, False)
-    if keep:
+    if keep and run_whole is not None:  # a pipeline: its stage's weights, kept across micro-batches
+        described = report.description.replace(pipeline.ONCE_PER_PASS, "every weight gathered once per step")
+        train_report = dataclasses.replace(report, description=f"{described}, kept for every micro-batch")
+    elif keep:
         train_report = kept_whole_report(stage)
     else:
         text = "compute params are replicated, the local gradient reduce-scattered once per step"

@@ -24,19 +24,15 @@ from zerojax.engines.collectives import Reduce, keep_tensor_split
 from zerojax.engines.unit_plan import describe_stacks, is_layout, materialize_tree, outside_stacks
 from zerojax.errors import UserError
 
-_NOT_YET = ("prefetch", "quantize_weights", "quantize_grads", "hierarchical")
+_NOT_YET = ("quantize_weights", "quantize_grads", "hierarchical")
 
 
 def check(options: EngineOptions, schedule: pipeline.Schedule, mesh) -> None:
     """What the shard_map engine does not combine with a pipeline yet: one sentence each."""
+    pipeline.check_options(options, mesh)
     for name in _NOT_YET:
         if getattr(options, name) not in (False, None):
             raise UserError(f"zero.{name} does not combine with mesh.pipeline on the shard_map engine yet.")
-    if not options.reshard_after_forward:
-        raise UserError(
-            "zero.reshard_after_forward=false does not combine with mesh.pipeline; a pipeline stage keeps its "
-            "gathered weights for the step already (zero.pipeline_gather: per_step)."
-        )
 
 
 class _Loop:
@@ -83,7 +79,7 @@ def route(layout, model, static, stacks, reduce: Reduce, options: EngineOptions,
     loops = {s: _Loop(at(leaves, s), group, each_layer and not whole, mesh, schedule) for s in stacks}
     gathers = None
     if stage.compute_params and not whole:
-        gathers = "each layer gathered per microbatch" if each_layer else "every weight gathered once per step"
+        gathers = pipeline.PER_MICROBATCH if each_layer else pipeline.ONCE_PER_PASS
     report = GatherReport("layers", pipeline.describe(describe_stacks(stacks), mesh, schedule, gathers))
 
     def run(raw, model_state, inputs, key, train=True):
