@@ -31,13 +31,30 @@ def zeros_after(tree):
     reads the *old* inputs of `new` again, and whatever waits for it no longer waits for `new`'s
     write. A conditional's operands are never fused into it (see `held_on_cpu`), so on CPU the
     zeros are read inside one whose predicate is always true but only known at run time: one for the
-    whole tree (one per leaf made compiling half again slower). Elsewhere the plain read serves (a
-    conditional would cost a host round trip)."""
+    whole tree (one per leaf made compiling half again slower), whose other branch, never taken,
+    reads nothing (a smaller program: an 8-block step's HLO 5% shorter). Elsewhere the plain read
+    serves (a conditional would cost a host round trip)."""
     leaves, treedef = jax.tree.flatten(tree)
     if jax.default_backend() != "cpu" or not leaves:
         return jax.tree.map(zero_from, tree)
-    each = lambda shift: lambda xs: [zero_from(x) + shift for x in xs]  # noqa: E731
-    return treedef.unflatten(jax.lax.cond(zero_from(leaves) == 0, each(0.0), each(1.0), leaves))
+    read = lambda xs: [zero_from(x) for x in xs]  # noqa: E731
+    never = lambda xs: [jnp.ones((), jnp.float32) for _ in xs]  # noqa: E731
+    return treedef.unflatten(jax.lax.cond(zero_from(leaves) == 0, read, never, leaves))
+
+
+def computed_once(scalar):
+    """A scalar (the step's verdict, an ordering token) read as a value of its own. XLA copies a
+    cheap scalar computation into every fusion that reads it: a flag selecting each leaf of the state,
+    or a zero each gathered leaf waits for, was recomputed hundreds of times, which only lengthened
+    compiling. On CPU it is passed through a conditional, whose result every reader then shares;
+    elsewhere left as it is (a conditional would cost a host round trip). Values are unchanged."""
+    if jax.default_backend() != "cpu":
+        return scalar
+    if scalar.dtype == jnp.bool_:
+        return jax.lax.cond(scalar, lambda: jnp.bool_(True), lambda: jnp.bool_(False))
+    # branches that differ (XLA folds a conditional whose branches are the same); the other, never
+    # taken for the exact zero a token is, reads nothing
+    return jax.lax.cond(scalar == 0, lambda x: x, lambda x: jnp.ones_like(x), scalar)
 
 
 def tie(x, token):
@@ -114,7 +131,7 @@ def held_on_cpu(d_params):
     if not floats:
         return d_params
     shards = [leaves[i] for i in floats]
-    kept = jax.lax.cond(zero_from(shards) == 0, lambda s: s, lambda s: [-g for g in s], shards)
+    kept = jax.lax.cond(zero_from(shards) == 0, lambda s: s, lambda s: [jnp.zeros_like(g) for g in s], shards)
     for i, g in zip(floats, kept):
         leaves[i] = g
     return treedef.unflatten(leaves)

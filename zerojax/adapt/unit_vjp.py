@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from zerojax.adapt.ordering import Prefetch, held_on_cpu, tie_tree, zero_from
+from zerojax.adapt.ordering import Prefetch, computed_once, held_on_cpu, tie_tree, zero_from
 from zerojax.adapt.units import Policy
 
 
@@ -38,12 +38,12 @@ def rematerialized(
 
     @jax.custom_vjp
     def call(args, consts, prev):
-        mine = zero_from(args[1:])  # args[0]: the unit's params
+        mine = computed_once(zero_from(args[1:]))  # args[0]: the unit's params
         return forward(args[0], args[1:], consts, mine if prev is None else prev), mine
 
     def fwd(*primals):
         (args, consts, prev), frozen[0] = _unwrapped(primals)
-        mine = zero_from(args[1:])
+        mine = computed_once(zero_from(args[1:]))
         if policy == "full":
             return call(args, consts, prev), (args, consts, ())
         weights = gfn(args[0], mine if prev is None else prev, *consts[0])
@@ -54,7 +54,7 @@ def rematerialized(
     def bwd(res, cts):
         args, consts, kept = res
         ct, ct_next = jax.tree.map(_instantiated, cts, is_leaf=_is_symbolic_zero)
-        own = zero_from(ct)
+        own = computed_once(zero_from(ct))
         # `followed` is read when the backward pass is traced, after the whole forward: the next
         # unit's backward then hands its incoming cotangent's zero to this one as `ct_next`.
         token = ct_next if followed[0] else own
@@ -140,8 +140,11 @@ def _waiting_for(d_params, d_inputs):
     """(the unit's reduced parameter gradients, its input gradients made to wait for them): the next
     unit's backward cannot start while this unit's full-size gradients are alive (GSPMD's gradient
     all-reduces are otherwise combined into one at the end of the backward pass)."""
-    d_params = held_on_cpu(d_params)
-    params_done = sum((zero_from(g) for g in jax.tree.leaves(d_params)), jnp.zeros((), jnp.float32))
+    if jax.default_backend() == "cpu":  # one conditional writes them all: a zero from one waits for all
+        d_params = held_on_cpu(d_params)
+        params_done = computed_once(zero_from(d_params))
+    else:
+        params_done = sum((zero_from(g) for g in jax.tree.leaves(d_params)), jnp.zeros((), jnp.float32))
     return d_params, tie_tree(tuple(d_inputs), params_done)
 
 

@@ -97,7 +97,7 @@ def apply_update(
     """
     grads = constrain(layout.to_opt(grads), layout.opt_shardings())  # each pass casts them to fp32 itself
     grad_norm = global_norm(layout, grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    finite = ordering.computed_once(jnp.isfinite(loss) & jnp.isfinite(grad_norm))
 
     def kept(new):  # the new state, or the old one after a non-finite step
         return {k: jax.tree.map(lambda n, o: jnp.where(finite, n, o), v, getattr(state, k)) for k, v in new.items()}
