@@ -43,11 +43,13 @@ def zeros_after(tree):
 
 
 def computed_once(scalar):
-    """A scalar (the step's verdict, an ordering token) read as a value of its own. XLA copies a
-    cheap scalar computation into every fusion that reads it: a flag selecting each leaf of the state,
-    or a zero each gathered leaf waits for, was recomputed hundreds of times, which only lengthened
-    compiling. On CPU it is passed through a conditional, whose result every reader then shares;
-    elsewhere left as it is (a conditional would cost a host round trip). Values are unchanged."""
+    """A scalar (the step's verdict, a unit's gradients' zero) read as a value of its own. XLA copies
+    a cheap scalar computation into every fusion that reads it: a flag selecting each leaf of the
+    state was recomputed hundreds of times, which only lengthened compiling. (Each unit's forward and
+    backward tokens are left as they are: read once, they raised shard_map's prefetch temp on jax
+    0.12 by a tenth of a block.) On CPU it is passed through a conditional, whose result every
+    reader then shares; elsewhere left as it is (a conditional would cost a host round trip).
+    Values are unchanged."""
     if jax.default_backend() != "cpu":
         return scalar
     if scalar.dtype == jnp.bool_:
@@ -131,7 +133,9 @@ def held_on_cpu(d_params):
     if not floats:
         return d_params
     shards = [leaves[i] for i in floats]
-    kept = jax.lax.cond(zero_from(shards) == 0, lambda s: s, lambda s: [jnp.zeros_like(g) for g in s], shards)
+    # (a branch of zeros instead of the negation raised shard_map's prefetch temp on jax 0.12 by 0.13
+    # of a block)
+    kept = jax.lax.cond(zero_from(shards) == 0, lambda s: s, lambda s: [-g for g in s], shards)
     for i, g in zip(floats, kept):
         leaves[i] = g
     return treedef.unflatten(leaves)

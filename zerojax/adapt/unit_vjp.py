@@ -38,12 +38,12 @@ def rematerialized(
 
     @jax.custom_vjp
     def call(args, consts, prev):
-        mine = computed_once(zero_from(args[1:]))  # args[0]: the unit's params
+        mine = zero_from(args[1:])  # args[0]: the unit's params
         return forward(args[0], args[1:], consts, mine if prev is None else prev), mine
 
     def fwd(*primals):
         (args, consts, prev), frozen[0] = _unwrapped(primals)
-        mine = computed_once(zero_from(args[1:]))
+        mine = zero_from(args[1:])
         if policy == "full":
             return call(args, consts, prev), (args, consts, ())
         weights = gfn(args[0], mine if prev is None else prev, *consts[0])
@@ -54,7 +54,7 @@ def rematerialized(
     def bwd(res, cts):
         args, consts, kept = res
         ct, ct_next = jax.tree.map(_instantiated, cts, is_leaf=_is_symbolic_zero)
-        own = computed_once(zero_from(ct))
+        own = zero_from(ct)
         # `followed` is read when the backward pass is traced, after the whole forward: the next
         # unit's backward then hands its incoming cotangent's zero to this one as `ct_next`.
         token = ct_next if followed[0] else own
