@@ -205,10 +205,11 @@ def _summed(layout, figures) -> dict[str, float]:
 
 def _zeropp_traffic(trainer, psi: int, shape: GPTShape | None, grad_accum: int, trains=None) -> dict | None:
     """ZeRO++'s model of the step's traffic by kind and axis, for a trainer using any of its options
-    (stage 3, `shard_map`); None otherwise. The GPT's embedding and head are gathered once."""
+    (stage 3, `shard_map`); None otherwise, and on a pipeline, which it does not model. The GPT's
+    embedding and head are gathered once."""
     o = trainer.options
     options = zeropp.ZeroPP(o.quantize_weights, o.quantize_grads, o.quantize_block, o.hierarchical)
-    if not options.active or trainer.stage.index != 3:
+    if not options.active or trainer.stage.index != 3 or dict(trainer.mesh.shape).get("pipeline", 1) > 1:
         return None
     axes = dict(trainer.mesh.shape)
     return zeropp.stage_3_traffic_by_axis(

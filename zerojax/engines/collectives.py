@@ -102,6 +102,12 @@ def _beside_pipeline(leaf: LeafLayout) -> bool:
     return PIPELINE_AXIS in leaf.over
 
 
+def _quantizable(leaf: LeafLayout) -> bool:
+    """ZeRO++'s quantized collectives run over fsdp alone: a leaf beside a pipeline (sharded over
+    fsdp x pipeline, small beside the stack) keeps its plain ones."""
+    return not _beside_pipeline(leaf)
+
+
 def _gathered_over(leaf: LeafLayout):
     """The axes a stage-3 gather of `leaf` spans (hpZ's secondary copy is split over fsdp only)."""
     return (FSDP_AXIS, PIPELINE_AXIS) if _beside_pipeline(leaf) else FSDP_AXIS
@@ -162,7 +168,11 @@ class Reduce:
         if leaf.axis is None:  # replicated in every group: every device keeps the whole sum
             return jax.lax.psum(ct.astype(self.reduce_dtype), (FSDP_AXIS, *self.replicas))
         ct = fit_to(ct, leaf.padded_shape)
-        if self.grads is not None and self.grads.applies(quantize.chunk_size(leaf, jax.lax.axis_size(FSDP_AXIS))):
+        if (
+            self.grads is not None
+            and _quantizable(leaf)
+            and self.grads.applies(quantize.chunk_size(leaf, jax.lax.axis_size(FSDP_AXIS)))
+        ):
             ct = quantize.reduce_scatter(ct, leaf, self.grads).astype(self.reduce_dtype)  # summed in fp32
         else:
             ct = _transposed(
@@ -187,7 +197,12 @@ class Reduce:
 
     def shard_gather(self, shard, leaf: LeafLayout):
         """Stage 3's gather of a leaf: block-quantized with qwZ (where its shard fills a block)."""
-        if self.weights is not None and leaf.axis is not None and self.weights.applies(shard.size):
+        if (
+            self.weights is not None
+            and leaf.axis is not None
+            and _quantizable(leaf)
+            and self.weights.applies(shard.size)
+        ):
             return quantize.gather(shard, leaf, self.weights, self.compute_dtype)
         return self.cast_gather(shard, leaf)
 
@@ -315,7 +330,7 @@ class Reduce:
         # A tensor-parallel leaf keeps its own gather: flattening it into the joined one would make
         # the partitioner gather its tensor split as well.
         shard = x.copy if isinstance(x, Secondary) else x
-        weights = self.weights is not None and self.weights.applies(shard.size)
+        weights = self.weights is not None and _quantizable(leaf) and self.weights.applies(shard.size)
         return leaf.axis is not None and leaf.tensor_axis is None and not weights and not _beside_pipeline(leaf)
 
     def _bits(self, x):

@@ -24,7 +24,7 @@ from zerojax.engines.collectives import Reduce, keep_tensor_split
 from zerojax.engines.unit_plan import describe_stacks, is_layout, materialize_tree, outside_stacks
 from zerojax.errors import UserError
 
-_NOT_YET = ("quantize_weights", "quantize_grads", "hierarchical")
+_NOT_YET = ("hierarchical",)
 
 
 def check(options: EngineOptions, schedule: pipeline.Schedule, mesh) -> None:
