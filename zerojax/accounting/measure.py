@@ -193,7 +193,7 @@ def _summed(layout, figures) -> dict[str, float]:
     stages = dict(layout.mesh.shape).get("pipeline", 1)
     out: dict[str, float] = {}
     for beside in (False, True):
-        group = [l for l in leaves if ("pipeline" in l.over) == beside]
+        group = [l for l in leaves if l.beside_pipeline == beside]
         if not group:
             continue
         trains = tensor_local_params([l for l in group if l.trainable]) if any(not l.trainable for l in group) else None

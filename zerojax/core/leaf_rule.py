@@ -45,6 +45,12 @@ class LeafLayout:
         return (self.tensor_size if self.tensor_axis is not None else 1) * self.pipeline_size
 
     @property
+    def beside_pipeline(self) -> bool:
+        """A leaf outside a pipelined stack (`zerojax.core.layout.make_layout`): every pipeline stage
+        runs it whole, and a sharded group splits it over fsdp x pipeline."""
+        return PIPELINE_AXIS in self.over
+
+    @property
     def padded(self) -> bool:
         return self.padded_shape != self.shape
 

@@ -96,28 +96,22 @@ def _reduced_transposed(ndim: int) -> bool:
     return ndim == 2 and jax.default_backend() == "cpu"  # measured on CPU only
 
 
-def _beside_pipeline(leaf: LeafLayout) -> bool:
-    """A leaf outside a pipelined stack: sharded over fsdp x pipeline (`zerojax.core.layout`), and whole
-    on every pipeline stage, which all run it and each hold its whole local gradient."""
-    return PIPELINE_AXIS in leaf.over
-
-
 def _quantizable(leaf: LeafLayout) -> bool:
     """ZeRO++'s quantized collectives run over fsdp alone: a leaf beside a pipeline (sharded over
     fsdp x pipeline, small beside the stack) keeps its plain ones."""
-    return not _beside_pipeline(leaf)
+    return not leaf.beside_pipeline
 
 
 def _gathered_over(leaf: LeafLayout):
     """The axes a stage-3 gather of `leaf` spans (hpZ's secondary copy is split over fsdp only)."""
-    return (FSDP_AXIS, PIPELINE_AXIS) if _beside_pipeline(leaf) else FSDP_AXIS
+    return (FSDP_AXIS, PIPELINE_AXIS) if leaf.beside_pipeline else FSDP_AXIS
 
 
 def _pipeline_part(reduced, leaf: LeafLayout, axis: int):
     """A leaf's gradient reduce-scattered over fsdp -> this device's shard of it. Beside a pipeline
     every stage holds the same whole gradient, so its part over `pipeline` is cut, not summed (fsdp
     is the major axis of the pair, as in the leaf's spec)."""
-    if not _beside_pipeline(leaf):
+    if not leaf.beside_pipeline:
         return reduced
     size = reduced.shape[axis] // jax.lax.axis_size(PIPELINE_AXIS)
     return jax.lax.dynamic_slice_in_dim(reduced, jax.lax.axis_index(PIPELINE_AXIS) * size, size, axis)
@@ -330,8 +324,8 @@ class Reduce:
         # A tensor-parallel leaf keeps its own gather: flattening it into the joined one would make
         # the partitioner gather its tensor split as well.
         shard = x.copy if isinstance(x, Secondary) else x
-        weights = self.weights is not None and _quantizable(leaf) and self.weights.applies(shard.size)
-        return leaf.axis is not None and leaf.tensor_axis is None and not weights and not _beside_pipeline(leaf)
+        weights = self.weights is not None and self.weights.applies(shard.size)
+        return leaf.axis is not None and leaf.tensor_axis is None and not weights and not leaf.beside_pipeline
 
     def _bits(self, x):
         """The compute-dtype bits a stage-3 gather moves for this stored value (not differentiated)."""

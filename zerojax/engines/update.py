@@ -95,7 +95,7 @@ def apply_update(
     transformation, a schedule gone NaN): the update then runs twice, once to check and once, after
     the verdict, to write in place (see `_checked_update`); it compiles several times slower.
     """
-    grads = constrain(layout.to_opt(grads), layout.opt_shardings())  # each pass casts them to fp32 itself
+    grads = constrain(layout.to_opt(grads), layout.opt_shardings())  # the update casts them to fp32 itself
     grad_norm = global_norm(layout, grads)
     finite = ordering.computed_once(jnp.isfinite(loss) & jnp.isfinite(grad_norm))
 
@@ -123,8 +123,8 @@ def _master_then_moments(layout, tx, state, grads, kept):
     every new moment beside the old until the last master is written (12 bytes per parameter shard
     with Adam). Tied, each moment's write reads its old value again after the master's write (XLA
     recomputes the cheap elementwise moment inside each consumer), so nothing new waits beside the
-    old. One zero per leaf, read inside one conditional for the tree: one per leaf made compiling
-    many times slower (docs/engines.md, "The update"). The update itself is traced once."""
+    old. One zero per leaf, all read inside one conditional (a conditional per leaf made compiling
+    many times slower: docs/engines.md, "The update"). The update itself is traced once."""
     new = kept(_updated(layout, tx, state, grads)[0])
     zeros = _written_zeros(layout, new["params"])
     treedef = jax.tree.structure(zeros)
