@@ -296,7 +296,6 @@ def test_what_cannot_be_pipelined_is_one_sentence(case, words):
         ("shard_map", {"reshard_after_forward": False, "pipeline_gather": "per_microbatch"}, 1, "contradicts"),
         ("gspmd", {"reshard_after_forward": False, "pipeline_gather": "per_microbatch"}, 1, "contradicts"),
         ("gspmd", {"reshard_after_forward": False}, 2, "on the shard_map engine only"),
-        ("shard_map", {"hierarchical": True}, 1, "zero.hierarchical does not combine with mesh.pipeline"),
     ],
 )
 def test_options_a_pipeline_cannot_honour_are_one_sentence(engine, options, accum, words):
@@ -339,6 +338,42 @@ def test_zeropp_quantized_collectives_on_a_pipeline():
     beside = quantized["reduce-scatter"]["fsdp"]  # the plain reduce-scatters left: the leaves beside the pipeline
     assert quantized["all-to-all"]["fsdp"] / (base["reduce-scatter"]["fsdp"] - beside) <= 0.55
     np.testing.assert_allclose(losses, base_losses, rtol=2e-3)
+
+
+def test_hpz_on_a_pipeline_trains_as_unpipelined_and_keeps_its_gathers_off_data(gpt_reference):
+    """shard_map, stage 3, hpZ on pipeline=2 x data=2 x fsdp=2: the state split over data too (the
+    leaves beside the stack over fsdp x pipeline x data, data minor), the secondary copies gathered
+    over data once per step, every layer's gather over fsdp (or fsdp x pipeline beside the stack)
+    and its gradient reduce-scattered over fsdp then data; it trains as the unpipelined model."""
+    from zerojax.accounting.measure import measure_step
+
+    trainer = zj.Trainer(
+        functools.partial(GPT, CFG),
+        optax.sgd(LR),
+        mesh=zj.make_mesh(pipeline=2, data=2, fsdp=2),
+        stage=3,
+        engine="shard_map",
+        microbatches=2,
+        engine_options={"hierarchical": True},
+    )
+    state = trainer.init(KEY, _tokens(0))
+    measured, step = measure_step(trainer, state, _tokens(0))  # one compile: the bytes and the steps
+    by_kind = measured.collective_by_kind_axis
+    model_bytes = 4 * sum(np.prod(l.shape) for l in jax.tree.leaves(trainer.layout.leaves, is_leaf=_is_leaf))
+    assert measured.persistent_bytes == pytest.approx(model_bytes / 8, rel=0.01)  # fp32 SGD: the master, / 8
+    # the secondary copies: gathered over data once, (d-1)/d of a device's fsdp (x pipeline) share
+    assert by_kind["all-gather"]["data"] == pytest.approx(model_bytes / 8, rel=0.01)
+    assert by_kind["reduce-scatter"]["data"] == by_kind["all-gather"]["data"]  # the gradient, into the primary
+    assert set(by_kind["all-gather"]) == {"data", "fsdp", "pipeline+fsdp"}
+    assert "data" not in by_kind["all-reduce"]  # no gradient all-reduced over data
+    losses, grads, before = [], [], logical_params(trainer, state)
+    for i in range(3):
+        state, metrics = step(state, trainer.shard_batch(_tokens(i)))
+        after = logical_params(trainer, state)
+        losses.append(float(metrics["loss"]))
+        grads.append(jax.tree.map(lambda a, b: (a - b) / LR, before, after))
+        before = after
+    _assert_same_training((np.array(losses), grads), gpt_reference)
 
 
 def test_kept_weights_on_a_pipeline_train_as_unpipelined(gpt_reference):

@@ -310,7 +310,7 @@ def make_layout(
             fsdp * (stages if beside else 1),
             layer_axis=0 if stacked else None,
             replicate_below_bytes=replicate_below_bytes,
-            over=(*over, PIPELINE_AXIS) if beside else over,
+            over=_beside_pipeline(over) if beside else over,
             tensor_axis=tensor_axis,
             tensor_size=tensor,
             fsdp_axis=fsdp_axis,
@@ -327,6 +327,13 @@ def make_layout(
     return StateLayout(
         mesh, stage, precision, leaves, opt_leaves, offload, tuple(stack_paths), unmapped, axis_rules=rules
     )
+
+
+def _beside_pipeline(over: tuple[str, ...]) -> tuple[str, ...]:
+    """A leaf beside a pipelined stack is split over fsdp x pipeline, and over hpZ's `data` last:
+    the minor axis, so that gathering the primary shard over `data` yields the secondary copy as a
+    contiguous shard over fsdp x pipeline."""
+    return (FSDP_AXIS, PIPELINE_AXIS, *over[1:])
 
 
 def _with_trainable(leaves, trainable):

@@ -27,7 +27,8 @@ class LeafLayout:
     axis: int | None
     reason: str
     # the mesh axes `axis` is split over, major first: ("fsdp",), ("fsdp", "data") for hpZ's
-    # primary partition (`zero.hierarchical`), ("fsdp", "pipeline") beside a pipelined stack
+    # primary partition (`zero.hierarchical`), ("fsdp", "pipeline") beside a pipelined stack (and
+    # ("fsdp", "pipeline", "data") for both)
     over: tuple[str, ...] = (FSDP_AXIS,)
     # tensor parallelism: the array axis split over the mesh's `tensor` axis in *every* group (it is
     # model parallelism, not ZeRO: no stage gathers it), and that axis's size

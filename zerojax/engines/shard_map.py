@@ -38,7 +38,7 @@ from zerojax.engines import (
     shard_map_pipeline,
 )
 from zerojax.engines.collectives import Reduce, Resident
-from zerojax.engines.pipeline import Schedule
+from zerojax.engines.pipeline import Schedule, check_options
 from zerojax.engines.quantize import Quantizer
 from zerojax.engines.shard_map_routes import RunModel, route
 from zerojax.engines.unit_plan import is_layout, stack_paths
@@ -290,7 +290,7 @@ def build(
     """
     schedule = schedule or Schedule()
     if pipeline_size(layout.mesh) > 1:
-        shard_map_pipeline.check(options, schedule, layout.mesh)
+        check_options(options, layout.mesh)
     stage, prec = layout.stage, layout.precision
     replicas = tuple(a for a in BATCH_AXES if a != FSDP_AXIS and layout.mesh.shape[a] > 1)
     quantize_weights, quantize_grads = _quantizers(options, stage)

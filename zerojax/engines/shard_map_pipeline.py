@@ -22,17 +22,6 @@ from zerojax.core.mesh import BATCH_AXES, data_parallel_size, pipeline_size
 from zerojax.engines import EngineOptions, GatherReport, pipeline
 from zerojax.engines.collectives import Reduce, keep_tensor_split
 from zerojax.engines.unit_plan import describe_stacks, is_layout, materialize_tree, outside_stacks
-from zerojax.errors import UserError
-
-_NOT_YET = ("hierarchical",)
-
-
-def check(options: EngineOptions, schedule: pipeline.Schedule, mesh) -> None:
-    """What the shard_map engine does not combine with a pipeline yet: one sentence each."""
-    pipeline.check_options(options, mesh)
-    for name in _NOT_YET:
-        if getattr(options, name) not in (False, None):
-            raise UserError(f"zero.{name} does not combine with mesh.pipeline on the shard_map engine yet.")
 
 
 class _Loop:
