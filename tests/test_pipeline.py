@@ -176,7 +176,16 @@ def test_a_users_stacked_blocks_pipeline_too():
     _assert_same_training(got, reference)
     circular = _trainer(model, zj.make_mesh(pipeline=2, fsdp=4), 3, microbatches=2, repeats=2, gather="per_microbatch")
     _assert_same_training(_run(circular, batches), reference)
-    manual = _trainer(model, zj.make_mesh(pipeline=2, fsdp=4), 3, microbatches=2, engine="shard_map")
+    # shard_map with hpZ: the state split over data too, each layer gathered over fsdp alone
+    manual = zj.Trainer(
+        model,
+        optax.sgd(LR),
+        mesh=zj.make_mesh(pipeline=2, data=2, fsdp=2),
+        stage=3,
+        engine="shard_map",
+        microbatches=2,
+        engine_options={"hierarchical": True},
+    )
     _assert_same_training(_run(manual, batches), reference)
 
 
