@@ -50,7 +50,9 @@ def own_loop(jit, data: list[dict], stage: int, engine: str) -> list[float]:
     mesh = zj.make_mesh(fsdp=8)
     core = zj.shard(Uneven, optax.adamw(1e-2), data[0], mesh=mesh, stage=stage, engine=engine)
     state = core.init(jax.random.key(0))
-    step = jit(core.step, donate_argnums=0)
+    # nnx.jit takes no compiler options; they change how XLA groups collectives, not the values
+    options = {"compiler_options": core.compiler_options} if jit is jax.jit else {}
+    step = jit(core.step, donate_argnums=0, **options)
     losses = []
     for batch in data:
         state, metrics = step(state, core.shard_batch(batch))

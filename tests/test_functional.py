@@ -36,7 +36,7 @@ def test_own_jit_step_trains_and_compiles_like_trainer(stage, engine):
     data, mesh = own_loop.batches(STEPS), zj.make_mesh(fsdp=8)
     core = zj.shard(own_loop.Uneven, optax.adamw(1e-2), data[0], mesh=mesh, stage=stage, engine=engine)
     state = core.init(jax.random.key(0))
-    step = jax.jit(core.step, donate_argnums=0)
+    step = jax.jit(core.step, donate_argnums=0, compiler_options=core.compiler_options)  # as the README says
     first = core.shard_batch(data[0])
     own = step.lower(state, first).compile()
     losses = []

@@ -105,6 +105,8 @@ class BuiltStep(NamedTuple):
     # (state, batch, loss_fn) -> loss in eval mode, gathering as the step's forward does; None: the
     # trainer's plain eval (the model applied to the compute params, partitioned by XLA)
     evaluate: Callable | None = None
+    # XLA options the step is compiled with (`jax.jit(..., compiler_options=dict(...))`)
+    compiler_options: tuple[tuple[str, str], ...] = ()
 
     def step(self, state, batch):
         """(state, batch) -> (state, metrics): `update` after `grads`."""

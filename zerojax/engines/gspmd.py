@@ -240,7 +240,20 @@ def build(
         shards_are_buffers = layout.precision.compute_dtype != jnp.float32 or around is not None
         grads, update = _grads(layout, loss_fn, run), _update(layout, tx, options, shards_are_buffers)
     report = units[0] if units else _report(layout, model)
-    return BuiltStep(grads, update, kept_whole_report(layout.stage) if keep else report, evaluate)
+    report = kept_whole_report(layout.stage) if keep else report
+    return BuiltStep(grads, update, report, evaluate, _compiler_options(layout))
+
+
+def _compiler_options(layout) -> tuple[tuple[str, str], ...]:
+    """Stage 3 on XLA:CPU: without a reduce-scatter there, each leaf's gradient is all-reduced whole
+    and then sliced to its shard, and XLA:CPU's all-reduce combiner joins a layer's reductions into
+    one, whose operands and results all live together: a layer's fp32 gradient twice. Left leaf by
+    leaf, the 26M-parameter decoder's bf16 peak falls from 75.9 to 70.4 MiB (jax 0.12), and the step
+    runs as fast (1.24 s against 1.28 s); the other stages and the shard_map engine (which
+    reduce-scatters) gain nothing from it (docs/engines.md)."""
+    if layout.compute_sharded and layout.mesh.devices.flat[0].platform == "cpu":
+        return (("xla_disable_hlo_passes", "cpu-all-reduce-combiner"),)
+    return ()
 
 
 def _evaluate(layout, run):

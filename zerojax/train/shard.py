@@ -2,7 +2,7 @@
 
     core = zj.shard(model, optax.adamw(3e-4), batch, mesh=zj.make_mesh(fsdp=8), stage=3)
     state = core.init(jax.random.key(0))        # the TrainState, created straight into its shards
-    step = jax.jit(core.step, donate_argnums=0)  # or nnx.jit, or inside your own lax.scan
+    step = jax.jit(core.step, donate_argnums=0, compiler_options=core.compiler_options)  # or nnx.jit
     for batch in batches:
         state, metrics = step(state, core.shard_batch(batch))
 
@@ -62,6 +62,8 @@ class Sharded:
     step_fn: Callable  # jitted step, the state donated
     eval_fn: Callable  # jitted evaluate
     classes: int | None = None  # the output's classes, which the default loss's integer targets index
+    # the XLA options `step_fn` is compiled with, for a step jitted by hand (the engine's choice)
+    compiler_options: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def init(self, key, params=None) -> TrainState:
         """The train state, created inside `jit` directly into its shards (`params`: start from these
@@ -166,7 +168,7 @@ def prepare(setup: Setup, key, batch: dict) -> Sharded:
     host = layout.host_groups
     step = _checked(offload_lib.streamed(built.step, shardings, host), abstract)
     evaluate = offload_lib.streamed(_eval_loss(setup, layout, static, built.evaluate), shardings, host)
-    in_shardings = (shardings, setup.batch_sharding)
+    step_fn, eval_fn = _jitted(step, evaluate, (shardings, setup.batch_sharding), layout, built.compiler_options)
     return Sharded(
         setup,
         inputs,
@@ -181,12 +183,25 @@ def prepare(setup: Setup, key, batch: dict) -> Sharded:
         update=None if host else built.update,
         evaluate=evaluate,
         make_state=_make_state(setup, layout, shardings),
-        step_fn=jax.jit(
-            step, in_shardings=in_shardings, out_shardings=(shardings, layout.replicated), donate_argnums=0
-        ),
-        eval_fn=jax.jit(evaluate, static_argnums=2, in_shardings=in_shardings, out_shardings=layout.replicated),
+        step_fn=step_fn,
+        eval_fn=eval_fn,
         classes=classes,
+        compiler_options=dict(built.compiler_options),
     )
+
+
+def _jitted(step, evaluate, in_shardings, layout: StateLayout, compiler_options):
+    """(step_fn, eval_fn): the step jitted with the state donated and the engine's XLA options, and
+    the evaluation."""
+    step_fn = jax.jit(
+        step,
+        in_shardings=in_shardings,
+        out_shardings=(in_shardings[0], layout.replicated),
+        donate_argnums=0,
+        compiler_options=dict(compiler_options) or None,
+    )
+    eval_fn = jax.jit(evaluate, static_argnums=2, in_shardings=in_shardings, out_shardings=layout.replicated)
+    return step_fn, eval_fn
 
 
 def _traced(setup: Setup, key, inputs) -> tuple:
