@@ -177,16 +177,16 @@ def test_a_users_stacked_blocks_pipeline_too():
     circular = _trainer(model, zj.make_mesh(pipeline=2, fsdp=4), 3, microbatches=2, repeats=2, gather="per_microbatch")
     _assert_same_training(_run(circular, batches), reference)
     # shard_map with hpZ: the state split over data too, each layer gathered over fsdp alone
-    manual = zj.Trainer(
-        model,
-        optax.sgd(LR),
-        mesh=zj.make_mesh(pipeline=2, data=2, fsdp=2),
-        stage=3,
-        engine="shard_map",
-        microbatches=2,
-        engine_options={"hierarchical": True},
+    _assert_same_training(_run(_hpz_pipelined(model), batches), reference)
+
+
+def _hpz_pipelined(make):
+    """shard_map, stage 3, SGD, hpZ on pipeline=2 x data=2 x fsdp=2, two microbatches."""
+    mesh = zj.make_mesh(pipeline=2, data=2, fsdp=2)
+    options = {"hierarchical": True}
+    return zj.Trainer(
+        make, optax.sgd(LR), mesh=mesh, stage=3, engine="shard_map", microbatches=2, engine_options=options
     )
-    _assert_same_training(_run(manual, batches), reference)
 
 
 @pytest.mark.parametrize("repeats", [1, 2, 4])
@@ -356,15 +356,7 @@ def test_hpz_on_a_pipeline_trains_as_unpipelined_and_keeps_its_gathers_off_data(
     and its gradient reduce-scattered over fsdp then data; it trains as the unpipelined model."""
     from zerojax.accounting.measure import measure_step
 
-    trainer = zj.Trainer(
-        functools.partial(GPT, CFG),
-        optax.sgd(LR),
-        mesh=zj.make_mesh(pipeline=2, data=2, fsdp=2),
-        stage=3,
-        engine="shard_map",
-        microbatches=2,
-        engine_options={"hierarchical": True},
-    )
+    trainer = _hpz_pipelined(functools.partial(GPT, CFG))
     state = trainer.init(KEY, _tokens(0))
     measured, step = measure_step(trainer, state, _tokens(0))  # one compile: the bytes and the steps
     by_kind = measured.collective_by_kind_axis
