@@ -121,6 +121,7 @@ def check_options(options, mesh) -> None:
 # How stage 3 gathers a pipeline stage's weights, for the gather report (`describe`).
 ONCE_PER_PASS = "every weight gathered once per pass over the microbatches"
 PER_MICROBATCH = "each layer gathered per microbatch"
+KEPT = "every weight gathered once per step, kept for every micro-batch"  # reshard_after_forward=false
 
 
 def describe(stacks: str, mesh, schedule: Schedule, gathers: str | None) -> str:

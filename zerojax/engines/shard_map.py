@@ -15,7 +15,6 @@ How parameters are gathered: `zerojax.engines.shard_map_routes`.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
@@ -307,32 +306,33 @@ def build(
     if pipeline_size(layout.mesh) > 1:
         stacks = stack_paths(model, layout.leaves, options)
         report, run_model = shard_map_pipeline.route(layout, model, static, stacks, reduce, options, schedule)
-        run_whole = shard_map_pipeline.route(layout, model, static, stacks, reduce, options, schedule, whole=True)[1]
+        whole_route = shard_map_pipeline.route(layout, model, static, stacks, reduce, options, schedule, whole=True)
     else:
         pipeline.gathers_each_layer(options.pipeline_gather, stage, layout.mesh)  # set without a pipeline
         report, run_model = route(layout, model, static, options, reduce, inputs, model_state or {})
-        run_whole = None
+        whole_route = None
     train_report, grads_fn = _train_grads(
-        layout, model, static, loss_fn, options, reduce, report, run_model, grad_accum, run_whole
+        layout, model, static, loss_fn, options, reduce, report, run_model, grad_accum, whole_route
     )
     update = _update(layout, tx, options, reduce)
     evaluate = _eval_fn(layout, run_model, reduce) if stage.compute_params else None
     return BuiltStep(_grads(layout, grads_fn), update, train_report, evaluate)
 
 
-def _train_grads(layout, model, static, loss_fn, options, reduce, report, run_model, grad_accum, run_whole=None):
+def _train_grads(layout, model, static, loss_fn, options, reduce, report, run_model, grad_accum, whole_route=None):
     """(the training step's GatherReport, its shard_map'd `(params, model_state, key, batch) -> (loss,
     grads, model_state)`). Micro-batches differentiate the whole compute params (reduced once, after
-    the scan) where the stage keeps them resident or stage 3 keeps its gathered weights for the step."""
+    the scan) where the stage keeps them resident or stage 3 keeps its gathered weights for the step;
+    `whole_route`: a pipeline's (report, run) for such whole params."""
     stage = layout.stage
     keep = stage.compute_params and not options.reshard_after_forward
     if grad_accum == 1 and not keep:
         return report, _grads_fn(layout, run_model, loss_fn, reduce)
     if not (stage.resident_compute or keep):
         return report, _accum_grads_fn(layout, run_model, loss_fn, reduce, grad_accum, False)
-    if keep and run_whole is not None:  # a pipeline: its stage's weights, kept across micro-batches
-        described = report.description.replace(pipeline.ONCE_PER_PASS, "every weight gathered once per step")
-        train_report = dataclasses.replace(report, description=f"{described}, kept for every micro-batch")
+    run_whole = whole_route[1] if whole_route else None
+    if keep and whole_route:  # a pipeline: its stage's weights, kept across micro-batches
+        train_report = whole_route[0]
     elif keep:
         train_report = kept_whole_report(stage)
     else:

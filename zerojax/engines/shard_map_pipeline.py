@@ -67,8 +67,8 @@ def route(layout, model, static, stacks, reduce: Reduce, options: EngineOptions,
         one, group = reduce.materializer(stage), reduce.group_materializer(stage)
     loops = {s: _Loop(at(leaves, s), group, each_layer and not whole, mesh, schedule) for s in stacks}
     gathers = None
-    if stage.compute_params and not whole:
-        gathers = pipeline.PER_MICROBATCH if each_layer else pipeline.ONCE_PER_PASS
+    if stage.compute_params:  # whole: gathered once before the accumulation loop
+        gathers = pipeline.KEPT if whole else pipeline.PER_MICROBATCH if each_layer else pipeline.ONCE_PER_PASS
     report = GatherReport("layers", pipeline.describe(describe_stacks(stacks), mesh, schedule, gathers))
 
     def run(raw, model_state, inputs, key, train=True):

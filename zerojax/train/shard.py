@@ -168,7 +168,8 @@ def prepare(setup: Setup, key, batch: dict) -> Sharded:
     host = layout.host_groups
     step = _checked(offload_lib.streamed(built.step, shardings, host), abstract)
     evaluate = offload_lib.streamed(_eval_loss(setup, layout, static, built.evaluate), shardings, host)
-    step_fn, eval_fn = _jitted(step, evaluate, (shardings, setup.batch_sharding), layout, built.compiler_options)
+    compiler_options = dict(built.compiler_options)
+    step_fn, eval_fn = _jitted(step, evaluate, (shardings, setup.batch_sharding), layout, compiler_options)
     return Sharded(
         setup,
         inputs,
@@ -186,11 +187,11 @@ def prepare(setup: Setup, key, batch: dict) -> Sharded:
         step_fn=step_fn,
         eval_fn=eval_fn,
         classes=classes,
-        compiler_options=dict(built.compiler_options),
+        compiler_options=compiler_options,
     )
 
 
-def _jitted(step, evaluate, in_shardings, layout: StateLayout, compiler_options):
+def _jitted(step, evaluate, in_shardings, layout: StateLayout, compiler_options: dict[str, str]):
     """(step_fn, eval_fn): the step jitted with the state donated and the engine's XLA options, and
     the evaluation."""
     step_fn = jax.jit(
@@ -198,7 +199,7 @@ def _jitted(step, evaluate, in_shardings, layout: StateLayout, compiler_options)
         in_shardings=in_shardings,
         out_shardings=(in_shardings[0], layout.replicated),
         donate_argnums=0,
-        compiler_options=dict(compiler_options) or None,
+        compiler_options=compiler_options or None,
     )
     eval_fn = jax.jit(evaluate, static_argnums=2, in_shardings=in_shardings, out_shardings=layout.replicated)
     return step_fn, eval_fn
