@@ -19,7 +19,7 @@ from flax import nnx
 import zerojax as zj
 from tests.host_copies import logical_params
 from tests.models import classification_batch, stacked_blocks, unrolled_blocks
-from zerojax.accounting.measure import ideal
+from zerojax.accounting.measure import ideal, measure_step
 from zerojax.engines.pipeline import bubble_fraction, gpipe
 from zerojax.errors import UserError
 from zerojax.interop.params import export_params
@@ -175,8 +175,14 @@ def test_a_users_stacked_blocks_pipeline_too():
     batches = functools.partial(classification_batch, rows=16, features=24)
     model = stacked_blocks(24, 4)
     reference = _run(_trainer(model, zj.make_mesh(fsdp=8), 0), batches)
-    got = _run(_trainer(model, zj.make_mesh(pipeline=4, data=2, fsdp=1), 3, microbatches=4), batches)
-    _assert_same_training(got, reference)
+    deep = _trainer(model, zj.make_mesh(pipeline=4, data=2, fsdp=1), 3, microbatches=4)
+    state = deep.init(KEY, batches(0))
+    measured, step = measure_step(deep, state, batches(0))  # one compile: the bytes and the steps
+    _assert_same_training(_run(deep, batches, state=state, step=lambda s, b: step(s, deep.shard_batch(b))), reference)
+    # 2 m v b S D: each stage boundary carries every microbatch's activations (2 rows a device, 24
+    # wide, fp32) on and their gradient back, nothing in the bubble; a middle stage sends both
+    item = 16 // 2 // 4 * 24 * 4
+    assert measured.stage_boundary_bytes == measured.collective_by_kind["collective-permute"] == 2 * 4 * item
     circular = _trainer(model, zj.make_mesh(pipeline=2, fsdp=4), 3, microbatches=2, repeats=2, gather="per_microbatch")
     _assert_same_training(_run(circular, batches), reference)
     # shard_map with hpZ: the state split over data too, each layer gathered over fsdp alone
@@ -323,7 +329,6 @@ def test_zeropp_quantized_collectives_on_a_pipeline():
     """shard_map, stage 3, bf16, pipeline=2 x fsdp=4: qwZ and qgZ halve the bytes of a pipeline
     stage's gathers and gradient over fsdp (int8 codes and a scale per 256); the leaves beside the
     pipeline, over fsdp x pipeline, keep their plain collectives; the losses stay close."""
-    from zerojax.accounting.measure import measure_step
 
     runs = []
     for options in (None, {"quantize_weights": "int8", "quantize_grads": "int8"}):
@@ -357,7 +362,6 @@ def test_hpz_on_a_pipeline_trains_as_unpipelined_and_keeps_its_gathers_off_data(
     leaves beside the stack over fsdp x pipeline x data, data minor), the secondary copies gathered
     over data once per step, every layer's gather over fsdp (or fsdp x pipeline beside the stack)
     and its gradient reduce-scattered over fsdp then data; it trains as the unpipelined model."""
-    from zerojax.accounting.measure import measure_step
 
     trainer = _hpz_pipelined(functools.partial(GPT, CFG))
     state = trainer.init(KEY, _tokens(0))
@@ -394,20 +398,25 @@ def test_kept_weights_on_a_pipeline_train_as_unpipelined(gpt_reference):
 
 
 def test_stage_sends_follow_the_schedule_and_the_gradient_is_reduced_once():
-    """On the partitioned HLO: the activations move between stages once per loop iteration, forward
-    and backward (2 (v m + p - 1) b S D x 4 bytes per device, b its rows of a microbatch), and the
-    blocks' weight gradient is reduced over fsdp once per step whatever the number of microbatches.
+    """On the partitioned HLO, its sends counted as often as a profile of the step shows they ran:
+    each work item's activations cross a stage boundary forward and their gradient backward, and
+    nothing in the bubble (2 v m b S D x 4 bytes, b a device's rows of a microbatch, not
+    2 (v m + p - 1)); the blocks' weight gradient is reduced over fsdp once per step whatever the
+    number of microbatches.
     The circular schedule also reorders a stage's weights in and its gradient back (an all-to-all
     over pipeline of (p - 1) / p of them, each way)."""
-    from zerojax.accounting.measure import measure_step
 
     mesh, batch, sent = zj.make_mesh(pipeline=2, fsdp=4), _tokens(0), {}
     for m, v in ((2, 1), (4, 1), (2, 2)):
         trainer = _trainer(functools.partial(GPT, CFG), mesh, 0, m, repeats=v)
-        by_kind = measure_step(trainer, trainer.init(KEY, batch), batch)[0].collective_by_kind_axis
-        rows = 16 // m // 4
-        want = 2 * (v * m + 2 - 1) * rows * CFG.seq_len * CFG.d_model * 4
-        assert by_kind["collective-permute"] == {"pipeline": want}
+        measured = measure_step(trainer, trainer.init(KEY, batch), batch)[0]
+        by_kind, item = measured.collective_by_kind_axis, 16 // m // 4 * CFG.seq_len * CFG.d_model * 4
+        # at p = 2 the circular schedule's two boundaries, 0 -> 1 and 1 -> 0 (round to stage 0 for
+        # all but the last repeat), share one pair of devices
+        assert measured.stage_boundary_bytes == 2 * (v * m + (v - 1) * m) * item
+        # a device sends one way: stage 0 its outputs, stage 1 its input's gradient (and, circular,
+        # each the other way for all but the last repeat)
+        assert by_kind["collective-permute"] == {"pipeline": (2 * v - 1) * m * item}
         sent[m, v] = by_kind["all-reduce"]["fsdp"], by_kind.get("all-to-all")
     blocks = jax.tree.leaves(trainer.layout.leaves["blocks"], is_leaf=_is_leaf)
     stage_bytes = 4 * sum(np.prod(l.shape) for l in blocks) / 2  # one pipeline stage's fp32 weights

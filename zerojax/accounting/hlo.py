@@ -209,10 +209,12 @@ def _attr(attrs: str, key: str) -> str | None:
     return m.group(1) if m else None
 
 
-def _multipliers(comps: dict[str, _Computation]) -> tuple[dict[str, int], list[str]]:
-    """How many times each computation runs per execution of the entry, and the computations that
-    run inside a while loop whose trip count could not be read (their multiplier is a lower bound)."""
+def _multipliers(comps: dict[str, _Computation]) -> tuple[dict[str, int], list[str], set[str]]:
+    """How many times each computation runs per execution of the entry, the computations that run
+    inside a while loop whose trip count could not be read (their multiplier is a lower bound), and
+    those that run as (or inside) a conditional's branch, counted as if their branch always ran."""
     callers: dict[str, list[tuple[str, int, bool]]] = {name: [] for name in comps}
+    branches: set[str] = set()
     for comp in comps.values():
         for instr in comp.instructions.values():
             # async-done / -update name the same computation as their async-start: count it once.
@@ -222,10 +224,11 @@ def _multipliers(comps: dict[str, _Computation]) -> tuple[dict[str, int], list[s
             if instr.opcode == "while":
                 trips = _trip_count(instr, comp, comps)
                 factor, known = (1, False) if trips is None else (trips, True)
-            # Conditional branches count as if each ran: an upper bound.
             names = [n for _, n in _CALLEE.findall(instr.attrs)]
             for group in _CALLEE_LIST.findall(instr.attrs):
                 names += [n.strip().lstrip("%") for n in group.split(",") if n.strip()]
+            if instr.opcode == "conditional":
+                branches.update(names)
             for callee in names:
                 if callee in callers:
                     callers[callee].append((comp.name, factor, known))
@@ -239,8 +242,12 @@ def _multipliers(comps: dict[str, _Computation]) -> tuple[dict[str, int], list[s
             memo[name] = (sum(m * f for (m, _), f, _ in runs), all(ok and k for (_, ok), _, k in runs))
         return memo[name]
 
+    def branched(name: str, seen: frozenset = frozenset()) -> bool:
+        return name in branches or any(branched(c, seen | {name}) for c, _, _ in callers[name] if c not in seen)
+
     results = {name: mult(name) for name in comps}
-    return {n: m for n, (m, _) in results.items()}, [n for n, (_, ok) in results.items() if not ok]
+    inside = {n for n in comps if branched(n)}
+    return {n: m for n, (m, _) in results.items()}, [n for n, (_, ok) in results.items() if not ok], inside
 
 
 def _moved_bytes(instr: _Instruction, devices: int) -> tuple[str, float, list[list[int]]] | None:
@@ -250,8 +257,8 @@ def _moved_bytes(instr: _Instruction, devices: int) -> tuple[str, float, list[li
         return None
     result = shape_bytes(_async_result(opcode, instr.shape) if instr.opcode.endswith("-start") else instr.shape)
     groups = replica_groups(instr.attrs, devices)
-    if opcode == "collective-permute":
-        return opcode, float(result), groups
+    if opcode == "collective-permute":  # no pairs: it sends nothing
+        return opcode, float(result), [] if "source_target_pairs={}" in instr.attrs else groups
     g = max(len(group) for group in groups)
     factor = {
         "all-gather": (g - 1) / g,
@@ -280,25 +287,29 @@ class Collective:
     name: str
     computation: str
     runs: int  # executions per run of the entry (loop trip counts multiplied; a lower bound if unknown)
-    sent: float  # bytes each device sends per execution
-    groups: list  # device groups (partition ids)
-    known: bool  # False: inside a loop of unreadable trip count
+    sent: float  # bytes each device sends per execution (a collective-permute: each source)
+    groups: list  # device groups (partition ids); a collective-permute's: [source, target] pairs
+    known: bool  # False: inside a loop of unreadable trip count, or a conditional's branch not run
 
 
-def collectives(hlo_text: str) -> list[Collective]:
-    """Every collective of the program that runs, with its executions per step and device groups."""
+def collectives(hlo_text: str, runs: dict[str, int] | None = None) -> list[Collective]:
+    """Every collective of the program that runs, with its executions per step and device groups.
+    One inside a conditional's branch runs as often as `runs` (executions per step by instruction
+    name, `zerojax.accounting.executed`) says; without its name there it is counted as if its
+    branch always ran and marked unknown."""
     comps, devices = parse(hlo_text)
-    mults, uncertain = _multipliers(comps)
+    mults, uncertain, branched = _multipliers(comps)
+    runs = runs or {}
     found = []
     for comp in comps.values():
         for instr in comp.instructions.values():
             hit = _moved_bytes(instr, devices)
-            if hit and mults[comp.name]:
-                found.append(
-                    Collective(
-                        hit[0], instr.name, comp.name, mults[comp.name], hit[1], hit[2], comp.name not in uncertain
-                    )
-                )
+            if not (hit and mults[comp.name]):
+                continue
+            n, known = mults[comp.name], comp.name not in uncertain
+            if comp.name in branched:
+                n, known = runs.get(instr.name, n), instr.name in runs
+            found.append(Collective(hit[0], instr.name, comp.name, n, hit[1], hit[2], known))
     return found
 
 
@@ -306,35 +317,50 @@ class UnknownTripCount(ValueError):
     """A collective runs inside a while loop whose trip count the counter cannot read."""
 
 
-def collective_bytes(hlo_text: str, *, mesh=None, allow_unknown_trips: bool = False) -> dict:
+def collective_bytes(
+    hlo_text: str, *, mesh=None, allow_unknown_trips: bool = False, runs: dict[str, int] | None = None
+) -> dict:
     """{"bytes": {kind: per-device bytes}, "counts": {kind: executions}, "total": bytes,
     "unknown_trip_counts": collectives inside loops of unreadable trip count,
-    "by_axis": {axes: bytes}, "by_kind_axis": {kind: {axes: bytes}}}.
+    "by_axis": {axes: bytes}, "by_kind_axis": {kind: {axes: bytes}}, "busiest_link": bytes}.
+
+    Collective-permutes count for the device that sends the most by them (a pipeline's first stage
+    sends no gradient back, its last no activation on); "busiest_link" is what they move between
+    the pair of devices that exchange the most, both ways: a pipeline's stage boundary.
 
     `mesh` (a `jax.sharding.Mesh`, or its ordered `{axis: size}`) names the axes each collective's
     replica groups span (`axes_spanned`: "fsdp", "data", "data+fsdp", ...); without it the two
     per-axis maps are empty. A collective inside a loop of unreadable trip count would be counted
-    once instead of once per iteration, so by default this raises `UnknownTripCount` rather than
-    report a total that silently under-counts; `allow_unknown_trips=True` returns the lower bound."""
+    once instead of once per iteration, and one inside a conditional's branch (without `runs`) as if
+    its branch always ran, so by default this raises `UnknownTripCount` rather than report a
+    total that is silently wrong; `allow_unknown_trips=True` returns it (the conditionals' share an
+    upper bound). `runs`: see `collectives`."""
     shape = None if mesh is None else dict(getattr(mesh, "shape", mesh))
     moved = {k: 0.0 for k in KINDS}
     counts = {k: 0 for k in KINDS}
     by_kind_axis: dict[str, dict[str, float]] = {}
-    unknown = []
-    for c in collectives(hlo_text):
-        moved[c.kind] += c.sent * c.runs
+    found, unknown = collectives(hlo_text, runs), []
+    for c in found:
         counts[c.kind] += c.runs
-        if shape is not None:
-            axes = axes_spanned(c.groups, shape)
+        if c.kind != "collective-permute":
+            moved[c.kind] += c.sent * c.runs
             per = by_kind_axis.setdefault(c.kind, {})
+            axes = "" if shape is None else axes_spanned(c.groups, shape)
             per[axes] = per.get(axes, 0.0) + c.sent * c.runs
         if not c.known:
             unknown.append(f"{c.kind} %{c.name} in %{c.computation}")
     if unknown and not allow_unknown_trips:
         raise UnknownTripCount(
             f"cannot count collective bytes: {len(unknown)} collective(s) run inside a while loop whose "
-            f"trip count this HLO text does not show in a form the counter reads ({'; '.join(unknown[:3])})"
+            "trip count this HLO text does not show in a form the counter reads, or inside a conditional "
+            f"whose branch runs were not given ({'; '.join(unknown[:3])})"
         )
+    busiest, link = _busiest([c for c in found if c.kind == "collective-permute"], shape)
+    if busiest:
+        moved["collective-permute"] = sum(busiest.values())
+        by_kind_axis["collective-permute"] = busiest
+    if shape is None:
+        by_kind_axis = {}
     by_axis: dict[str, float] = {}
     for per in by_kind_axis.values():
         for axes, sent in per.items():
@@ -346,4 +372,20 @@ def collective_bytes(hlo_text: str, *, mesh=None, allow_unknown_trips: bool = Fa
         "unknown_trip_counts": len(unknown),
         "by_axis": by_axis,
         "by_kind_axis": by_kind_axis,
+        "busiest_link": link,
     }
+
+
+def _busiest(permutes: list[Collective], shape: dict | None) -> tuple[dict[str, float], float]:
+    """({axes: bytes} of the device that sends the most by `permutes`, the bytes they move between
+    the pair of devices that exchange the most, both ways)."""
+    sent: dict[int, dict[str, float]] = {}
+    links: dict[frozenset, float] = {}
+    for c in permutes:
+        axes = "" if shape is None else axes_spanned(c.groups, shape)
+        for source, target in (g for g in c.groups if len(g) == 2):
+            mine = sent.setdefault(source, {})
+            mine[axes] = mine.get(axes, 0.0) + c.sent * c.runs
+            links[frozenset((source, target))] = links.get(frozenset((source, target)), 0.0) + c.sent * c.runs
+    busiest = max(sent.values(), key=lambda per: sum(per.values()), default={})
+    return dict(busiest), max(links.values(), default=0.0)

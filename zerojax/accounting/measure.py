@@ -6,7 +6,9 @@ persistent bytes   the live state's shards on one device, against `kept_state_by
 peak / temp bytes  `memory_analysis()` of the compiled step (peak = arguments + outputs - aliased
                    + temporaries), against the kept state plus `step_temp_bytes`;
 collective bytes   per step, counted on the HLO right after SPMD partitioning, against
-                   `traffic_bytes`. The CPU's final HLO is also counted (`final_hlo_collective_bytes`):
+                   `traffic_bytes`; a collective inside a conditional (a pipeline's sends) as often
+                   as a profile of one step shows it ran. The CPU's final HLO is also counted
+                   (`final_hlo_collective_bytes`):
                    XLA:CPU's float-normalization pass upcasts bf16 collectives to f32 after
                    partitioning, so there bf16 traffic shows twice the bytes a GPU or TPU moves.
 """
@@ -20,7 +22,8 @@ import jax
 
 from zerojax.accounting import analytic, zeropp
 from zerojax.accounting.activations import GPTShape, gathered_weights_kept, gpt_activation_bytes
-from zerojax.accounting.hlo import collective_bytes
+from zerojax.accounting.executed import instruction_runs
+from zerojax.accounting.hlo import collective_bytes, collectives
 from zerojax.accounting.params import tensor_local_params
 from zerojax.accounting.partitioned import compile_partitioned
 from zerojax.accounting.placed_bytes import compiled_argument_bytes
@@ -69,6 +72,7 @@ class Measurement:
     collective_counts: dict = field(default_factory=dict)
     final_hlo_collective_bytes: float = 0.0  # the CPU's final HLO (bf16 collectives upcast to f32)
     unknown_trip_counts: int = 0
+    stage_boundary_bytes: float = 0.0  # collective-permutes between the pair of devices that exchange most
     host_persistent_bytes: int = 0  # the state's shards on that device kept in host memory (offload)
     host_argument_bytes: int = 0  # the compiled step's arguments in host memory space (S(5))
 
@@ -128,6 +132,7 @@ class Measurement:
             "ideal_collective_bytes_by_kind_axis": self.ideal.by_kind_axis,
             "final_hlo_collective_bytes_per_device_per_step": self.final_hlo_collective_bytes,
             "unknown_trip_counts": self.unknown_trip_counts,
+            "stage_boundary_bytes_per_step": self.stage_boundary_bytes,
         }
 
 
@@ -258,8 +263,9 @@ def measure_step(
     else:
         with tempfile.TemporaryDirectory(prefix="zerojax-hlo-") as tmp:
             compiled, text = compile_partitioned(lowered, dump_dir or tmp)
-    counted = collective_bytes(text, mesh=trainer.mesh)
-    final = collective_bytes(compiled.as_text())
+    runs = _branch_runs(trainer, compiled, text, state, batch)
+    counted = collective_bytes(text, mesh=trainer.mesh, runs=runs)
+    final = collective_bytes(compiled.as_text(), runs=runs)
     ma = compiled.memory_analysis()
     rows = batch["inputs"].shape[0]
     micro = rows // data_parallel_size(trainer.mesh) // trainer.grad_accum  # activations are one micro-batch's
@@ -282,8 +288,22 @@ def measure_step(
         collective_counts={k: v for k, v in counted["counts"].items() if v},
         final_hlo_collective_bytes=float(final["total"]),
         unknown_trip_counts=int(counted["unknown_trip_counts"]),
+        stage_boundary_bytes=float(counted["busiest_link"]),
     )
     return m, compiled
+
+
+def _branch_runs(trainer, compiled, text: str, state, batch) -> dict[str, int] | None:
+    """How often the collectives inside the step's conditionals ran (a pipeline's stage-to-stage
+    sends), from a profile of one step on a copy of `state` (the step donates what it is given);
+    None when there are none."""
+    pending = {c.name for c in collectives(text) if not c.known}
+    if not pending:
+        return None
+    copied = jax.tree.map(lambda a: a.copy(), state)
+    sharded = trainer.shard_batch(batch)
+    local = sum(d.process_index == jax.process_index() for d in trainer.mesh.devices.flat)
+    return instruction_runs(lambda: jax.block_until_ready(compiled(copied, sharded)), pending, local)
 
 
 def activation_temp_bytes(trainer, batch, key=None) -> int:
