@@ -20,8 +20,9 @@ through a chunk of L / (p v) layers. Per step and device (bf16 compute, bf16 Ada
             (`analytic.traffic_units`); p > 1, per step: one gather (kept for the backward) and
             one reduction of the stage's share; per microbatch: the stage's share gathered 2 n / v
             times and reduced n / v times; over the links between nodes where t f spans nodes
-  sends     p > 1: each iteration's microbatch to the next stage and its gradient back,
-            2 n b S D bytes, the last stage's outputs summed over `pipeline`, and under the circular
+  sends     p > 1: each work item's activations to the next stage and their gradient back,
+            2 v m b S D bytes (a stage that idles sends nothing), the last stage's outputs summed
+            over `pipeline`, and under the circular
             schedule the stage's shards reordered and their gradient back (2 (p - 1) / p of them)
   tensor    Megatron's all-reduces as `tensor_plan` counts them, for every iteration run
   latency   a fixed cost per collective (`tensor_plan.LATENCY_S`)
@@ -159,7 +160,7 @@ def _times(pod: Pod, s: Split) -> tuple[float, float, float, float, float]:
     fsdp_link = between if t * f > node else pod.hw.link_bytes_per_s
     micro_bytes = pod.global_rows // (f * k * m) * pod.seq_len * pod.shape.d_model * BYTES
     reorder = 2 * (p - 1) / p * BYTES * stage_share / f if v > 1 else 0.0
-    sends = 0.0 if p == 1 else k * (2 * iterations * micro_bytes + 2 * m * micro_bytes * 2 * (p - 1) / p + reorder)
+    sends = 0.0 if p == 1 else k * (2 * v * m * micro_bytes + 2 * m * micro_bytes * 2 * (p - 1) / p + reorder)
     sends_link = between if t * f >= node else pod.hw.link_bytes_per_s
     all_reduces = 5  # 2 forward, 2 backward, 1 recomputed (remat "full")
     layers, chunk = pod.shape.n_layers // p, pod.shape.n_layers // (p * v)
