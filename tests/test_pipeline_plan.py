@@ -11,10 +11,12 @@ import pytest
 
 from tests.cli_helpers import cli_in_process
 from zerojax.accounting import analytic, pipeline_plan
-from zerojax.accounting.activations import GPTShape
+from zerojax.accounting.activations import GPTShape, gpt_activation_bytes
 from zerojax.accounting.hardware import get_hardware
 from zerojax.cli.config import load_config
 from zerojax.cli.experiment import model_config
+from zerojax.core.optim import OPTIMIZERS
+from zerojax.core.precision import PRECISIONS
 from zerojax.engines.pipeline import bubble_fraction
 
 CONFIG = "configs/gpu-405b-512xh100.yaml"
@@ -43,6 +45,7 @@ def test_the_405b_pod_picks_a_pipeline_and_the_config_uses_it(planned):
     assert (pick["pipeline"], pick["tensor"], pick["fsdp"]) == (mesh.pipeline, mesh.tensor, mesh.fsdp)
     assert (pick["grad_accum"], pick["microbatches"]) == (train.grad_accum, train.microbatches)
     assert (pick["repeats"], pick["gather"]) == (mesh.pipeline_repeats, c.zero.pipeline_gather)
+    assert (pick["stage"], pick["remat"]) == (c.zero.stage, c.model.remat)
     assert pick["bubble"] == pytest.approx(bubble_fraction(mesh.pipeline, train.microbatches, mesh.pipeline_repeats))
     # why: without a pipeline the step waits on stage 3's gathers; with it, on compute and its bubble
     assert flat["bound"] == "fsdp traffic" and flat["step_s"] > 1.2 * pick["step_s"]
@@ -53,8 +56,11 @@ def test_the_405b_pod_picks_a_pipeline_and_the_config_uses_it(planned):
 def test_the_plan_prints_the_pipeline_pick_and_its_bubble():
     r = cli_in_process("plan", CONFIG)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "Pipeline x tensor x fsdp" in r.stdout and "Pipeline: mesh.pipeline=4 x tensor=8 x fsdp=16" in r.stdout
-    assert "mesh.pipeline_repeats=4: bubble 9%" in r.stdout
+    mesh = load_config(CONFIG).mesh
+    said = f"Pipeline: mesh.pipeline={mesh.pipeline} x tensor={mesh.tensor} x fsdp={mesh.fsdp}"
+    assert "Pipeline x tensor x fsdp, ZeRO stage and remat" in r.stdout and said in r.stdout
+    assert "mesh.pipeline_repeats=4, zero.stage=3: bubble 10%" in r.stdout
+    assert "The config has mesh.pipeline" not in r.stdout
 
 
 def test_links_that_carry_stage_3_traffic_need_no_pipeline():
@@ -62,8 +68,11 @@ def test_links_that_carry_stage_3_traffic_need_no_pipeline():
     fast = dataclasses.replace(H100, name="one-fabric")
     opts = pipeline_plan.options(_pod(fast))
     assert pipeline_plan.best(opts, 72e9).split.pipeline == 1
+    # where the state fits whole, stage 0's one all-reduce (two units) beats stage 3's three
     slow = pipeline_plan.options(_pod(H100, rows=64))
-    assert pipeline_plan.best(slow, 72e9).split.pipeline > 1
+    pick, third = pipeline_plan.best(slow, 72e9), pipeline_plan.best([o for o in slow if o.split.stage == 3], 72e9)
+    assert pick.split == dataclasses.replace(third.split, stage=0) and pick.step_s < third.step_s
+    assert pick.fsdp_s == pytest.approx(third.fsdp_s * 2 / 3)
 
 
 def test_an_option_adds_up_as_the_module_says():
@@ -81,7 +90,26 @@ def test_an_option_adds_up_as_the_module_says():
     micro = 256 // (8 * 2 * 8) * 1024 * SHAPE.d_model * 2  # a device's rows of one microbatch, bf16
     sends = 2 * (2 * 8 * micro + 2 * 8 * micro * 2 * 3 / 4)  # v m items on and back, the outputs summed
     assert piped.sends_s == pytest.approx(sends / 50e9)  # pipeline neighbours on other nodes
-    assert piped.gathered_bytes == pytest.approx(2 * pod.params / 8)  # the stage's weights, whole
+    # the stage's weights gathered whole, and its gradient summed whole over the loop
+    assert piped.whole_bytes == pytest.approx(2 * 2 * pod.params / 8)
+
+
+def test_stages_0_to_2_and_remat_add_up_as_the_module_says():
+    pod, adam, bf16 = _pod(), OPTIMIZERS["adam"], PRECISIONS["bf16"]
+    full = pipeline_plan.option(pod, pipeline_plan.Split(1, 2, 32, 2, 1))
+    one = pipeline_plan.option(pod, pipeline_plan.Split(1, 2, 32, 2, 1, stage=1, remat="dots"))
+    piece = pod.params / 2  # one tensor slice
+    assert one.state_bytes == pytest.approx(analytic.model_state_bytes(piece, 32, 1, bf16, adam)["total"])
+    # reduced and gathered back once a step, whatever the accumulation
+    assert one.fsdp_s == pytest.approx(analytic.traffic_bytes(piece, 32, 1, 2)["total"] / 50e9)
+    assert one.compute_s == pytest.approx(full.compute_s * 6 / 8)  # no forward recomputed
+    assert one.whole_bytes == pytest.approx(4 * piece)  # the fp32 gradient two micro-batches sum into
+    rows = 256 // (32 * 2)
+    assert one.activation_bytes == pytest.approx(gpt_activation_bytes(SHAPE, 1024, rows, 2, "dots"))
+    # a pipeline at stage 2 sums its stage's gradient whole over the loop, and accumulates in fp32
+    two = pipeline_plan.option(pod, pipeline_plan.Split(4, 2, 8, 2, 8, stage=2))
+    assert two.whole_bytes == pytest.approx(2 * pod.params / 8 + 4 * pod.params / 8)
+    assert two.state_bytes == pytest.approx(analytic.model_state_bytes(pod.params / 8, 8, 2, bf16, adam)["total"])
 
 
 def test_the_circular_schedule_and_per_microbatch_gathers_add_up():
@@ -99,5 +127,5 @@ def test_the_circular_schedule_and_per_microbatch_gathers_add_up():
     each = pipeline_plan.option(pod, pipeline_plan.Split(4, 2, 8, 2, 8, gather="per_microbatch"))
     # every iteration gathers its chunk forward and backward and reduces it: (2 + 1) x 11, k times
     assert each.fsdp_s == pytest.approx(2 * 3 * 11 * 2 * stage_share * 7 / 8 / 50e9)
-    assert each.gathered_bytes == pytest.approx(2 * 2 * pod.block_params / 2)  # two layers, one tensor slice
-    assert each.gathered_bytes < gpipe.gathered_bytes  # per step: a stage (two layers) and the rest
+    assert each.whole_bytes == pytest.approx(2 * 2 * pod.block_params / 2)  # two layers, one tensor slice
+    assert each.whole_bytes < gpipe.whole_bytes  # per step: a stage (two layers) and the rest

@@ -113,6 +113,7 @@ def inputs_from_config(args: argparse.Namespace) -> dict:
         "microbatches": c.train.microbatches,
         "pipeline_repeats": c.mesh.pipeline_repeats,
         "pipeline_gather": c.zero.pipeline_gather,
+        "stage": c.zero.stage,
         "params": counted["params"],
         "devices": fsdp,
         "seq_len": counted["seq_len"],

@@ -3,11 +3,14 @@ that fits, its bubble, and why (`zerojax.accounting.pipeline_plan`)."""
 
 from __future__ import annotations
 
+# the inputs that the pick is held against
+CONFIG_KEYS = ("pipeline", "microbatches", "pipeline_repeats", "pipeline_gather", "stage")
+
 
 def _describe(o, **extra) -> dict | None:
     if o is None:
         return None
-    terms = ("state_bytes", "gathered_bytes", "activation_bytes", "compute_s", "fsdp_s", "sends_s", "tensor_s")
+    terms = ("state_bytes", "whole_bytes", "activation_bytes", "compute_s", "fsdp_s", "sends_s", "tensor_s")
     return {
         **vars(o.split),
         "bubble": o.split.bubble,
@@ -26,9 +29,16 @@ def _schedule(s) -> str:
 
 
 def _settings(s) -> str:
-    """The config keys that choose a split's schedule, where they differ from the defaults."""
+    """The config keys that choose a split's schedule, where they differ from the defaults, then its
+    ZeRO stage."""
     out = f", mesh.pipeline_repeats={s.repeats}" if s.repeats > 1 else ""
-    return out + (f", zero.pipeline_gather={s.gather}" if s.gather != "per_step" else "")
+    out += f", zero.pipeline_gather={s.gather}" if s.gather != "per_step" else ""
+    return out + f", zero.stage={s.stage}"
+
+
+def _stage_remat(o: dict) -> str:
+    """The ZeRO stage, and the remat where it is a choice (a pipeline recomputes every layer)."""
+    return f"{o['stage']}, {o['remat']}" if o["pipeline"] == 1 else str(o["stage"])
 
 
 def _why(pick, flat, least, budget: float) -> str:
@@ -44,14 +54,23 @@ def _why(pick, flat, least, budget: float) -> str:
         f"bound by {pick.bound}, {gb(pick.memory_bytes)} GB a device."
     )
     if s.pipeline == 1:
-        return f"No pipeline: {said} Every pipelined option is slower or does not fit."
+        return (
+            f"No pipeline: every pipelined option is slower or does not fit. Without one: tensor={s.tensor} x "
+            f"fsdp={s.fsdp} at zero.stage={s.stage}, model.remat={s.remat}, train.grad_accum={s.grad_accum}: step "
+            f"{duration(pick.step_s)}, bound by {pick.bound}; the recommendation above, which weighs offload "
+            "too, picks the stage, accumulation and remat."
+        )
     if flat is None:
         return f"Pipeline: {said} Without a pipeline nothing fits: the least needs {gb(least.memory_bytes)} GB."
     f = flat.split
+    because = (
+        ": stage 3 gathers every weight twice per accumulation step, a pipeline stage its own share once."
+        if f.stage == 3 and flat.bound == "fsdp traffic"
+        else "."
+    )
     return (
-        f"Pipeline: {said} Without one the best (tensor={f.tensor} x fsdp={f.fsdp}, "
-        f"train.grad_accum={f.grad_accum}) takes {duration(flat.step_s)}, bound by {flat.bound}: stage 3 gathers "
-        f"every weight twice per accumulation step, a pipeline stage its own share once."
+        f"Pipeline: {said} Without one the best (tensor={f.tensor} x fsdp={f.fsdp}, train.grad_accum={f.grad_accum}, "
+        f"zero.stage={f.stage}, model.remat={f.remat}) takes {duration(flat.step_s)}, bound by {flat.bound}{because}"
     )
 
 
@@ -87,7 +106,7 @@ def section(inputs: dict, hardware, efficiency: float, headroom: float) -> dict 
         "pick": _describe(pick),
         "best_without_pipeline": _describe(flat),
         "why": _why(pick, flat, least, budget),
-        "config": {k: inputs.get(k) for k in ("pipeline", "microbatches", "pipeline_repeats", "pipeline_gather")},
+        "config": {k: inputs.get(k) for k in CONFIG_KEYS},
     }
 
 
@@ -97,12 +116,14 @@ def print_section(s: dict) -> None:
     from zerojax.cli.commands.plan.tables import console, duration, gb
 
     table = Table(
-        title=f"Pipeline x tensor x fsdp at stage 3: {s['devices']} devices, {s['global_rows']:,} sequences of "
-        f"{s['seq_len']:,} tokens a step, compute at {s['efficiency']:.0%} of peak; the best at each pipeline size",
+        title=f"Pipeline x tensor x fsdp, ZeRO stage and remat: {s['devices']} devices, "
+        f"{s['global_rows']:,} sequences of {s['seq_len']:,} tokens a step, compute at {s['efficiency']:.0%} of peak; "
+        "the best at each pipeline size",
         caption="step = max(compute incl. bubble, fsdp traffic, stage sends, tensor traffic) + latency; "
         f"memory against {gb(s['budget_bytes'])} GB",
     )
-    columns = ("pipeline x tensor x fsdp", "accum", "microbatches", "schedule", "bubble", "memory (GB)", "compute")
+    columns: tuple[str, ...] = ("pipeline x tensor x fsdp", "ZeRO", "accum", "microbatches", "schedule", "bubble")
+    columns += ("memory (GB)", "compute")
     for col in (*columns, "fsdp traffic", "stage sends", "tensor traffic", "step"):
         table.add_column(col, justify="left" if col == columns[0] else "right")
     for o in s["per_pipeline_size"]:
@@ -110,11 +131,15 @@ def print_section(s: dict) -> None:
         memory = gb(o["memory_bytes"]) + ("" if o["fits"] else " (over)")
         split = f"{o['pipeline']} x {o['tensor']} x {o['fsdp']}"
         micro = str(o["microbatches"]) if o["pipeline"] > 1 else "-"
-        row = (split, str(o["grad_accum"]), micro, o["schedule"], f"{o['bubble']:.0%}", memory)
+        row = (split, _stage_remat(o), str(o["grad_accum"]), micro, o["schedule"], f"{o['bubble']:.0%}", memory)
         table.add_row(*row, *map(duration, times))
     out = console()
     out.print(table)
     out.print(s["why"])
     config, pick = s["config"], s["pick"]
-    if pick is not None and config["pipeline"] is not None and config["pipeline"] != pick["pipeline"]:
-        out.print(f"[yellow]The config has mesh.pipeline={config['pipeline']}.[/yellow]")
+    if pick is None:
+        return
+    keys = (("mesh.pipeline", "pipeline"), ("zero.stage", "stage"))[: 1 + (pick["pipeline"] > 1)]
+    differ = [f"{name}={config[key]}" for name, key in keys if config[key] is not None and config[key] != pick[key]]
+    if differ:
+        out.print(f"[yellow]The config has {', '.join(differ)}.[/yellow]")
