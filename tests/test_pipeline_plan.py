@@ -61,6 +61,8 @@ def test_the_plan_prints_the_pipeline_pick_and_its_bubble():
     assert "Pipeline x tensor x fsdp, ZeRO stage and remat" in r.stdout and said in r.stdout
     assert "mesh.pipeline_repeats=4, zero.stage=3: bubble 10%" in r.stdout
     assert "The config has mesh.pipeline" not in r.stdout
+    # the stage table counts NVLink's rate everywhere; across nodes this section is the one to follow
+    assert "this section counts 50 GB/s between nodes of 8: on this pod, follow its pick." in " ".join(r.stdout.split())
 
 
 def test_links_that_carry_stage_3_traffic_need_no_pipeline():
@@ -70,9 +72,10 @@ def test_links_that_carry_stage_3_traffic_need_no_pipeline():
     assert pipeline_plan.best(opts, 72e9).split.pipeline == 1
     # where the state fits whole, stage 0's one all-reduce (two units) beats stage 3's three
     slow = pipeline_plan.options(_pod(H100, rows=64))
-    pick, third = pipeline_plan.best(slow, 72e9), pipeline_plan.best([o for o in slow if o.split.stage == 3], 72e9)
-    assert pick.split == dataclasses.replace(third.split, stage=0) and pick.step_s < third.step_s
-    assert pick.fsdp_s == pytest.approx(third.fsdp_s * 2 / 3)
+    pick = pipeline_plan.best(slow, 72e9)
+    third = pipeline_plan.option(_pod(H100, rows=64), dataclasses.replace(pick.split, stage=3))
+    assert pick.split.pipeline == 1 and pick.split.stage == 0 and pick.split.remat != "none"
+    assert pick.fsdp_s == pytest.approx(third.fsdp_s * 2 / 3) and pick.step_s < third.step_s
 
 
 def test_an_option_adds_up_as_the_module_says():
@@ -129,3 +132,20 @@ def test_the_circular_schedule_and_per_microbatch_gathers_add_up():
     assert each.fsdp_s == pytest.approx(2 * 3 * 11 * 2 * stage_share * 7 / 8 / 50e9)
     assert each.whole_bytes == pytest.approx(2 * 2 * pod.block_params / 2)  # two layers, one tensor slice
     assert each.whole_bytes < gpipe.whole_bytes  # per step: a stage (two layers) and the rest
+
+
+def test_the_leaves_outside_the_stack_and_a_frozen_part_add_up():
+    block = pipeline_plan.Pod(0, 1, H100, SHAPE, 1, 1, 1, 1).block_params
+    stacked, rest = SHAPE.n_layers * block, 2 * SHAPE.vocab_size * SHAPE.d_model  # + embedding and head
+    pod = pipeline_plan.Pod(stacked + rest, 64, H100, SHAPE, 256, 1024, 0.45, 0.25)  # a quarter trains
+    per_param = 2 + 14 * 0.25  # bf16 weights; the trained quarter's gradient, fp32 master and Adam
+    zero = pipeline_plan.option(pod, pipeline_plan.Split(4, 2, 8, 2, 8, stage=0))
+    share = stacked / 8 + rest / 2  # a stage's tensor slice, and the embedding and head whole on each
+    assert zero.state_bytes == pytest.approx(per_param * share)  # stage 0 keeps all of it
+    assert zero.whole_bytes == pytest.approx(4 * 0.25 * share)  # the trained part's fp32 accumulator
+    assert zero.fsdp_s == pytest.approx(2 * 0.25 * share * 2 * 7 / 8 / 50e9)  # one all-reduce a step
+    # stage 3 without remat keeps every gathered layer for the backward: one gather, not two
+    kept = pipeline_plan.option(pod, pipeline_plan.Split(1, 2, 32, 2, 1, stage=3, remat="none"))
+    assert kept.state_bytes == pytest.approx(per_param * pod.params / 64)
+    assert kept.whole_bytes == pytest.approx(2 * pod.params / 2)
+    assert kept.fsdp_s == pytest.approx(2 * (1 + 0.25) * pod.params / 2 * 2 * 31 / 32 / 50e9)

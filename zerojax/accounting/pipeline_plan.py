@@ -135,13 +135,18 @@ def _memory(pod: Pod, s: Split) -> tuple[float, float, float]:
     """(state, weights and gradients held whole beyond it, activations) bytes per device."""
     shape, p, t = pod.shape, s.pipeline, s.tensor
     share = (pod.stacked_params / p + pod.params - pod.stacked_params) / t  # one tensor slice of a stage
-    # the state of a 1 / (p t) slice, the leaves outside the stack too, over fsdp as the stage table
-    # says; frozen: bf16 only; trained: + bf16 gradient, fp32 master, Adam
-    piece = pod.params / (p * t)
+    # the state as the stage table says: a 1 / (p t) slice of the stack over fsdp, and one tensor
+    # slice of the leaves outside it over fsdp x pipeline (whole on every stage where the stage
+    # keeps them whole); frozen: bf16 only; trained: + bf16 gradient, fp32 master, Adam
     adam, bf16 = OPTIMIZERS["adam"], PRECISIONS["bf16"]
-    state = model_state_bytes(piece, s.fsdp, s.stage, bf16, adam, trainable=pod.trainable * piece)["total"]
+    parts = ((pod.stacked_params / (p * t), s.fsdp), ((pod.params - pod.stacked_params) / t, s.fsdp * p))
+    state = sum(
+        model_state_bytes(piece, over, s.stage, bf16, adam, trainable=pod.trainable * piece)["total"]
+        for piece, over in parts
+        if piece > 0
+    )
     rows = pod.global_rows // (s.fsdp * s.grad_accum)  # per device per accumulation step
-    whole = _whole(pod, s, share, piece)
+    whole = _whole(pod, s, share)
     if p == 1:
         return state, whole, gpt_activation_bytes(shape, pod.seq_len, rows, BYTES, s.remat)
     micro, chunk = rows // s.microbatches, shape.n_layers // (p * s.repeats)
@@ -154,7 +159,7 @@ def _memory(pod: Pod, s: Split) -> tuple[float, float, float]:
     return state, whole, one + kept + head + outputs + held
 
 
-def _whole(pod: Pod, s: Split, share: float, piece: float) -> float:
+def _whole(pod: Pod, s: Split, share: float) -> float:
     """Bytes of weights and gradients held whole for a step beyond the state. Stage 3 gathers two
     layers at a time (without a pipeline, or per microbatch; without remat every layer's stays for
     the backward), or a pipeline stage's weights once per step, whose trained gradient the loop then
@@ -165,9 +170,9 @@ def _whole(pod: Pod, s: Split, share: float, piece: float) -> float:
     if s.stage == 3:
         if s.pipeline > 1 and s.gather == "per_step":
             return (1 + trained) * BYTES * share
-        return gathered_weights_kept(piece, 3, s.remat, BYTES) or 2 * BYTES * pod.block_params / s.tensor
+        return gathered_weights_kept(share, 3, s.remat, BYTES) or 2 * BYTES * pod.block_params / s.tensor
     loop = trained * BYTES * share if s.pipeline > 1 and s.stage == 2 else 0.0
-    return loop + (trained * 4 * piece if s.grad_accum > 1 else 0.0)
+    return loop + (trained * 4 * share if s.grad_accum > 1 else 0.0)
 
 
 def _times(pod: Pod, s: Split) -> tuple[float, float, float, float, float]:
@@ -197,20 +202,25 @@ def _times(pod: Pod, s: Split) -> tuple[float, float, float, float, float]:
 
 def _fsdp(pod: Pod, s: Split, stage_share: float) -> tuple[float, float]:
     """(bytes, collectives) a device moves over fsdp a step. Stage 3 gathers every weight and
-    reduces its gradient per accumulation step: without a pipeline, regathering for the backward;
+    reduces its gradient per accumulation step: without a pipeline, regathering for the backward
+    (remat "none" keeps the gathered weights instead, `activations.gathered_weights_kept`);
     a pipeline keeps its gather for the step, or gathers each chunk for every iteration, forward
     and backward. Stages 0-2 reduce the trained gradient once a step (stage 0 all-reduces it) and,
     at stages 1-2, gather the updated weights back (`analytic.traffic_units`)."""
     p, t, f, k, v = s.pipeline, s.tensor, s.fsdp, s.grad_accum, s.repeats
     rest_share = (pod.params - pod.stacked_params) / t
     layers, chunk = pod.shape.n_layers // p, pod.shape.n_layers // (p * v)
+    if f == 1:
+        return 0.0, 0.0
     if s.stage < 3:
         gathers, reductions = traffic_units(STAGES[s.stage])
         moved = (gathers + reductions) * pod.trainable * (stage_share + rest_share)
         collectives = layers * (1 + (gathers > 0))  # per leaf: its reduction, and its gather back
         return moved * BYTES * (f - 1) / f, collectives
-    if p == 1:  # stage 3 regathers for the backward
-        moved, collectives = (2 + pod.trainable) * (stage_share + rest_share), layers * 3
+    if p == 1:  # stage 3 regathers for the backward, but without remat (it keeps every layer's)
+        regathers = s.remat != "none"
+        moved = (1 + regathers + pod.trainable) * (stage_share + rest_share)
+        collectives = layers * (2 + regathers)
     elif s.gather == "per_step":  # a pipeline keeps its gather for the step
         moved, collectives = (1 + pod.trainable) * (stage_share + rest_share), layers * 2
     else:  # every iteration gathers its chunk forward and backward, and reduces it
