@@ -1,7 +1,7 @@
 """Compile time of the zerojax step against a plain `jax.jit` step of the same model and optimizer.
 
     python -m experiments.compile_time [--blocks 4 8 16] [--stages 0 1 2 3] [--engines gspmd shard_map]
-                                       [--optimizers adamw_clip sgd]
+                                       [--optimizers adamw_clip sgd] [--checked] [--phases]
 
 The model is a user's unrolled NNX decoder: an `nnx.List` of pre-norm blocks (causal self-attention
 and an MLP, LayerNorms), width 128, vocabulary 256, sequence 64, batch 16, on 8 simulated CPU
@@ -75,7 +75,7 @@ def batch() -> dict:
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
-def plain_seconds(depth: int, optimizer: str) -> float:
+def plain_seconds(depth: int, optimizer: str) -> tuple[float, float, float]:
     """Trace, lower and compile a plain data-parallel `jax.jit` step of the same model."""
     model = decoder(depth)(rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
@@ -96,12 +96,23 @@ def plain_seconds(depth: int, optimizer: str) -> float:
         updates, o = tx.update(grads, o, p)
         return optax.apply_updates(p, updates), o, loss
 
+    return timed(step, params, opt_state, data)
+
+
+def timed(jitted, *args) -> tuple[float, float, float]:
+    """Seconds to trace, lower and compile `jitted` for `args`."""
     start = time.perf_counter()
-    step.lower(params, opt_state, data).compile()
-    return time.perf_counter() - start
+    traced = jitted.trace(*args)
+    traced_at = time.perf_counter()
+    lowered = traced.lower()
+    lowered_at = time.perf_counter()
+    lowered.compile()
+    return traced_at - start, lowered_at - traced_at, time.perf_counter() - lowered_at
 
 
-def zerojax_seconds(depth: int, stage: int, engine: str, optimizer: str, checked: bool = False) -> float:
+def zerojax_seconds(
+    depth: int, stage: int, engine: str, optimizer: str, checked: bool = False
+) -> tuple[float, float, float]:
     """Trace, lower and compile the zerojax step (state initialised first, outside the timing);
     `checked`: with the engine option `checked_update` (the new state checked before it is written)."""
     trainer = zj.Trainer(
@@ -114,9 +125,11 @@ def zerojax_seconds(depth: int, stage: int, engine: str, optimizer: str, checked
     )
     b = batch()
     state = trainer.init(jax.random.key(0), b)
-    start = time.perf_counter()
-    trainer.compile(state, b)
-    return time.perf_counter() - start
+    return timed(trainer.prepared.step_fn, state, trainer.shard_batch(b))
+
+
+def _phases(phases: tuple[float, float, float]) -> str:
+    return " " + " + ".join(f"{x:.1f}" for x in phases)
 
 
 def main() -> None:
@@ -126,26 +139,31 @@ def main() -> None:
     ap.add_argument("--engines", nargs="+", default=["gspmd", "shard_map"])
     ap.add_argument("--optimizers", nargs="+", default=["adamw_clip", "sgd"])
     ap.add_argument("--checked", action="store_true", help="the engine option checked_update=True")
+    ap.add_argument("--phases", action="store_true", help="each cell's trace + lower + compile seconds too")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "compile_time.md"))
     args = ap.parse_args()
     jax.config.update("jax_enable_compilation_cache", False)
     rows = []
     for optimizer in args.optimizers:
         for depth in args.blocks:
-            plain = plain_seconds(depth, optimizer)
+            plain_phases = plain_seconds(depth, optimizer)
+            plain = sum(plain_phases)
             cells = []
             for engine in args.engines:
                 for stage in args.stages:
-                    s = zerojax_seconds(depth, stage, engine, optimizer, args.checked)
-                    cells.append(f"{s:.1f} ({s / plain:.1f}x)")
+                    phases = zerojax_seconds(depth, stage, engine, optimizer, args.checked)
+                    s = sum(phases)
+                    cells.append(f"{s:.1f} ({s / plain:.1f}x)" + (_phases(phases) if args.phases else ""))
                     print(f"{optimizer} blocks={depth} plain={plain:.1f}s {engine} s{stage}: {s:.1f}s", flush=True)
-            rows.append(f"| {optimizer} | {depth} | {plain:.1f} | " + " | ".join(cells) + " |")
+            first = f"{plain:.1f}" + (_phases(plain_phases) if args.phases else "")
+            rows.append(f"| {optimizer} | {depth} | {first} | " + " | ".join(cells) + " |")
     head = [f"{e} s{s}" for e in args.engines for s in args.stages]
     lines = [
         f"Compile seconds (trace + lower + compile, cold, one process), jax {jax.__version__}, 8 simulated CPU "
         f"devices; NNX decoder width {WIDTH}, vocabulary {VOCAB}, sequence {SEQ}, batch {BATCH}; "
         "in brackets: over the plain `jax.jit` data-parallel step of the same model and optimizer"
-        + (" (engine option checked_update=True)." if args.checked else "."),
+        + (" (engine option checked_update=True)" if args.checked else "")
+        + ("; then trace + lower + compile." if args.phases else "."),
         "",
         "| optimizer | blocks | plain | " + " | ".join(head) + " |",
         "|---|---|---|" + "---|" * len(head),
