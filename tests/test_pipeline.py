@@ -189,6 +189,63 @@ def test_a_users_stacked_blocks_pipeline_too():
     _assert_same_training(_run(_hpz_pipelined(model), batches), reference)
 
 
+class _GatedBlock(nnx.Module):
+    def __init__(self, width: int, *, rngs: nnx.Rngs):
+        self.dense = nnx.Linear(width, width, rngs=rngs)
+
+    def __call__(self, x, gate):
+        return x + gate * jnp.tanh(self.dense(x))
+
+
+class _Gated(nnx.Module):
+    """A learned gate outside the stack, handed to every block as its extra argument."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.embed = nnx.Linear(24, 16, rngs=rngs)
+        self.gate = nnx.Param(jnp.full((16,), 0.5))
+        self.blocks = zj.Stacked(_GatedBlock, 2, 16, rngs=rngs)
+        self.head = nnx.Linear(16, 10, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.blocks(self.embed(x), self.gate[...]))
+
+
+def test_a_parameter_outside_the_stack_handed_to_its_blocks_gets_every_stages_gradient():
+    """Each pipeline stage's blocks add their part of the gate's gradient: summed over the stages
+    (shard_map), or refused in one sentence where the region cannot read it (gspmd)."""
+    batches = functools.partial(classification_batch, rows=16, features=24)
+    reference = _run(_trainer(_Gated, zj.make_mesh(fsdp=8), 0), batches, steps=2)
+    piped = _trainer(_Gated, zj.make_mesh(pipeline=2, fsdp=4), 3, microbatches=2, engine="shard_map")
+    _assert_same_training(_run(piped, batches, steps=2), reference)
+    refused = _trainer(_Gated, zj.make_mesh(pipeline=2, fsdp=4), 0, microbatches=2)
+    with pytest.raises(UserError, match="set zero.engine=shard_map, or keep such parameters inside the blocks"):
+        refused.step(refused.init(KEY, batches(0)), batches(0))
+
+
+class _DropoutBlock(nnx.Module):
+    def __init__(self, width: int, *, rngs: nnx.Rngs):
+        self.dense, self.drop = nnx.Linear(width, width, rngs=rngs), nnx.Dropout(0.1, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.drop(jnp.tanh(self.dense(x)))
+
+
+@pytest.mark.parametrize("engine", ["gspmd", "shard_map"])
+def test_blocks_with_dropout_state_are_refused_on_a_pipeline(engine):
+    class Model(nnx.Module):
+        def __init__(self, *, rngs: nnx.Rngs):
+            self.embed, self.head = nnx.Linear(24, 16, rngs=rngs), nnx.Linear(16, 10, rngs=rngs)
+            self.blocks = zj.Stacked(_DropoutBlock, 2, 16, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(self.blocks(self.embed(x)))
+
+    batch = classification_batch(0, rows=16, features=24)
+    trainer = _trainer(Model, zj.make_mesh(pipeline=2, fsdp=4), 0, microbatches=2, engine=engine)
+    with pytest.raises(UserError, match="without dropout and BatchNorm in the blocks"):
+        trainer.step(trainer.init(KEY, batch), batch)
+
+
 def _hpz_pipelined(make):
     """shard_map, stage 3, SGD, hpZ on pipeline=2 x data=2 x fsdp=2, two microbatches."""
     mesh = zj.make_mesh(pipeline=2, data=2, fsdp=2)

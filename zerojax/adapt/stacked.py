@@ -81,6 +81,12 @@ class Stacked(nnx.Module):
         if loop is not None and not jax.tree.leaves(rest):
             # The engine's loop materialises each layer's params itself (prefetch of the next layer).
             return loop(lambda x, p: nnx.merge(graphdef, p, rest)(x, *args, **kwargs), x, params)
+        if loop is not None and hook is None:  # a pipeline: its loop is the only way through
+            raise UserError(
+                "a pipeline runs zj.Stacked's blocks in its own loop, which carries no RNG or BatchNorm "
+                "state, and these blocks hold some (dropout, BatchNorm); train them without mesh.pipeline, "
+                "or without dropout and BatchNorm in the blocks."
+            )
 
         def body(x, layer):
             p, r = layer

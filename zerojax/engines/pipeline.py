@@ -212,6 +212,13 @@ def gpipe(
     check_layers(stacked, 1, v, p)
     manual = (PIPELINE_AXIS, *BATCH_AXES)
     partial = {"axis_names": frozenset(manual)} if dict(mesh.shape).get(TENSOR_AXIS, 1) > 1 else {}
+    h = jnp.zeros((x.shape[0] // (data_parallel_size(mesh) * m), *x.shape[1:]), x.dtype)
+    if _hoisted(layer, h, jax.tree.map(lambda w: jnp.zeros(w.shape[1:], w.dtype), stacked))[1]:
+        raise UserError(
+            "on a pipeline the gspmd engine runs zj.Stacked's blocks in a region of their own, which cannot "
+            "read values computed from parameters outside the stack (an extra argument such as a shared "
+            "gate or module); set zero.engine=shard_map, or keep such parameters inside the blocks."
+        )
     per_layer = gather_axes is not None and gather_each_layer
     run_layer = functools.partial(_gathered, layer, gather_axes, 1) if per_layer else layer
     loop = functools.partial(on_device, run_layer, stages=p, microbatches=m, repeats=v, fill=fill, inside=inside)
@@ -224,6 +231,26 @@ def gpipe(
     specs = (P(BATCH_AXES), jax.tree.unflatten(tree, [_stage_spec(w.ndim, a) for w, a in zip(leaves, axes)]))
     run = jax.shard_map(reordered, mesh=mesh, in_specs=specs, out_specs=P(BATCH_AXES), check_vma=False, **partial)
     return run(x, stacked)
+
+
+def _outside_summed(layer, h, one):
+    """`layer`, the gradient of what it reads from parameters outside the stack summed over the
+    stages (each stage's layers add their part), as every leaf outside the stack has its whole."""
+    converted, consts = _hoisted(layer, h, one)
+    if converted is None:
+        return layer
+    summed = [_summed_cotangent(c) for c in consts]
+    return lambda h, one: converted(h, one, *summed)
+
+
+def _hoisted(layer, h, one):
+    """(`layer` as a function of its closed-over values, those values) where it reads one being
+    differentiated (a `zj.Stacked` extra argument computed from parameters outside the stack), else
+    (None, []). `jax.closure_convert` hoists every traced float it closes over (the GPT's rotary
+    tables too); the differentiated ones are a differentiation's tracers, not the jit's."""
+    converted, consts = jax.closure_convert(layer, h, one)
+    differentiated = any(type(c).__name__ in ("JVPTracer", "LinearizeTracer") for c in consts)
+    return (converted, consts) if differentiated else (None, [])
 
 
 def _gathered(layer, gather_axes, sliced: int, h, params):
@@ -257,10 +284,11 @@ def on_device(
     stage's, broadcast) while their gradient enters the last stage once; the gradient of `x`, which
     only stage 0 reads, is summed over the stages so that each holds the whole of it."""
     p, m, v = stages, microbatches, repeats
+    rows, rest = x.shape[0] // m, x.shape[1:]
     if own_grads:
         x = _summed_cotangent(x)
+        layer = _outside_summed(layer, jnp.zeros((rows, *rest), x.dtype), jax.tree.map(lambda w: w[0], params))
     send = _send(p, m, v)
-    rows, rest = x.shape[0] // m, x.shape[1:]
     xs = x.reshape(rows, m, *rest).swapaxes(0, 1)  # microbatch j: local rows j, j + m, ...
     chunks = jax.tree.map(lambda w: w.reshape(v, w.shape[0] // v, *w.shape[1:]), params)
     me = jax.lax.axis_index(PIPELINE_AXIS)
