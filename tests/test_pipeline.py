@@ -230,19 +230,38 @@ class _DropoutBlock(nnx.Module):
         return x + self.drop(jnp.tanh(self.dense(x)))
 
 
+class _Dense(nnx.Module):
+    def __init__(self, width: int, *, rngs: nnx.Rngs):
+        self.dense = nnx.Linear(width, width, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.dense(x))
+
+
+class _Refused(nnx.Module):
+    """Blocks with dropout state, or a stack called feature-major (its first axis not the batch's)."""
+
+    def __init__(self, case: str, *, rngs: nnx.Rngs):
+        self.case = case
+        self.embed, self.head = nnx.Linear(24, 16, rngs=rngs), nnx.Linear(16, 10, rngs=rngs)
+        self.blocks = zj.Stacked(_DropoutBlock if case == "dropout" else _Dense, 2, 16, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.embed(x)
+        if self.case == "dropout":
+            return self.head(self.blocks(h))
+        return self.head(self.blocks(h[:, :12].T).T @ jnp.ones((12, 16)))  # the stack sees [12, 16 rows]
+
+
 @pytest.mark.parametrize("engine", ["gspmd", "shard_map"])
-def test_blocks_with_dropout_state_are_refused_on_a_pipeline(engine):
-    class Model(nnx.Module):
-        def __init__(self, *, rngs: nnx.Rngs):
-            self.embed, self.head = nnx.Linear(24, 16, rngs=rngs), nnx.Linear(16, 10, rngs=rngs)
-            self.blocks = zj.Stacked(_DropoutBlock, 2, 16, rngs=rngs)
-
-        def __call__(self, x):
-            return self.head(self.blocks(self.embed(x)))
-
+@pytest.mark.parametrize(
+    "case,words",
+    [("dropout", "without dropout and BatchNorm in the blocks"), ("feature-major", "call the stack batch-first")],
+)
+def test_what_a_pipeline_cannot_split_is_refused_in_one_sentence(engine, case, words):
     batch = classification_batch(0, rows=16, features=24)
-    trainer = _trainer(Model, zj.make_mesh(pipeline=2, fsdp=4), 0, microbatches=2, engine=engine)
-    with pytest.raises(UserError, match="without dropout and BatchNorm in the blocks"):
+    trainer = _trainer(functools.partial(_Refused, case), zj.make_mesh(pipeline=2, fsdp=4), 0, 2, engine=engine)
+    with pytest.raises(UserError, match=words):
         trainer.step(trainer.init(KEY, batch), batch)
 
 

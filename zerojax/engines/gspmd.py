@@ -129,7 +129,8 @@ def _pipelined(layout, model, static, options: EngineOptions, schedule: pipeline
     per_microbatch = pipeline.gathers_each_layer(options.pipeline_gather, layout.stage, layout.mesh)
     microbatches, repeats = schedule.microbatches or pipeline_size(layout.mesh), schedule.repeats
 
-    def loop(stack, layer, x, stacked):
+    def loop(stack, rows, layer, x, stacked):
+        pipeline.check_schedule(layout.mesh, rows, microbatches, (x.shape[0], rows))
         inside = functools.partial(activations.rules_active, layout, manual=True)
         run = functools.partial(
             pipeline.gpipe, mesh=layout.mesh, microbatches=microbatches, repeats=repeats, inside=inside
@@ -149,7 +150,7 @@ def _pipelined(layout, model, static, options: EngineOptions, schedule: pipeline
                 batch["inputs"],
                 rng=key,
                 train=train,
-                layer_loop={s: functools.partial(loop, s) for s in stacks},
+                layer_loop={s: functools.partial(loop, s, _rows(batch)) for s in stacks},
             )
 
     gathers = None
@@ -157,6 +158,10 @@ def _pipelined(layout, model, static, options: EngineOptions, schedule: pipeline
         gathers = pipeline.PER_MICROBATCH if per_microbatch else pipeline.ONCE_PER_PASS
     report = GatherReport("layers", pipeline.describe(describe_stacks(stacks), layout.mesh, schedule, gathers))
     return run, report
+
+
+def _rows(batch) -> int:
+    return jax.tree.leaves(batch["inputs"])[0].shape[0]
 
 
 def _split_loop(layout, stack, gpipe, layer, x, stacked):

@@ -5,24 +5,23 @@ by the circular (interleaved) schedule.
 The loop runs inside a `shard_map` manual over `pipeline` and the data-parallel axes (a `tensor`
 axis stays with the partitioner). Each device holds its rows of the batch, split into `m`
 microbatches (microbatch j: its rows j, j + m, ...), and its layers: under GPipe (v = 1) its
-consecutive `L / p` (a stacked leaf's layer axis is split over `pipeline`, `LeafLayout.pipeline_size`);
-under the circular schedule `v` chunks of `c = L / (p v)` layers, chunk r of stage s being layers
-`(r p + s) c ...` (`circular_chunks` exchanges them in the step, and the gradient back). A work item
-is (repeat r, microbatch j), u = r m + j; stage `s` works on item `t - s` in iteration t, passing
-its output to stage s + 1 (a `ppermute` from the stages that worked in that iteration alone; the
-last stage's goes round to stage 0, which keeps it until the item's next repeat). The loop runs
-`v m + p - 1` iterations, and a stage idles (p - 1) / (v m + p - 1) of them. In those bubble
-iterations its input is replaced by zeros, so whatever the buffer held (NaN included) never reaches
-an output or a gradient. The last stage's
-outputs are then summed over `pipeline` (the others hold zeros), since every stage runs what
-follows the stack. The backward schedule is the loop's derivative; each layer is rematerialised.
-The stage weights enter the region replicated over the data-parallel axes, so their gradient is
-summed over them once, after the last microbatch. At stage 3 (`gather_axes`) they enter as their
-`fsdp` shards and are gathered inside: the whole pipeline stage once before the loop, its gradient
-reduce-scattered once after it; or (`zero.pipeline_gather: per_microbatch`) each layer as it runs
-in every iteration, its gradient reduce-scattered there: a layer's weights whole at a time instead
-of a pipeline stage's, for (v m + p - 1) / v times a stage's gathers, twice over (the backward
-rematerialises them).
+consecutive `L / p` (a stacked leaf's layer axis is split over `pipeline`,
+`LeafLayout.pipeline_size`); under the circular schedule `v` chunks of `c = L / (p v)` layers, chunk
+r of stage s being layers `(r p + s) c ...` (`circular_chunks` exchanges them in the step, and the
+gradient back). A work item is (repeat r, microbatch j), u = r m + j; stage `s` works on item `t -
+s` in iteration t, passing its output to stage s + 1 (a `ppermute` from the stages that worked in
+that iteration alone; the last stage's goes round to stage 0, which keeps it until the item's next
+repeat). The loop runs `v m + p - 1` iterations, and a stage idles (p - 1) / (v m + p - 1) of them.
+In those bubble iterations its input is replaced by zeros, so whatever the buffer held (NaN
+included) never reaches an output or a gradient. The last stage's outputs are then summed over
+`pipeline` (the others hold zeros), since every stage runs what follows the stack. The backward
+schedule is the loop's derivative; each layer is rematerialised. The stage weights enter the region
+replicated over the data-parallel axes, so their gradient is summed over them once, after the last
+microbatch. At stage 3 (`gather_axes`) they enter as their `fsdp` shards and are gathered inside:
+the whole pipeline stage once before the loop, its gradient reduce-scattered once after it; or
+(`zero.pipeline_gather: per_microbatch`) each layer as it runs in every iteration, its gradient
+reduce-scattered there: a layer's weights whole at a time instead of a pipeline stage's, for (v m +
+p - 1) / v times a stage's gathers, twice over (the backward rematerialises them).
 """
 
 from __future__ import annotations
@@ -40,10 +39,15 @@ from zerojax.core.mesh import BATCH_AXES, FSDP_AXIS, PIPELINE_AXIS, TENSOR_AXIS,
 from zerojax.errors import UserError
 
 
-def check_schedule(mesh, batch_rows: int, microbatches: int) -> None:
-    """At least one microbatch per stage, and microbatches that split the batch evenly over the
-    data-parallel devices."""
+def check_schedule(mesh, batch_rows: int, microbatches: int, stack_rows: tuple[int, int] | None = None) -> None:
+    """At least one microbatch per stage, microbatches that split the batch evenly over the devices,
+    a stack input whose first axis is the batch's (`stack_rows`: that axis, the rows, as seen)."""
     stages, dp = pipeline_size(mesh), data_parallel_size(mesh)
+    if stack_rows is not None and stack_rows[0] != stack_rows[1]:
+        raise UserError(
+            f"the stack's input has {stack_rows[0]} rows on its first axis where the batch has {stack_rows[1]}: a "
+            "pipeline splits that axis into microbatches, so it must be the batch's (call the stack batch-first)."
+        )
     if microbatches < stages:
         raise UserError(
             f"train.microbatches={microbatches} is fewer than the {stages} pipeline stages: GPipe needs at "
@@ -215,9 +219,8 @@ def gpipe(
     h = jnp.zeros((x.shape[0] // (data_parallel_size(mesh) * m), *x.shape[1:]), x.dtype)
     if _hoisted(layer, h, jax.tree.map(lambda w: jnp.zeros(w.shape[1:], w.dtype), stacked))[1]:
         raise UserError(
-            "on a pipeline the gspmd engine runs zj.Stacked's blocks in a region of their own, which cannot "
-            "read values computed from parameters outside the stack (an extra argument such as a shared "
-            "gate or module); set zero.engine=shard_map, or keep such parameters inside the blocks."
+            "on a pipeline the gspmd engine's region cannot read values computed from parameters outside the "
+            "stack (a shared gate or module); set zero.engine=shard_map, or keep such parameters inside the blocks."
         )
     per_layer = gather_axes is not None and gather_each_layer
     run_layer = functools.partial(_gathered, layer, gather_axes, 1) if per_layer else layer
@@ -234,8 +237,7 @@ def gpipe(
 
 
 def _outside_summed(layer, h, one):
-    """`layer`, the gradient of what it reads from parameters outside the stack summed over the
-    stages (each stage's layers add their part), as every leaf outside the stack has its whole."""
+    """`layer`, what it reads from outside parameters getting its gradient summed over the stages."""
     converted, consts = _hoisted(layer, h, one)
     if converted is None:
         return layer
@@ -244,10 +246,8 @@ def _outside_summed(layer, h, one):
 
 
 def _hoisted(layer, h, one):
-    """(`layer` as a function of its closed-over values, those values) where it reads one being
-    differentiated (a `zj.Stacked` extra argument computed from parameters outside the stack), else
-    (None, []). `jax.closure_convert` hoists every traced float it closes over (the GPT's rotary
-    tables too); the differentiated ones are a differentiation's tracers, not the jit's."""
+    """(`layer` of its closed-over values too, those values) where one is differentiated (a tracer of
+    the differentiation, not the jit's: the GPT's rotary tables are not), else (None, [])."""
     converted, consts = jax.closure_convert(layer, h, one)
     differentiated = any(type(c).__name__ in ("JVPTracer", "LinearizeTracer") for c in consts)
     return (converted, consts) if differentiated else (None, [])

@@ -13,6 +13,8 @@ copy, reduced once), or at stage 3 with `pipeline_gather="per_microbatch"` each 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 from flax import nnx
 
@@ -40,9 +42,10 @@ class _Loop:
         out = materialize_tree(layouts, values, self.materialize_group)
         return nnx.State(out) if isinstance(values, nnx.State) else out
 
-    def __call__(self, layer, x, stacked):
-        p = pipeline_size(self.mesh)
-        pipeline.check_schedule(self.mesh, x.shape[0] * data_parallel_size(self.mesh), self.microbatches)
+    def __call__(self, layer, x, stacked, rows: int | None = None):
+        p, dp = pipeline_size(self.mesh), data_parallel_size(self.mesh)
+        rows = x.shape[0] if rows is None else rows  # this device's
+        pipeline.check_schedule(self.mesh, rows * dp, self.microbatches, (x.shape[0], rows))
         pipeline.check_layers(stacked, p, self.repeats, p)
         stacked = pipeline.circular_chunks(stacked, p, self.repeats)
         if self.each_layer:
@@ -73,6 +76,10 @@ def route(layout, model, static, stacks, reduce: Reduce, options: EngineOptions,
 
     def run(raw, model_state, inputs, key, train=True):
         params = outside_stacks(one, stacks, leaves, raw)
-        return model.apply(params, model_state, static, inputs, rng=key, train=train, layer_loop=loops, sync=BATCH_AXES)
+        rows = jax.tree.leaves(inputs)[0].shape[0]  # this device's
+        with_rows = {s: functools.partial(loop, rows=rows) for s, loop in loops.items()}
+        return model.apply(
+            params, model_state, static, inputs, rng=key, train=train, layer_loop=with_rows, sync=BATCH_AXES
+        )
 
     return report, run
