@@ -265,6 +265,33 @@ def test_what_a_pipeline_cannot_split_is_refused_in_one_sentence(engine, case, w
         trainer.step(trainer.init(KEY, batch), batch)
 
 
+def test_bf16_stages_1_and_2_keep_each_pipeline_stages_compute_copy():
+    """shard_map, bf16: the compute copy gathered after the update is this device's pipeline stage's
+    layers (it was the whole stack, stored as if split: twice the layers, refused at the next step)."""
+    batches = functools.partial(classification_batch, rows=16, features=24)
+    mesh, losses = zj.make_mesh(pipeline=2, fsdp=4), {}
+    for stage in (0, 1, 2):
+        trainer = zj.Trainer(
+            stacked_blocks(24, 4), optax.adamw(1e-2), mesh=mesh, stage=stage, engine="shard_map",
+            precision="bf16", microbatches=2,
+        )  # fmt: skip
+        state = trainer.init(KEY, batches(0))
+        shapes = {k: v.shape for k, v in jax.tree_util.tree_leaves_with_path(state.compute)}
+        steps = _steps(trainer, state, batches, 3)
+        losses[stage] = [float(metrics["loss"]) for _, metrics in steps]
+        assert {k: v.shape for k, v in jax.tree_util.tree_leaves_with_path(steps[-1][0].compute)} == shapes
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-6)
+    np.testing.assert_allclose(losses[2], losses[0], rtol=1e-6)
+
+
+def _steps(trainer, state, batches, n: int):
+    out = []
+    for i in range(n):
+        state, metrics = trainer.step(state, batches(i))
+        out.append((state, metrics))
+    return out
+
+
 def _hpz_pipelined(make):
     """shard_map, stage 3, SGD, hpZ on pipeline=2 x data=2 x fsdp=2, two microbatches."""
     mesh = zj.make_mesh(pipeline=2, data=2, fsdp=2)

@@ -358,10 +358,14 @@ def _grads(layout: StateLayout, grads_fn):
 def _update(layout: StateLayout, tx, options: EngineOptions, reduce: Reduce):
     """The sharded update and, where the state keeps a replicated compute copy beside a sharded
     master, the new copy gathered from the cast shards."""
-    # The frozen leaves have no compute copy (`StateLayout.trained`): None in and out.
+    # The frozen leaves have no compute copy (`StateLayout.trained`): None in and out. A stacked
+    # leaf on a pipeline is gathered as this device holds it: its own pipeline stage's layers.
     gather_compute = _manual(
         lambda params: jax.tree.map(
-            lambda l, x: None if x is None else reduce.cast_gather(x, l), layout.leaves, params, is_leaf=is_layout
+            lambda l, x: None if x is None else reduce.cast_gather(x, l),
+            _device_leaves(layout),
+            params,
+            is_leaf=is_layout,
         ),
         layout,
         in_specs=(layout.trained(_specs(layout, True)),),
