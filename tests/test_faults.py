@@ -307,6 +307,7 @@ def test_each_trajectory_key_changed_on_resume_is_named(tmp_path):
         "train.steps=20",
         "checkpoint.keep=5",
         "train.eval_every=2",
+        "train.microbatches=2",
     ):
         check_resume_config(saved, load_config(CONFIG, [*SETS, safe]).to_dict(), "ckpt")
 

@@ -15,12 +15,14 @@ from zerojax.train import checkpoint
 
 # Keys that may change between a run and its resume: where and how the same computation runs, when
 # it is saved, and how long it goes on. Every other key changes the trajectory (model, optimizer,
-# learning rate and schedule, batch size, data, seed, precision) and stops the resume.
+# learning rate and schedule, batch size, data, seed, precision) and stops the resume. A pipeline's
+# microbatches sum the same gradient (its blocks hold no dropout or BatchNorm state), as the mesh.
 SAFE_ON_RESUME = (
     "zero.",
     "mesh.",
     "checkpoint.",
     "xla.",
+    "train.microbatches",
     "train.steps",
     "train.eval_every",
     "train.eval_batches",
