@@ -376,9 +376,10 @@ def _save(trainer, state, folder) -> None:
     [
         ("layers", "4 layers do not divide into mesh.pipeline=8 pipeline stages"),
         ("repeats", "4 layers do not divide into mesh.pipeline=2 x mesh.pipeline_repeats=3"),
-        ("no-stack", "this model has none"),
+        ("no-stack", "this model has none it can split"),
         ("shard_map", "6 layers do not divide into mesh.pipeline=2 x mesh.pipeline_repeats=2"),
         ("microbatches", "train.microbatches=1 is fewer than the 2 pipeline stages"),
+        ("uneven", "the batch of 16 rows does not split into train.microbatches=3 microbatches"),
         ("no-pipeline", "train.microbatches splits a pipeline's work; this mesh has no pipeline axis"),
         ("repeats-no-pipeline", "mesh.pipeline_repeats splits a pipeline's work; this mesh has no pipeline axis"),
         ("gather-stage-0", "zero.pipeline_gather=per_microbatch gathers weights split over fsdp, which only stage 3"),
@@ -402,6 +403,8 @@ def test_what_cannot_be_pipelined_is_one_sentence(case, words):
         mesh, microbatches = {"fsdp": 8}, (2 if case == "no-pipeline" else None)
     elif case == "microbatches":
         microbatches = 1
+    elif case == "uneven":  # refused as the batch is checked, before any trace (`zerojax inspect` too)
+        microbatches = 3
     with pytest.raises(UserError, match=words):
         trainer = _trainer(
             make, zj.make_mesh(**mesh), stage, microbatches, engine=engine, repeats=repeats, gather=gather

@@ -353,7 +353,8 @@ def _check_pipelined(param_shapes, stack_paths: tuple, stages: int) -> None:
     if not stack_paths:
         raise UserError(
             f"mesh.pipeline={stages} splits a model's stack of identical blocks into pipeline stages, but this "
-            "model has none (stack its blocks with zj.Stacked, or use the shipped GPT); use mesh.pipeline=1."
+            "model has none it can split (an NNX model's zj.Stacked blocks, or the shipped GPT; Linen nn.scan and "
+            "NNX nnx.scan or nnx.vmap stacks are not split yet); use mesh.pipeline=1."
         )
     if len(stack_paths) > 1:
         names = ", ".join("/".join(map(str, s)) for s in stack_paths)

@@ -86,7 +86,7 @@ def check_model(model, stacks, mesh) -> None:
     if not model.accepts_layer_loop or not stacks:
         raise UserError(
             f"mesh.pipeline={pipeline_size(mesh)} needs a model that hands its layer loop to zerojax "
-            "(the shipped GPT, or zj.Stacked blocks without BatchNorm or dropout state); this one does not."
+            "(the shipped GPT, or an NNX model's zj.Stacked blocks); this one does not."
         )
 
 

@@ -21,14 +21,14 @@ from zerojax.core import axis_rules as axis_rules_lib
 from zerojax.core import offload as offload_lib
 from zerojax.core import trainable as trainable_lib
 from zerojax.core.loss import cross_entropy
-from zerojax.core.mesh import BATCH_AXES, check_batch, data_parallel_size, make_mesh
+from zerojax.core.mesh import BATCH_AXES, check_batch, data_parallel_size, make_mesh, pipeline_size
 from zerojax.core.model_mesh import ModelMesh
 from zerojax.core.optim import check_transformation
 from zerojax.core.precision import Precision, get_precision
 from zerojax.core.stages import Stage, get_stage
 from zerojax.engines import Engine, EngineOptions, get_engine
 from zerojax.engines.accum import check_accum_batch, check_grad_accum
-from zerojax.engines.pipeline import Schedule
+from zerojax.engines.pipeline import Schedule, check_schedule
 from zerojax.train.choices import Choices
 
 
@@ -116,6 +116,9 @@ class Setup:
         checks.check_keys(batch, default_loss=False)
         check_batch(batch["inputs"].shape[0], data_parallel_size(self.mesh))
         check_accum_batch(batch["inputs"].shape[0], data_parallel_size(self.mesh), self.grad_accum)
+        if pipeline_size(self.mesh) > 1:  # each accumulation step's rows go through the pipeline
+            microbatches = self.schedule.microbatches or pipeline_size(self.mesh)
+            check_schedule(self.mesh, batch["inputs"].shape[0] // self.grad_accum, microbatches)
 
     def shard_batch(self, batch: dict) -> dict:
         """A global batch as `jax.Array`s split over the batch axes; device arrays already so are kept."""
