@@ -238,25 +238,38 @@ class _Dense(nnx.Module):
         return x + jnp.tanh(self.dense(x))
 
 
+class _PairBlock(_Dense):
+    def __call__(self, xs):
+        return super().__call__(xs[0]), xs[1]
+
+
 class _Refused(nnx.Module):
-    """Blocks with dropout state, or a stack called feature-major (its first axis not the batch's)."""
+    """Blocks with dropout state, a stack called feature-major (its first axis not the batch's), or
+    one carrying a tuple between its blocks."""
 
     def __init__(self, case: str, *, rngs: nnx.Rngs):
         self.case = case
         self.embed, self.head = nnx.Linear(24, 16, rngs=rngs), nnx.Linear(16, 10, rngs=rngs)
-        self.blocks = zj.Stacked(_DropoutBlock if case == "dropout" else _Dense, 2, 16, rngs=rngs)
+        block = {"dropout": _DropoutBlock, "feature-major": _Dense, "tuple": _PairBlock}[case]
+        self.blocks = zj.Stacked(block, 2, 16, rngs=rngs)
 
     def __call__(self, x):
         h = self.embed(x)
         if self.case == "dropout":
             return self.head(self.blocks(h))
+        if self.case == "tuple":
+            return self.head(self.blocks((h, h))[0])
         return self.head(self.blocks(h[:, :12].T).T @ jnp.ones((12, 16)))  # the stack sees [12, 16 rows]
 
 
 @pytest.mark.parametrize("engine", ["gspmd", "shard_map"])
 @pytest.mark.parametrize(
     "case,words",
-    [("dropout", "without dropout and BatchNorm in the blocks"), ("feature-major", "call the stack batch-first")],
+    [
+        ("dropout", "without dropout and BatchNorm in the blocks"),
+        ("feature-major", "call the stack batch-first"),
+        ("tuple", "this stack carries a tuple; carry one array"),
+    ],
 )
 def test_what_a_pipeline_cannot_split_is_refused_in_one_sentence(engine, case, words):
     batch = classification_batch(0, rows=16, features=24)

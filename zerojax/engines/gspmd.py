@@ -130,7 +130,7 @@ def _pipelined(layout, model, static, options: EngineOptions, schedule: pipeline
     microbatches, repeats = schedule.microbatches or pipeline_size(layout.mesh), schedule.repeats
 
     def loop(stack, rows, layer, x, stacked):
-        pipeline.check_schedule(layout.mesh, rows, microbatches, (x.shape[0], rows))
+        pipeline.check_schedule(layout.mesh, rows, microbatches, (x, rows))
         inside = functools.partial(activations.rules_active, layout, manual=True)
         run = functools.partial(
             pipeline.gpipe, mesh=layout.mesh, microbatches=microbatches, repeats=repeats, inside=inside

@@ -36,16 +36,22 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from zerojax.core.mesh import BATCH_AXES, FSDP_AXIS, PIPELINE_AXIS, TENSOR_AXIS, data_parallel_size, pipeline_size
+from zerojax.engines.pipeline_circular import circular_chunks
 from zerojax.errors import UserError
 
 
-def check_schedule(mesh, batch_rows: int, microbatches: int, stack_rows: tuple[int, int] | None = None) -> None:
+def check_schedule(mesh, batch_rows: int, microbatches: int, stack: tuple | None = None) -> None:
     """At least one microbatch per stage, microbatches that split the batch evenly over the devices,
-    a stack input whose first axis is the batch's (`stack_rows`: that axis, the rows, as seen)."""
+    and `stack` = (the stack's input, the batch's rows as it sees them): one array, batch-first."""
     stages, dp = pipeline_size(mesh), data_parallel_size(mesh)
-    if stack_rows is not None and stack_rows[0] != stack_rows[1]:
+    if stack is not None and not hasattr(stack[0], "shape"):
         raise UserError(
-            f"the stack's input has {stack_rows[0]} rows on its first axis where the batch has {stack_rows[1]}: a "
+            f"a pipeline passes one array from stage to stage, and this stack carries a {type(stack[0]).__name__}; "
+            "carry one array (concatenate the parts), or train without mesh.pipeline."
+        )
+    if stack is not None and stack[0].shape[0] != stack[1]:
+        raise UserError(
+            f"the stack's input has {stack[0].shape[0]} rows on its first axis where the batch has {stack[1]}: a "
             "pipeline splits that axis into microbatches, so it must be the batch's (call the stack batch-first)."
         )
     if microbatches < stages:
@@ -136,45 +142,6 @@ def describe(stacks: str, mesh, schedule: Schedule, gathers: str | None) -> str:
     return f"pipelined: {stacks} split into {pipeline_size(mesh)} pipeline stages, {how} over {m} microbatches" + (
         f", {gathers}" if gathers else ""
     )
-
-
-def circular_chunks(stacked, stages: int, repeats: int):
-    """Inside a region manual over `pipeline`: this device's consecutive share of `stacked` (leaves
-    [L / p, ...]) exchanged for its circular chunks, layers (r p + s) c ... for r < `repeats` (c =
-    L / (p v)), in one all-to-all over `pipeline` (its transpose sends the gradient back). A device
-    sends each of its chunks to the stage that runs it, in slots of ceil(v / p) chunks per stage
-    (zeros where it has fewer for that stage)."""
-    if repeats == 1:
-        return stacked
-    send, take = _chunk_tables(stages, repeats)
-    me = jax.lax.axis_index(PIPELINE_AXIS)
-
-    def exchange(w):
-        chunks = w.reshape(repeats, w.shape[0] // repeats, *w.shape[1:])
-        padded = jnp.concatenate([chunks, jnp.zeros_like(chunks[:1])])  # chunk `repeats`: the zero slot
-        out = jnp.take(padded, jnp.asarray(send)[me], axis=0)  # [p * slots, c, ...], stage d's at d
-        got = jax.lax.all_to_all(out, PIPELINE_AXIS, 0, 0, tiled=True)  # stage s's slots at s
-        return jnp.take(got, jnp.asarray(take)[me], axis=0).reshape(w.shape)
-
-    return jax.tree.map(exchange, stacked)
-
-
-def _chunk_tables(stages: int, repeats: int):
-    """(send, take): send[s] lists, slot by slot for each destination stage, the local chunk stage s
-    sends there (`repeats`: a zero chunk); take[d][r] is where stage d finds its chunk r among what
-    it received. Global chunk q = s v + i (stage s's i-th) is run by stage q mod p as its chunk q // p."""
-    p, v = stages, repeats
-    slots = -(-v // p)
-    send, take = np.full((p, p * slots), v), np.zeros((p, v), dtype=np.int32)
-    for s in range(p):
-        used = [0] * p
-        for i in range(v):
-            q = s * v + i
-            d = q % p
-            send[s, d * slots + used[d]] = i
-            take[d, q // p] = s * slots + used[d]
-            used[d] += 1
-    return send.astype(np.int32), take
 
 
 def check_layers(stacked, split: int, repeats: int, stages: int) -> None:

@@ -23,6 +23,7 @@ from zerojax.core.leaf_rule import LeafLayout
 from zerojax.core.mesh import BATCH_AXES, data_parallel_size, pipeline_size
 from zerojax.engines import EngineOptions, GatherReport, pipeline
 from zerojax.engines.collectives import Reduce, keep_tensor_split
+from zerojax.engines.pipeline_circular import circular_chunks
 from zerojax.engines.unit_plan import describe_stacks, is_layout, materialize_tree, outside_stacks
 
 
@@ -42,12 +43,11 @@ class _Loop:
         out = materialize_tree(layouts, values, self.materialize_group)
         return nnx.State(out) if isinstance(values, nnx.State) else out
 
-    def __call__(self, layer, x, stacked, rows: int | None = None):
+    def __call__(self, layer, x, stacked, *, rows: int):  # `rows`: the batch's, this device's
         p, dp = pipeline_size(self.mesh), data_parallel_size(self.mesh)
-        rows = x.shape[0] if rows is None else rows  # this device's
-        pipeline.check_schedule(self.mesh, rows * dp, self.microbatches, (x.shape[0], rows))
+        pipeline.check_schedule(self.mesh, rows * dp, self.microbatches, (x, rows))
         pipeline.check_layers(stacked, p, self.repeats, p)
-        stacked = pipeline.circular_chunks(stacked, p, self.repeats)
+        stacked = circular_chunks(stacked, p, self.repeats)
         if self.each_layer:
             run_layer, weights = (lambda h, one: layer(h, self._materialized(self.one_layer, one))), stacked
         else:
