@@ -243,14 +243,19 @@ class _PairBlock(_Dense):
         return super().__call__(xs[0]), xs[1]
 
 
+class _MaskedBlock(_Dense):
+    def __call__(self, x, mask):
+        return super().__call__(x) * mask
+
+
 class _Refused(nnx.Module):
-    """Blocks with dropout state, a stack called feature-major (its first axis not the batch's), or
-    one carrying a tuple between its blocks."""
+    """Blocks with dropout state, a stack called feature-major (its first axis not the batch's), one
+    carrying a tuple between its blocks, or one handed an extra argument with a row per sequence."""
 
     def __init__(self, case: str, *, rngs: nnx.Rngs):
         self.case = case
         self.embed, self.head = nnx.Linear(24, 16, rngs=rngs), nnx.Linear(16, 10, rngs=rngs)
-        block = {"dropout": _DropoutBlock, "feature-major": _Dense, "tuple": _PairBlock}[case]
+        block = {"dropout": _DropoutBlock, "feature-major": _Dense, "tuple": _PairBlock, "per-row": _MaskedBlock}[case]
         self.blocks = zj.Stacked(block, 2, 16, rngs=rngs)
 
     def __call__(self, x):
@@ -259,6 +264,8 @@ class _Refused(nnx.Module):
             return self.head(self.blocks(h))
         if self.case == "tuple":
             return self.head(self.blocks((h, h))[0])
+        if self.case == "per-row":  # a row per sequence: passed whole to every microbatch
+            return self.head(self.blocks(h, (x[:, :1] > 0).astype(h.dtype)))
         return self.head(self.blocks(h[:, :12].T).T @ jnp.ones((12, 16)))  # the stack sees [12, 16 rows]
 
 
@@ -269,6 +276,7 @@ class _Refused(nnx.Module):
         ("dropout", "without dropout and BatchNorm in the blocks"),
         ("feature-major", "call the stack batch-first"),
         ("tuple", "this stack carries a tuple; carry one array"),
+        ("per-row", "one has a row per sequence"),
     ],
 )
 def test_what_a_pipeline_cannot_split_is_refused_in_one_sentence(engine, case, words):

@@ -80,7 +80,11 @@ class Stacked(nnx.Module):
         graphdef, params, rest = nnx.split(layers, nnx.Param, ...)
         if loop is not None and not jax.tree.leaves(rest):
             # The engine's loop materialises each layer's params itself (prefetch of the next layer).
-            return loop(lambda x, p: nnx.merge(graphdef, p, rest)(x, *args, **kwargs), x, params)
+            try:
+                return loop(lambda x, p: nnx.merge(graphdef, p, rest)(x, *args, **kwargs), x, params)
+            except (TypeError, ValueError) as e:
+                _check_whole_extra(e, x, (args, kwargs), pipelined=hook is None)
+                raise
         if loop is not None and hook is None:  # a pipeline: its loop is the only way through
             raise UserError(
                 "a pipeline runs zj.Stacked's blocks in its own loop, which carries no RNG or BatchNorm "
@@ -103,6 +107,20 @@ class Stacked(nnx.Module):
         if jax.tree.leaves(rest):
             nnx.update(layers, rest)
         return x
+
+
+def _check_whole_extra(error: Exception, x, extra, pipelined: bool) -> None:
+    """After a pipeline's loop failed: where an extra argument has a row per sequence (its first
+    axis the input's), say that a pipeline passes it whole to every microbatch."""
+    rows = getattr(x, "shape", (None,))[0]
+    arrays = [a for a in jax.tree.leaves(extra) if pipelined and hasattr(a, "shape") and len(a.shape) > 0]
+    per_row = [a.shape for a in arrays if a.shape[0] == rows]
+    if per_row:
+        raise UserError(
+            f"a pipeline passes zj.Stacked's extra arguments whole to every microbatch, and one has a row per "
+            f"sequence {tuple(per_row[0])}, which it cannot split yet; train without mesh.pipeline, or pass "
+            f"per-row values inside the stack's input ({type(error).__name__}: {str(error).splitlines()[0]})."
+        ) from error
 
 
 def _check_same(x, y) -> None:
