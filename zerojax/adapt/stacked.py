@@ -83,7 +83,8 @@ class Stacked(nnx.Module):
             try:
                 return loop(lambda x, p: nnx.merge(graphdef, p, rest)(x, *args, **kwargs), x, params)
             except (TypeError, ValueError) as e:
-                _check_whole_extra(e, x, (args, kwargs), pipelined=hook is None)
+                if hook is None:  # a pipeline's loop
+                    _check_whole_extra(e, x, (args, kwargs))
                 raise
         if loop is not None and hook is None:  # a pipeline: its loop is the only way through
             raise UserError(
@@ -109,12 +110,11 @@ class Stacked(nnx.Module):
         return x
 
 
-def _check_whole_extra(error: Exception, x, extra, pipelined: bool) -> None:
+def _check_whole_extra(error: Exception, x, extra) -> None:
     """After a pipeline's loop failed: where an extra argument has a row per sequence (its first
     axis the input's), say that a pipeline passes it whole to every microbatch."""
     rows = getattr(x, "shape", (None,))[0]
-    arrays = [a for a in jax.tree.leaves(extra) if pipelined and hasattr(a, "shape") and len(a.shape) > 0]
-    per_row = [a.shape for a in arrays if a.shape[0] == rows]
+    per_row = [a.shape for a in jax.tree.leaves(extra) if len(getattr(a, "shape", ())) > 0 and a.shape[0] == rows]
     if per_row:
         raise UserError(
             f"a pipeline passes zj.Stacked's extra arguments whole to every microbatch, and one has a row per "

@@ -68,15 +68,14 @@ def _why(pick, flat, least, budget: float, one_fabric: bool) -> str:
         f"bound by {pick.bound}, {gb(pick.memory_bytes)} GB a device."
     )
     if s.pipeline == 1:
-        return (
+        said = (
             f"No pipeline: every pipelined option is slower or does not fit. Without one: tensor={s.tensor} x "
             f"fsdp={s.fsdp} at zero.stage={s.stage}, model.remat={s.remat}, train.grad_accum={s.grad_accum}: step "
             f"{duration(pick.step_s)}, bound by {pick.bound}."
-            + (
-                " The recommendation above, which weighs offload too, picks the stage, accumulation and remat."
-                * one_fabric
-            )
         )
+        if one_fabric:
+            said += " The recommendation above, which weighs offload too, picks the stage, accumulation and remat."
+        return said
     if flat is None:
         return f"Pipeline: {said} Without a pipeline nothing fits: the least needs {gb(least.memory_bytes)} GB."
     f = flat.split
