@@ -198,3 +198,11 @@ def test_every_module_of_the_package_is_on_the_map():
 def test_every_module_path_a_page_names_exists(page):
     named = re.findall(r"\b(zerojax/[\w/]+\.py)\b", page.read_text(encoding="utf-8"))
     assert not sorted({n for n in named if not (ROOT / n).exists()})
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_every_zj_name_a_page_uses_is_exported(page):
+    import zerojax as zj
+
+    named = set(re.findall(r"\bzj\.([A-Za-z_]\w*)", page.read_text(encoding="utf-8")))
+    assert not sorted(n for n in named if not hasattr(zj, n))

@@ -26,6 +26,7 @@ _EXPORTS = {
     "ArraySource": "zerojax.data.sources",
     "IterableSource": "zerojax.data.sources",
     "Stacked": "zerojax.adapt.stacked",
+    "WrapRule": "zerojax.adapt.units",
     "DEFAULT_AXIS_RULES": "zerojax.core.axis_rules",
     "SEQUENCE_PARALLEL_RULES": "zerojax.core.constraints",
     "with_logical_constraint": "zerojax.core.constraints",
