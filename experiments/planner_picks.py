@@ -22,6 +22,7 @@ REPO = os.path.dirname(HERE)
 
 from experiments.common import RESULTS
 from experiments.planner_tables import SEVENTY_B
+from zerojax.accounting.hardware import DEFAULT_MFU
 
 CASES = [
     (
@@ -180,8 +181,9 @@ def main() -> None:
         "`zerojax plan ... --json` (parameters counted with jax.eval_shape, nothing allocated). Per device: "
         "device GB = kept device state + the step's temporaries (one micro-batch's activations, gradients, the "
         "update, the offloaded state coming back for the update, accumulation's fp32 accumulator); host GB = "
-        "offloaded state + offloaded activations. Step time is a roofline lower bound at 1 x peak: max(compute "
-        "including recomputation, collectives over the interconnect, host link per direction). Ranked: fitting "
+        "offloaded state + offloaded activations. Step time is a roofline lower bound at the command's "
+        f"{DEFAULT_MFU} x peak: max(compute including recomputation, collectives over the links their ring "
+        "crosses (between nodes once the state's group spans nodes), host link per direction). Ranked: fitting "
         "first, fastest first; ties by traffic, then fewer micro-batches, then device bytes. Stage 3's traffic "
         "is per micro-batch (gathered again each one). Replicas' all-reduce across `mesh.data` is not counted.",
         "",

@@ -61,8 +61,9 @@ def test_the_plan_prints_the_pipeline_pick_and_its_bubble():
     assert "Pipeline x tensor x fsdp, ZeRO stage and remat" in r.stdout and said in r.stdout
     assert "mesh.pipeline_repeats=4, zero.stage=3: bubble 10%" in r.stdout
     assert "The config has mesh.pipeline" not in r.stdout
-    # the stage table counts NVLink's rate everywhere; across nodes this section is the one to follow
-    assert "this section counts 50 GB/s between nodes of 8: on this pod, follow its pick." in " ".join(r.stdout.split())
+    # the stage table above counts the same links: NVLink within a node, the network between nodes
+    said = " ".join(r.stdout.split())
+    assert "450 GB/s per direction in a node of 8, 50 GB/s between nodes" in said and "follow its pick" not in said
 
 
 def test_links_that_carry_stage_3_traffic_need_no_pipeline():

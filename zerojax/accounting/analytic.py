@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from zerojax.accounting.activations import GPTShape
-from zerojax.accounting.hardware import Hardware
+from zerojax.accounting.hardware import Hardware, group_links
 from zerojax.core.optim import Optimizer
 from zerojax.core.precision import Precision
 from zerojax.core.stages import GROUPS, Stage, get_stage, sharded_groups
@@ -272,7 +272,8 @@ def step_time_estimate(
     trainable: float | None = None,
 ) -> StepTime:
     """Compute at `mfu` x peak (default 1.0: the ideal, so times are lower bounds) and traffic at
-    the per-direction interconnect rate."""
+    the per-direction rate of the links a ring over the `devices` runs through: between nodes where
+    they span nodes (`hardware.group_links`)."""
     attn = (shape.n_layers, shape.d_model, seq_len) if shape else (0, 0, 0)
     flops = flops_per_step(params, tokens_per_device, *attn, trainable=trainable)
     traffic = traffic_bytes(
@@ -284,7 +285,8 @@ def step_time_estimate(
         reshard_after_forward=reshard_after_forward,
         trainable=trainable,
     )["total"]
-    return StepTime(flops / (hardware.peak_flops * mfu), traffic / hardware.link_bytes_per_s)
+    link = group_links(hardware, devices).link_bytes_per_s
+    return StepTime(flops / (hardware.peak_flops * mfu), traffic / link)
 
 
 def comm_bound_tokens_per_device(
@@ -301,8 +303,10 @@ def comm_bound_tokens_per_device(
     compute = 6 * P * t / (F * mfu) and comm = k * b * P * (p - 1) / p / BW, with k the stage's
     traffic units; equal at t* = k * b * (p - 1) / p * F * mfu / (6 * BW). P cancels: the threshold
     depends on the hardware's FLOP-to-byte ratio, not the model size. Without `devices`, the
-    large-p limit (p - 1) / p = 1. Attention FLOPs are ignored, so t* is slightly high.
+    large-p limit (p - 1) / p = 1 on one node's links; with them, BW is the rate of the links their
+    ring runs through (`hardware.group_links`). Attention FLOPs are ignored, so t* is slightly high.
     """
     k = sum(traffic_units(get_stage(stage), grad_accum, reshard_after_forward))
     ring = (devices - 1) / devices if devices else 1.0
-    return k * compute_bytes * ring * hw.peak_flops * mfu / (6.0 * hw.link_bytes_per_s)
+    link = group_links(hw, devices).link_bytes_per_s if devices else hw.link_bytes_per_s
+    return k * compute_bytes * ring * hw.peak_flops * mfu / (6.0 * link)

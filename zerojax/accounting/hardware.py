@@ -18,7 +18,7 @@ problems with 1.5e10 bytes/s host to chip, taken here for every TPU generation a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from zerojax.errors import UserError
 
@@ -70,6 +70,31 @@ HARDWARE: dict[str, Hardware] = {
     # per chip.
     "tpu-v6e": Hardware("tpu-v6e", 918e12, 32 * GB, 800 * GB, "ICI (2D torus)", _TPU_HOST),
 }
+
+
+# Chips sharing the fast links, and the per-direction bytes/s each chip has to other nodes: one
+# 400 Gb/s (H100, H200) or 200 Gb/s (A100) NIC per GPU in DGX-style nodes. A TPU slice's ICI links
+# every chip, so the whole slice is one node.
+NODES: dict[str, tuple[int | None, float]] = {"h100": (8, 50 * GB), "h200": (8, 50 * GB), "a100": (8, 25 * GB)}
+
+
+def node_links(hw: Hardware, devices: int) -> tuple[int, float]:
+    """(chips per node, per-direction bytes/s between nodes) on `hw`."""
+    size, between = NODES.get(hw.name, (None, hw.link_bytes_per_s))
+    return (devices if size is None else size), between
+
+
+def group_links(hw: Hardware, devices: int) -> Hardware:
+    """`hw` as a collective over `devices` chips sees it: a group that spans nodes runs its ring
+    through each chip's link to other nodes, so that rate bounds it; within one node, `hw` itself."""
+    node, between = node_links(hw, devices)
+    if devices <= node or between >= hw.link_bytes_per_s:
+        return hw
+    return replace(
+        hw,
+        interconnect_bidirectional_bytes_per_s=2 * between,
+        interconnect=f"network between nodes of {node} ({between * 8 / 1e9:.0f} Gb/s per chip)",
+    )
 
 
 def get_hardware(name: str) -> Hardware:

@@ -41,8 +41,8 @@ from dataclasses import dataclass
 
 from zerojax.accounting.activations import GPTShape, gathered_weights_kept, gpt_activation_bytes, gpt_layer_saved_bytes
 from zerojax.accounting.analytic import model_state_bytes, traffic_units
-from zerojax.accounting.hardware import Hardware
-from zerojax.accounting.tensor_plan import LATENCY_S, node_links, sizes
+from zerojax.accounting.hardware import Hardware, node_links
+from zerojax.accounting.tensor_plan import LATENCY_S, sizes
 from zerojax.core.optim import OPTIMIZERS
 from zerojax.core.precision import PRECISIONS
 from zerojax.core.stages import STAGES

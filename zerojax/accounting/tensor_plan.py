@@ -25,16 +25,11 @@ from dataclasses import dataclass
 
 from zerojax.accounting.activations import GPTShape
 from zerojax.accounting.analytic import trained
-from zerojax.accounting.hardware import GB, Hardware
+from zerojax.accounting.hardware import Hardware, node_links
 
 # Per-collective latency: NCCL's small-message all-reduce times (nccl-tests) are ~10 us inside an
 # NVLink node and ~25 us across InfiniBand; TPU ICI is taken as the former.
 LATENCY_S = {"node": 10e-6, "between": 25e-6}
-
-# Chips sharing the fast links, and the per-direction bytes/s each chip has to other nodes: one
-# 400 Gb/s (H100, H200) or 200 Gb/s (A100) NIC per GPU in DGX-style nodes. A TPU slice's ICI links
-# every chip, so the whole slice is one node.
-NODES: dict[str, tuple[int | None, float]] = {"h100": (8, 50 * GB), "h200": (8, 50 * GB), "a100": (8, 25 * GB)}
 
 
 @dataclass(frozen=True)
@@ -55,12 +50,6 @@ class TensorOption:
     def bound(self) -> str:
         """What the step waits for: the largest of its overlapped terms."""
         return max((self.compute_s, "compute"), (self.fsdp_s, "fsdp traffic"), (self.tensor_s, "tensor traffic"))[1]
-
-
-def node_links(hw: Hardware, devices: int) -> tuple[int, float]:
-    """(chips per node, per-direction bytes/s between nodes) on `hw`."""
-    size, between = NODES.get(hw.name, (None, hw.link_bytes_per_s))
-    return (devices if size is None else size), between
 
 
 def sizes(devices: int, shape: GPTShape, node: int) -> list[int]:

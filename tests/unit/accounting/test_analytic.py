@@ -87,6 +87,20 @@ def test_roofline_threshold_formula():
         assert A.step_time_estimate(psi, P, 2, hw, t_star / 2).bound == "communication"
 
 
+def test_a_group_that_spans_nodes_runs_at_the_rate_between_nodes():
+    hw = get_hardware("h100")
+    one_node, pod = A.step_time_estimate(PSI, 8, 3, hw, 4096), A.step_time_estimate(PSI, 64, 3, hw, 4096)
+    assert one_node.comm_s == pytest.approx(A.traffic_bytes(PSI, 8, 3, 2)["total"] / 450e9)
+    # 64 GPUs are 8 nodes of 8: each ring runs through every GPU's 400 Gb/s NIC, 50 GB/s each way
+    assert pod.comm_s == pytest.approx(A.traffic_bytes(PSI, 64, 3, 2)["total"] / 50e9)
+    assert A.comm_bound_tokens_per_device(hw, 3, devices=64) == pytest.approx(3 * 2 * (63 / 64) * 989.5e12 / (6 * 50e9))
+    # a TPU slice is one fabric, however many chips
+    v5p = get_hardware("tpu-v5p")
+    assert A.step_time_estimate(PSI, 256, 3, v5p, 4096).comm_s == pytest.approx(
+        A.traffic_bytes(PSI, 256, 3, 2)["total"] / 600e9
+    )
+
+
 def test_flops_and_time():
     assert A.flops_per_step(1e9, 1000) == 6e12
     assert A.flops_per_step(1e9, 1000, n_layers=2, d_model=10, seq_len=100) == 6e12 + 12 * 2 * 10 * 100 * 1000

@@ -41,21 +41,7 @@ def _stage_remat(o: dict) -> str:
     return f"{o['stage']}, {o['remat']}" if o["pipeline"] == 1 else str(o["stage"])
 
 
-def _links(hardware, devices: int) -> str:
-    """Where the pod spans nodes whose links are slower than the chip's: the stage table above counts
-    every link at the chip's rate, this section the links between nodes at theirs."""
-    from zerojax.accounting.tensor_plan import node_links
-
-    node, between = node_links(hardware, devices)
-    if devices <= node or between >= hardware.link_bytes_per_s:
-        return ""
-    return (
-        f"The stage table and its recommendation above count every link at {hardware.link_bytes_per_s / 1e9:.0f} "
-        f"GB/s; this section counts {between / 1e9:.0f} GB/s between nodes of {node}: on this pod, follow its pick."
-    )
-
-
-def _why(pick, flat, least, budget: float, one_fabric: bool) -> str:
+def _why(pick, flat, least, budget: float) -> str:
     """One sentence on the pick against the best option on the other side of `pipeline > 1`."""
     from zerojax.cli.commands.plan.tables import duration, gb
 
@@ -73,9 +59,7 @@ def _why(pick, flat, least, budget: float, one_fabric: bool) -> str:
             f"fsdp={s.fsdp} at zero.stage={s.stage}, model.remat={s.remat}, train.grad_accum={s.grad_accum}: step "
             f"{duration(pick.step_s)}, bound by {pick.bound}."
         )
-        if one_fabric:
-            said += " The recommendation above, which weighs offload too, picks the stage, accumulation and remat."
-        return said
+        return said + " The recommendation above, which weighs offload too, picks the stage, accumulation and remat."
     if flat is None:
         return f"Pipeline: {said} Without a pipeline nothing fits: the least needs {gb(least.memory_bytes)} GB."
     f = flat.split
@@ -108,7 +92,6 @@ def section(inputs: dict, hardware, efficiency: float, headroom: float) -> dict 
     budget = hardware.hbm_bytes * (1 - headroom)
     pick, flat = pipeline_plan.best(opts, budget), pipeline_plan.best(opts, budget, pipelined=False)
     least = min(opts, key=lambda o: o.memory_bytes)
-    links = _links(hardware, devices)
     by_size = {}
     for size in sorted({o.split.pipeline for o in opts}):
         sized = [o for o in opts if o.split.pipeline == size]
@@ -122,8 +105,7 @@ def section(inputs: dict, hardware, efficiency: float, headroom: float) -> dict 
         "per_pipeline_size": [_describe(o, fits=o.memory_bytes <= budget) for o in by_size.values()],
         "pick": _describe(pick),
         "best_without_pipeline": _describe(flat),
-        "why": _why(pick, flat, least, budget, not links),
-        "links": links,
+        "why": _why(pick, flat, least, budget),
         "config": {k: inputs.get(k) for k in CONFIG_KEYS},
     }
 
@@ -154,8 +136,6 @@ def print_section(s: dict) -> None:
     out = console()
     out.print(table)
     out.print(s["why"])
-    if s["links"]:
-        out.print(s["links"])
     config, pick = s["config"], s["pick"]
     if pick is None:
         return

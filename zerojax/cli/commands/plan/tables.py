@@ -49,8 +49,19 @@ def stage_table_title(p, config: str | None, replicas: int) -> str:
         f"ZeRO plan: {param_count(p.params)} params{tuning}{source} on {p.devices * replicas} x {hw.name}"
         f"{f' (state sharded over {p.devices}, {replicas} replicas)' if replicas > 1 else ''} "
         f"({hw.hbm_bytes / 1e9:.0f} GB, {hw.peak_flops / 1e12:.0f} TFLOP/s, "
-        f"{hw.link_bytes_per_s / 1e9:.0f} GB/s per direction), {p.precision.name} + {p.optimizer.name}"
+        f"{_links(hw, p.devices)}), {p.precision.name} + {p.optimizer.name}"
     )
+
+
+def _links(hw, devices: int) -> str:
+    """The link rate the table's collectives run at; both rates where the group spans nodes."""
+    from zerojax.accounting.hardware import group_links, node_links
+
+    rate = f"{hw.link_bytes_per_s / 1e9:.0f} GB/s per direction"
+    used = group_links(hw, devices)
+    if used is hw:
+        return rate
+    return f"{rate} in a node of {node_links(hw, devices)[0]}, {used.link_bytes_per_s / 1e9:.0f} GB/s between nodes"
 
 
 def stage_table_caption(p, unit: str, scale: float, remat: str, replicas: int) -> str:

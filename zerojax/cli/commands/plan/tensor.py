@@ -7,6 +7,7 @@ from __future__ import annotations
 def section(inputs: dict, hardware, efficiency: float) -> dict | None:
     """The section for a GPT-shaped plan (None without a model shape); compute at `efficiency` x peak."""
     from zerojax.accounting import tensor_plan
+    from zerojax.accounting.hardware import node_links
 
     shape = inputs["shape"]
     if shape is None:
@@ -16,7 +17,7 @@ def section(inputs: dict, hardware, efficiency: float) -> dict | None:
     args = (inputs["params"], devices, hardware, shape)
     opts = tensor_plan.options(*args, tokens, efficiency, inputs["remat"], inputs.get("trainable"))
     pick = tensor_plan.best(opts)
-    node, _ = tensor_plan.node_links(hardware, devices)
+    node, _ = node_links(hardware, devices)
     return {
         "devices": devices,
         "devices_per_node": node,
