@@ -11,7 +11,8 @@ sharded over the devices and everything else replicated: the floor a data-parall
 Each figure is trace + lower + compile in one process with no persistent cache. `--repeat N`
 compiles each lowered program N times and keeps the fastest compile (XLA's compile varies by a
 tenth from one process to the next; repeats within one process agree closely). A one-block plain
-step is compiled first, untimed: a process's first trace and compile pay one-off costs. `--variants` adds
+step is compiled first, untimed: a process's first trace and compile pay one-off costs (zerojax's own
+first-use costs still fall on the first zerojax cell). `--variants` adds
 stage-3 cells with public options that leave parts of the stage-3 step out, to show where its
 compile time goes. Writes experiments/results/compile_time.md.
 """
@@ -117,9 +118,10 @@ def timed(jitted, *args) -> tuple[float, float, float]:
     compiles = []
     for attempt in range(REPEAT):
         began = time.perf_counter()
-        # A fresh value of an option that only bounds debug dumps: JAX would otherwise return the
-        # first executable from its in-memory cache instead of compiling again.
-        lowered.compile(compiler_options={"xla_dump_max_hlo_modules": 1_000_000 + attempt})
+        # A fresh value of an option that only shapes debug text: JAX would otherwise return the first
+        # executable from its in-memory cache instead of compiling again (the persistent cache, which
+        # leaves such options out of its key, is off: `main`).
+        lowered.compile(compiler_options={"xla_debug_buffer_assignment_show_max": 1_000_000 + attempt})
         compiles.append(time.perf_counter() - began)
     return traced_at - start, lowered_at - traced_at, min(compiles)
 
@@ -167,6 +169,8 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true", help="stage-3 cells leaving parts of the step out")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "compile_time.md"))
     args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error(f"--repeat must be at least 1, got {args.repeat}")
     global REPEAT
     REPEAT = args.repeat
     jax.config.update("jax_enable_compilation_cache", False)

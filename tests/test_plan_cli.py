@@ -32,6 +32,14 @@ def test_json_7b_on_8_matches_the_zero_paper():
     assert out["recommendation"] == out["best"]  # one recommendation: the best combination that fits
 
 
+def test_a_group_over_several_nodes_is_timed_at_the_rate_between_nodes():
+    one_node, pod = (json.loads(_plan("--params", "7e9", "--devices", str(n), "--json").stdout) for n in (8, 64))
+    assert one_node["hardware"]["collective_link_bytes_per_s"] == one_node["hardware"]["link_bytes_per_s"] == 450e9
+    assert pod["hardware"]["collective_link_bytes_per_s"] == 50e9 and pod["hardware"]["link_bytes_per_s"] == 450e9
+    stage_3 = pod["stages"][3]
+    assert stage_3["comm_time_s"] == pytest.approx(stage_3["traffic_bytes_per_device_per_step"] / 50e9)
+
+
 def test_fine_tuning_7b_on_8_is_the_frozen_and_trainable_formula():
     """1% of 7B trains (bf16 + Adam): stage 3 keeps 2*Psi_frozen/N + 12*Psi_trainable/N, the textbook
     state adds the trainable gradient (16 per trainable parameter); the frozen part is gathered

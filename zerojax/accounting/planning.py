@@ -17,7 +17,7 @@ from zerojax.accounting.analytic import (
     traffic_bytes,
     trained,
 )
-from zerojax.accounting.hardware import Hardware
+from zerojax.accounting.hardware import Hardware, group_links
 from zerojax.core.optim import OPTIMIZERS, Optimizer
 from zerojax.core.precision import PRECISIONS, Precision
 from zerojax.core.stages import GROUPS, STAGES
@@ -231,6 +231,9 @@ def plan_dict(p: Plan) -> dict:
             "hbm_bytes": hw.hbm_bytes,
             "link_bytes_per_s": hw.link_bytes_per_s,
             "interconnect": hw.interconnect,
+            # the links the state's group runs its collectives over (between nodes once it spans them)
+            "collective_link_bytes_per_s": group_links(hw, p.devices).link_bytes_per_s,
+            "collective_interconnect": group_links(hw, p.devices).interconnect,
         },
         "precision": p.precision.name,
         "optimizer": p.optimizer.name,
