@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from zerojax.accounting.activations import GPTShape, gathered_weights_kept, gpt_activation_bytes, gpt_layer_saved_bytes
 from zerojax.accounting.analytic import model_state_bytes, traffic_units
-from zerojax.accounting.hardware import Hardware, node_links
+from zerojax.accounting.hardware import Hardware, group_links, node_links
 from zerojax.accounting.tensor_plan import LATENCY_S, sizes
 from zerojax.core.optim import OPTIMIZERS
 from zerojax.core.precision import PRECISIONS
@@ -186,7 +186,7 @@ def _times(pod: Pod, s: Split) -> tuple[float, float, float, float, float]:
     compute = flops / (pod.hw.peak_flops * pod.efficiency) * iterations / (v * m)
     stage_share = pod.stacked_params / p / t
     fsdp_bytes, fsdp_collectives = _fsdp(pod, s, stage_share)
-    fsdp_link = between if t * f > node else pod.hw.link_bytes_per_s
+    fsdp_link = group_links(pod.hw, t * f).link_bytes_per_s  # a stage's t x f chips, as a ring
     micro_bytes = pod.global_rows // (f * k * m) * pod.seq_len * pod.shape.d_model * BYTES
     reorder = 2 * (p - 1) / p * BYTES * stage_share / f if v > 1 else 0.0
     sends = 0.0 if p == 1 else k * (2 * v * m * micro_bytes + 2 * m * micro_bytes * 2 * (p - 1) / p + reorder)

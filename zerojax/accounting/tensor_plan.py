@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from zerojax.accounting.activations import GPTShape
 from zerojax.accounting.analytic import trained
-from zerojax.accounting.hardware import Hardware, node_links
+from zerojax.accounting.hardware import Hardware, group_links, node_links
 
 # Per-collective latency: NCCL's small-message all-reduce times (nccl-tests) are ~10 us inside an
 # NVLink node and ~25 us across InfiniBand; TPU ICI is taken as the former.
@@ -75,10 +75,10 @@ def option(
 ) -> TensorOption:
     """One tensor size's figures for `tokens` per device per step (bf16 compute); of `trainable`
     parameters only (None: all) are gradients reduced and optimizer state kept, the rest frozen."""
-    node, between = node_links(hw, devices)
+    node, _ = node_links(hw, devices)
     f, b = devices // t, 2
     trains = trained(params, trainable)
-    fsdp_link = between if devices > node else hw.link_bytes_per_s
+    fsdp_link = group_links(hw, devices).link_bytes_per_s  # the ring spans nodes, or stays in one
     all_reduces = 4 + (1 if remat == "full" else 0)
     tensor_bytes = shape.n_layers * all_reduces * (t * tokens * shape.d_model * b) * 2 * (t - 1) / t
     fsdp_bytes = (2 * params + trains) * b / t * (f - 1) / f  # two gathers of all, one reduction of the trained
