@@ -221,6 +221,7 @@ def _recommend(
 def plan_dict(p: Plan) -> dict:
     """The plan as plain JSON-ready values (what `zerojax plan --json` prints)."""
     hw = p.hardware
+    group = group_links(hw, p.devices)
     return {
         "params": p.params,
         "trainable_params": trained(p.params, p.trainable),
@@ -232,8 +233,8 @@ def plan_dict(p: Plan) -> dict:
             "link_bytes_per_s": hw.link_bytes_per_s,
             "interconnect": hw.interconnect,
             # the links the state's group runs its collectives over (between nodes once it spans them)
-            "collective_link_bytes_per_s": group_links(hw, p.devices).link_bytes_per_s,
-            "collective_interconnect": group_links(hw, p.devices).interconnect,
+            "collective_link_bytes_per_s": group.link_bytes_per_s,
+            "collective_interconnect": group.interconnect,
         },
         "precision": p.precision.name,
         "optimizer": p.optimizer.name,

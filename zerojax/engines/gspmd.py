@@ -127,7 +127,7 @@ def _pipelined(layout, model, static, options: EngineOptions, schedule: pipeline
     pipeline.check_model(model, stacks, layout.mesh)
     pipeline.check_options(options, layout.mesh)
     per_microbatch = pipeline.gathers_each_layer(options.pipeline_gather, layout.stage, layout.mesh)
-    microbatches, repeats = schedule.microbatches or pipeline_size(layout.mesh), schedule.repeats
+    microbatches, repeats = schedule.microbatches_on(layout.mesh), schedule.repeats
 
     def loop(stack, rows, layer, x, stacked):
         pipeline.check_schedule(layout.mesh, rows, microbatches, (x, rows))
@@ -150,7 +150,7 @@ def _pipelined(layout, model, static, options: EngineOptions, schedule: pipeline
                 batch["inputs"],
                 rng=key,
                 train=train,
-                layer_loop={s: functools.partial(loop, s, _rows(batch)) for s in stacks},
+                layer_loop={s: functools.partial(loop, s, pipeline.batch_rows(batch["inputs"])) for s in stacks},
             )
 
     gathers = None
@@ -158,10 +158,6 @@ def _pipelined(layout, model, static, options: EngineOptions, schedule: pipeline
         gathers = pipeline.PER_MICROBATCH if per_microbatch else pipeline.ONCE_PER_PASS
     report = GatherReport("layers", pipeline.describe(describe_stacks(stacks), layout.mesh, schedule, gathers))
     return run, report
-
-
-def _rows(batch) -> int:
-    return jax.tree.leaves(batch["inputs"])[0].shape[0]
 
 
 def _split_loop(layout, stack, gpipe, layer, x, stacked):

@@ -86,6 +86,15 @@ class Schedule:
             raise UserError(f"{key} a pipeline's work; this mesh has no pipeline axis (mesh.pipeline).")
         return cls(microbatches, repeats)
 
+    def microbatches_on(self, mesh) -> int:
+        """The microbatches a step splits into on `mesh`: the chosen number, else one a stage."""
+        return self.microbatches or pipeline_size(mesh)
+
+
+def batch_rows(inputs) -> int:
+    """The rows of a batch's inputs (its first leaf's first axis), as a stack's loop must see them."""
+    return jax.tree.leaves(inputs)[0].shape[0]
+
 
 def check_model(model, stacks, mesh) -> None:
     """A pipeline runs a model's stack through its own loop: the model must hand it over."""
@@ -137,7 +146,7 @@ KEPT = "every weight gathered once per step, kept for every micro-batch"  # resh
 
 def describe(stacks: str, mesh, schedule: Schedule, gathers: str | None) -> str:
     """The gather report's sentence for a pipelined step (`gathers`: how stage 3 gathers, if it does)."""
-    m, v = schedule.microbatches or pipeline_size(mesh), schedule.repeats
+    m, v = schedule.microbatches_on(mesh), schedule.repeats
     how = "GPipe" if v == 1 else f"the circular schedule ({v} chunks a device)"
     return f"pipelined: {stacks} split into {pipeline_size(mesh)} pipeline stages, {how} over {m} microbatches" + (
         f", {gathers}" if gathers else ""

@@ -36,7 +36,7 @@ class _Loop:
         layouts = jax.tree.map(LeafLayout.pipeline_stage, layouts, is_leaf=is_layout)  # this device's layers
         self.layouts, self.materialize_group, self.each_layer = layouts, materialize_group, each_layer
         self.one_layer = jax.tree.map(LeafLayout.one_layer, layouts, is_leaf=is_layout)
-        self.mesh, self.microbatches = mesh, schedule.microbatches or pipeline_size(mesh)
+        self.mesh, self.microbatches = mesh, schedule.microbatches_on(mesh)
         self.repeats = schedule.repeats
 
     def _materialized(self, layouts, values):
@@ -76,7 +76,7 @@ def route(layout, model, static, stacks, reduce: Reduce, options: EngineOptions,
 
     def run(raw, model_state, inputs, key, train=True):
         params = outside_stacks(one, stacks, leaves, raw)
-        rows = jax.tree.leaves(inputs)[0].shape[0]  # this device's
+        rows = pipeline.batch_rows(inputs)  # this device's
         with_rows = {s: functools.partial(loop, rows=rows) for s, loop in loops.items()}
         return model.apply(
             params, model_state, static, inputs, rng=key, train=train, layer_loop=with_rows, sync=BATCH_AXES

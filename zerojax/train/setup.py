@@ -117,8 +117,8 @@ class Setup:
         check_batch(batch["inputs"].shape[0], data_parallel_size(self.mesh))
         check_accum_batch(batch["inputs"].shape[0], data_parallel_size(self.mesh), self.grad_accum)
         if pipeline_size(self.mesh) > 1:  # each accumulation step's rows go through the pipeline
-            microbatches = self.schedule.microbatches or pipeline_size(self.mesh)
-            check_schedule(self.mesh, batch["inputs"].shape[0] // self.grad_accum, microbatches)
+            rows = batch["inputs"].shape[0] // self.grad_accum
+            check_schedule(self.mesh, rows, self.schedule.microbatches_on(self.mesh))
 
     def shard_batch(self, batch: dict) -> dict:
         """A global batch as `jax.Array`s split over the batch axes; device arrays already so are kept."""
