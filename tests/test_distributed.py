@@ -352,7 +352,9 @@ print("PROBE " + json.dumps({
 def test_each_process_loads_only_its_rows_of_the_global_batch(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(_PROBE)
-    done = _launch(["--processes", "2", "--devices-per-process", "4", "--", str(script)])
+    # the probe runs from tmp_path: the package is found from the checkout, installed or not
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = _launch(["--processes", "2", "--devices-per-process", "4", "--", str(script)], env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     probes = {p["process"]: p for p in (json.loads(m) for m in re.findall(r"^\[\d\] PROBE (.*)$", done.stdout, re.M))}
     assert sorted(probes) == [0, 1]
