@@ -32,7 +32,7 @@ STEPS = 3
 def masked_loss(logits, batch):
     """Weighted: sum of the rows' cross entropy x mask over the sum of the mask."""
     ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
-    return jnp.sum(ce * batch["mask"]), jnp.sum(batch["mask"])
+    return zj.WeightedLoss(jnp.sum(ce * batch["mask"]), jnp.sum(batch["mask"]))
 
 
 def _masked_batch(seed: int) -> dict:

@@ -205,7 +205,7 @@ def _run_on(trainer, state, batch, steps):
 
 def _masked_ce(logits, batch):
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    return jnp.sum(ce * batch["mask"]), jnp.sum(batch["mask"])
+    return zj.WeightedLoss(jnp.sum(ce * batch["mask"]), jnp.sum(batch["mask"]))
 
 
 def test_masked_mean_loss_is_exact_in_both_engines():

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import zerojax as zj
-from tests.user_code import MLP, FlatMLP, per_row_loss
+from tests.user_code import MLP, FlatMLP, loss_and_accuracy, per_row_loss
 from zerojax.errors import UserError
 
 X = np.ones((8, 12), np.float32)
@@ -27,6 +27,14 @@ def _trainer(model=MLP, loss=None, engine="shard_map"):
         (MLP, None, {"inputs": X, "targets": LABELS[:, None]}, ["output is float32[8, 4]", "int32[8, 1]"]),
         (MLP, None, {"inputs": X, "targets": LABELS.astype(np.float32)}, ["integer class targets"]),
         (MLP, per_row_loss, {"inputs": X, "targets": LABELS}, ["returned shape [8]"]),
+        # the has_aux idiom: read as (total, weight) it would train on loss / accuracy
+        (MLP, loss_and_accuracy, {"inputs": X, "targets": LABELS}, ["a tuple of 2 values", "zj.WeightedLoss"]),
+        (
+            MLP,
+            lambda out, batch: zj.WeightedLoss(out.sum(-1), np.float32(8)),
+            {"inputs": X, "targets": LABELS},
+            ["a WeightedLoss of shapes [[8], []]"],
+        ),
         (
             MLP,
             lambda out, batch: out.sum() + batch["weights"].sum(),
@@ -57,3 +65,19 @@ def test_a_batch_the_step_cannot_train_on_is_refused_at_its_step():
     sharded = trainer.shard_batch({"inputs": X, "targets": LABELS + 4})  # device arrays: read from the shards
     with pytest.raises(UserError, match="a target is 7"):
         trainer.step(state, sharded)
+
+
+@pytest.mark.parametrize("engine", ["shard_map", "gspmd"])
+def test_evaluate_refuses_a_bare_tuple_and_takes_a_weighted_loss(engine):
+    """`evaluate`'s metric is read as the step's loss is: a bare pair is refused, not divided; a
+    `WeightedLoss` is sum(total) / sum(weight) over the global batch, one row per device here."""
+    trainer = _trainer(engine=engine)
+    w = np.arange(8, dtype=np.float32)
+    batch = {"inputs": X * np.linspace(-1, 1, 8, dtype=np.float32)[:, None], "targets": LABELS, "w": w}
+    state = trainer.init(jax.random.key(0), batch)
+    with pytest.raises(UserError, match="a tuple of 2 values"):
+        trainer.evaluate(state, batch, loss_fn=loss_and_accuracy)
+    weighted = trainer.evaluate(state, batch, loss_fn=lambda o, b: zj.WeightedLoss(o[:, 0] @ b["w"], b["w"].sum()))
+    mean_of_products = trainer.evaluate(state, batch, loss_fn=lambda o, b: (o[:, 0] * b["w"]).mean())
+    assert float(weighted) == pytest.approx(float(mean_of_products) * 8 / w.sum(), rel=1e-5)
+    assert float(weighted) != pytest.approx(float(mean_of_products), rel=1e-3)  # the weights mattered

@@ -96,6 +96,15 @@ def per_row_loss(outputs, batch):
     return optax.softmax_cross_entropy_with_integer_labels(outputs, batch["targets"])
 
 
+def loss_and_accuracy(outputs, batch):
+    """JAX's `has_aux` idiom: the loss and a metric beside it."""
+    import jax.numpy as jnp
+    import optax
+
+    loss = optax.softmax_cross_entropy_with_integer_labels(outputs, batch["targets"]).mean()
+    return loss, jnp.mean(jnp.argmax(outputs, -1) == batch["targets"])
+
+
 def unlabelled(seed: int, batch_size: int) -> ArraySource:
     """Inputs without targets."""
     return ArraySource({"inputs": blobs(seed, batch_size).arrays["inputs"]}, batch_size=batch_size, seed=seed)

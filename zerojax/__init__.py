@@ -19,6 +19,7 @@ _EXPORTS = {
     "get_stage": "zerojax.core.stages",
     "make_layout": "zerojax.core.layout",
     "UserError": "zerojax.errors",
+    "WeightedLoss": "zerojax.core.loss",
     "load_params": "zerojax.train.params_file",
     "load_model_state": "zerojax.train.params_file",
     "fit": "zerojax.train.fit",

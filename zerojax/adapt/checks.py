@@ -2,7 +2,7 @@
 
 Each mistake is one sentence naming shapes (a `UserError`), instead of a traceback from inside the
 step or, worse, a silent NaN: a model output that does not fit the targets, a missing batch key, a
-loss that is not a scalar or a `(total, weight)` pair, integer targets outside the output's classes.
+loss that is not a scalar or a `WeightedLoss` (a bare tuple is refused), integer targets outside the output's classes.
 The model and the loss run once on abstract values (`jax.eval_shape`, global shapes): nothing is
 computed, and the check is the same whatever the stage or engine.
 """
@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from zerojax.core.loss import WeightedLoss, unread_tuple
 from zerojax.errors import UserError
 
 
@@ -85,18 +86,20 @@ def _check_for_cross_entropy(out, targets) -> None:
 
 
 def _check_loss_value(value) -> None:
+    if isinstance(value, WeightedLoss):
+        shapes = [list(getattr(v, "shape", [])) for v in value]
+        if shapes != [[], []]:
+            raise UserError(
+                f"the loss function returned a WeightedLoss of shapes {shapes}; its total and weight must "
+                f"each be a scalar, summed over the batch."
+            )
+        return
     if isinstance(value, (tuple, list)):
-        shapes = [getattr(v, "shape", None) for v in value]
-        if len(value) == 2 and all(s == () for s in shapes):
-            return
-        raise UserError(
-            f"the loss function returned {len(value)} values of shapes {shapes}; it must return a scalar "
-            f"or a (total, weight) pair of scalars."
-        )
+        raise unread_tuple(value)
     if getattr(value, "shape", None) != ():
         raise UserError(
             f"the loss function returned shape {list(getattr(value, 'shape', []))}; it must return a "
-            f"scalar (the batch's mean) or a (total, weight) pair of scalars, summed over the batch."
+            f"scalar (the batch's mean) or zj.WeightedLoss(total, weight) of scalars, summed over the batch."
         )
 
 

@@ -7,7 +7,7 @@ Each micro-batch takes the same share of every data-parallel device's rows, so s
 data: the rows a device holds, (rows,) -> (k, rows / k), micro-batch i being the i-th slice.
 
 Combining: a micro-batch reports `(loss, scale, weight)`. A scalar loss (a mean over rows) has
-scale 1 and weight 1; a pair `(total, weight)` has loss total / W_i and scale W_i, W_i being the
+scale 1 and weight 1; a `WeightedLoss(total, weight)` has loss total / W_i and scale W_i, W_i being the
 micro-batch's global weight (1 where it is 0, so an all-zero micro-batch adds its total, not NaN).
 The step accumulates scale x loss and scale x gradient and divides both by the summed weights at
 the end: a mean of k equal-sized means, or sum(total) / sum(weight) over the whole batch.

@@ -122,7 +122,7 @@ def _grads_fn(layout: StateLayout, run_model: RunModel, loss_fn, reduce: Reduce)
             out, new_model_state = run_model(raw, model_state, batch["inputs"], key)
             total, weight = loss_parts(loss_fn(out, batch))
             # A scalar is a mean over rows: each device's mean over its equal share, divided by the
-            # number of shares, summed across devices. A pair is sum(total) / sum(weight): each
+            # number of shares, summed across devices. A WeightedLoss is sum(total) / sum(weight): each
             # device's total over the global weight, so a device whose rows all weigh 0 adds 0.
             if weight is None:
                 return total / dp, new_model_state

@@ -18,7 +18,7 @@ class Choices:
     stage: int = 0  # the ZeRO stage, 0-3
     engine: str = "gspmd"  # "gspmd" or "shard_map" (docs/engines.md)
     precision: str = "fp32"  # "fp32" or "bf16" (bf16 compute, fp32 master and moments)
-    loss_fn: Callable | None = None  # (outputs, batch) -> scalar or (total, weight); None: cross-entropy
+    loss_fn: Callable | None = None  # (outputs, batch) -> scalar or zj.WeightedLoss; None: cross-entropy
     reduce_dtype: str | None = None  # the gradient reduction's dtype; None: the precision's
     replicate_below_bytes: int = 2048  # leaves smaller than this stay whole on every device
     engine_options: Any = None  # `EngineOptions` or a dict of its fields
