@@ -110,3 +110,36 @@ def test_an_optimizer_whose_init_fails_is_one_sentence():
         trainer.init(jax.random.key(0), classification_batch())
     with pytest.raises(zj.UserError, match="must be an optax GradientTransformation.*call the factory"):
         zj.Trainer(UnevenMLP, optax.adam, mesh=zj.make_mesh(fsdp=8))
+
+
+def _plateau():  # gradient ascent: the loss rises every step, so the rate must come down
+    return optax.chain(optax.sgd(-1.0), optax.contrib.reduce_on_plateau(factor=0.5, patience=1, accumulation_size=1))
+
+
+@pytest.mark.parametrize("engine", ["gspmd", "shard_map"])
+def test_reduce_on_plateau_reads_each_steps_loss(engine):
+    """`reduce_on_plateau` takes the loss as `value=`, as a user's own loop passes it: at stage 3 its
+    state is the one the step's global losses give it, fed by hand, and it lowered the rate (before,
+    the update was called without `value`: a TypeError)."""
+    trainer = zj.Trainer(UnevenMLP, _plateau(), mesh=zj.make_mesh(fsdp=8), stage=3, engine=engine)
+    batch = classification_batch()
+    state = trainer.init(jax.random.key(0), batch)
+    losses = []
+    for _ in range(6):
+        state, metrics = trainer.step(state, batch)
+        losses.append(metrics["loss"])
+    by_hand = optax.contrib.reduce_on_plateau(factor=0.5, patience=1, accumulation_size=1)
+    want = by_hand.init(None)
+    for loss in losses:
+        _, want = by_hand.update(None, want, value=loss)
+    got = state.opt_state[1]
+    for field in ("scale", "best_value", "plateau_count", "count"):
+        assert float(getattr(got, field)) == float(getattr(want, field)), field
+    assert float(got.scale) < 1.0  # the rate did come down
+
+
+def test_an_optimizer_whose_update_fails_is_one_sentence():
+    """`optax.lookahead` wants its own params type: one sentence before anything compiles."""
+    trainer = zj.Trainer(UnevenMLP, optax.lookahead(optax.adam(1e-2), 2, 0.5), mesh=zj.make_mesh(fsdp=8), stage=3)
+    with pytest.raises(zj.UserError, match=r"the optimizer's update failed .*AttributeError.*'fast'"):
+        trainer.init(jax.random.key(0), classification_batch())

@@ -198,7 +198,9 @@ class StateLayout:
         params = jax.tree.map(
             lambda s: jax.ShapeDtypeStruct(s, self.precision.master_dtype), self.opt_shapes(), is_leaf=_is_shape
         )
-        return optim.state_shapes(tx, params)
+        state = optim.state_shapes(tx, params)
+        optim.check_update(tx, params, state)
+        return state
 
     def state_shardings(self, tx, opt_state_shapes) -> TrainState:
         """Each group's shardings; the `host_groups` in memory kind "pinned_host"."""

@@ -141,3 +141,36 @@ def state_shapes(tx, params):
             f"the optimizer's init failed on the model's parameters ({type(error).__name__}: {first[:200]}); "
             "its masks or labels must match the params tree (zerojax inspect lists the parameter names)."
         ) from error
+
+
+def update_args(tx, loss) -> dict:
+    """Keyword arguments for `tx.update` beside (grads, state, params): the step's loss as `value`
+    where the update takes keyword arguments (every `optax.chain`, `optax.MultiSteps`), as a user's
+    own loop passes it to `optax.contrib.reduce_on_plateau`; transformations that do not read it
+    drop it (optax's `with_extra_args_support`). None otherwise."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(tx.update).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: pass nothing extra
+        return {}
+    takes = any(p.kind is p.VAR_KEYWORD or p.name == "value" for p in parameters)
+    return {"value": loss} if takes else {}
+
+
+def check_update(tx, params, state) -> None:
+    """`tx.update` runs on abstract gradients shaped like `params` with the `state` `init` gave (as
+    the step calls it, `update_args`); a failure is one `UserError` naming it, before anything compiles
+    (`optax.lookahead` wants its own params type; a line search wants `value_fn`)."""
+    import jax
+    import jax.numpy as jnp
+
+    try:
+        jax.eval_shape(lambda g, s: tx.update(g, s, g, **update_args(tx, jnp.zeros((), jnp.float32))), params, state)
+    except Exception as error:  # noqa: BLE001 - any failure of a user's update: one sentence
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise UserError(
+            f"the optimizer's update failed on gradients shaped like the model's parameters "
+            f"({type(error).__name__}: {first[:200]}); zerojax calls update(grads, state, params), with "
+            "value=<the step's loss> where it takes keyword arguments."
+        ) from error

@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.adapt import ordering
 from zerojax.core.layout import StateLayout
+from zerojax.core.optim import update_args
 from zerojax.core.precision import cast_tree
 from zerojax.core.state import TrainState
 
@@ -103,17 +104,17 @@ def apply_update(
         return {k: jax.tree.map(lambda n, o: jnp.where(finite, n, o), v, getattr(state, k)) for k, v in new.items()}
 
     if checked:
-        new_state, finite = _checked_update(layout, tx, state, grads, finite, check_first)
+        new_state, finite = _checked_update(layout, tx, state, grads, loss, finite, check_first)
         new_state = kept(new_state)
     else:
-        new_state = _master_then_moments(layout, tx, state, grads, kept)
+        new_state = _master_then_moments(layout, tx, state, grads, loss, kept)
     return state.replace(**new_state, step=state.step + 1), {
         "grad_norm": grad_norm,
         "bad_step": (~finite).astype(jnp.int32),
     }
 
 
-def _master_then_moments(layout, tx, state, grads, kept):
+def _master_then_moments(layout, tx, state, grads, loss, kept):
     """The new state, each leaf written over the old one: the master (and compute copy) first, then
     the optimizer state, each optimizer-state leaf shaped like a parameter tied to an exact zero read
     from that parameter's *written* master (`ordering.zeros_after`).
@@ -125,7 +126,7 @@ def _master_then_moments(layout, tx, state, grads, kept):
     recomputes the cheap elementwise moment inside each consumer), so nothing new waits beside the
     old. One zero per leaf, all read inside one conditional (a conditional per leaf made compiling
     many times slower: docs/engines.md, "The update"). The update itself is traced once."""
-    new = kept(_updated(layout, tx, state, grads)[0])
+    new = kept(_updated(layout, tx, state, grads, loss)[0])
     zeros = _written_zeros(layout, new["params"])
     treedef = jax.tree.structure(zeros)
     like_params = lambda sub: jax.tree.structure(sub) == treedef  # noqa: E731
@@ -149,7 +150,7 @@ def _written_zeros(layout: StateLayout, params):
     )(params)
 
 
-def _checked_update(layout, tx, state, grads, finite, check_first):
+def _checked_update(layout, tx, state, grads, loss, finite, check_first):
     """(new state, verdict) with the new state itself checked for non-finite values.
 
     The update runs twice: once only to check it, then again, once the verdict is known, to write
@@ -159,12 +160,12 @@ def _checked_update(layout, tx, state, grads, finite, check_first):
     gradient "shards" are slices of the full all-reduced gradient (XLA:CPU's GSPMD), where a second
     reader would keep each full gradient alive. The tie `x + 0` writes -0.0 as +0.0.
     """
-    new_state, checked = _updated(layout, tx, state, grads)
+    new_state, checked = _updated(layout, tx, state, grads, loss)
     finite = finite & all_finite(checked)
     if check_first:
         # The write's inputs depend on the verdict, so it cannot run before it, and no common
         # subexpression of the two passes can be computed once and held for both.
-        new_state, _ = _updated(layout, tx, state, grads, verdict=finite.astype(jnp.float32) * 0)
+        new_state, _ = _updated(layout, tx, state, grads, loss, verdict=finite.astype(jnp.float32) * 0)
         new_state["opt_state"] = ordering.tie_tree(new_state["opt_state"], _written(new_state["params"]))
     return new_state, finite
 
@@ -176,9 +177,10 @@ def _written(tree):
     return sum((ordering.zero_from(x) for x in jax.tree.leaves(tree)), jnp.zeros((), jnp.float32))
 
 
-def _updated(layout: StateLayout, tx: optax.GradientTransformation, state: TrainState, grads, verdict=None):
+def _updated(layout: StateLayout, tx: optax.GradientTransformation, state: TrainState, grads, loss, verdict=None):
     """(the new params, compute copy and optimizer state; what the finiteness check reads), with
-    every input tied to `verdict` (an exact zero) when given, on the shards (see `apply_update`)."""
+    every input tied to `verdict` (an exact zero) when given, on the shards (see `apply_update`).
+    `loss` goes to an update that takes it (`optim.update_args`)."""
     opt_shardings = layout.opt_shardings()
     master = constrain(layout.to_opt(state.params), opt_shardings)
     opt_state = state.opt_state
@@ -186,7 +188,7 @@ def _updated(layout: StateLayout, tx: optax.GradientTransformation, state: Train
         master = constrain(ordering.tie_tree(master, verdict), opt_shardings)
         grads = constrain(ordering.tie_tree(grads, verdict), opt_shardings)
         opt_state = ordering.tie_tree(opt_state, verdict)  # elementwise: stays on its operand's sharding
-    updates, opt_state = tx.update(cast_tree(grads, jnp.float32), opt_state, master)
+    updates, opt_state = tx.update(cast_tree(grads, jnp.float32), opt_state, master, **update_args(tx, loss))
     master = optax.apply_updates(master, updates)
     # A frozen leaf's update is zero (`frozen_optimizer`): it is passed through, never rewritten.
     master = layout.frozen_from(state.params, master)
