@@ -292,3 +292,81 @@ def test_user_named_nnx_streams_are_keyed_per_step_and_equal_across_stages():
     }
     assert len(set(runs[0])) == 3  # new noise every step
     np.testing.assert_allclose(runs[3], runs[0], rtol=1e-5, atol=1e-5)
+
+
+class _MaskedBlock(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.dense = nnx.Linear(16, 16, rngs=rngs)
+
+    def __call__(self, x, mask):
+        return x + self.dense(x) * mask[:, None]
+
+
+class TwoInputs(nnx.Module):
+    """Two inputs, as a dict; each block (an FSDP unit) takes the activations and the mask."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Linear(12, 16, rngs=rngs)
+        self.blocks = nnx.List([_MaskedBlock(rngs) for _ in range(2)])
+        self.out = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, inputs):
+        x = self.embed(inputs["x"])
+        for block in self.blocks:
+            x = block(x, inputs["mask"])
+        return self.out(x)
+
+
+class LinenTwoInputs(nn.Module):
+    """The same, in Linen, the inputs a tuple."""
+
+    @nn.compact
+    def __call__(self, inputs):
+        x, mask = inputs
+        x = nn.Dense(16)(x)
+        for _ in range(2):
+            x = x + nn.Dense(16)(nn.LayerNorm()(x)) * mask[:, None]
+        return nn.Dense(4)(x)
+
+
+def _two_inputs(kind: str) -> dict:
+    rng = np.random.default_rng(0)
+    x, mask = rng.normal(size=(16, 12)).astype(np.float32), (rng.random(16) < 0.7).astype(np.float32)
+    return {
+        "inputs": {"x": x, "mask": mask} if kind == "nnx" else (x, mask),
+        "targets": np.arange(16, dtype=np.int32) % 4,
+    }
+
+
+@pytest.mark.parametrize("kind, engine", [("nnx", "shard_map"), ("linen", "gspmd")])
+def test_a_model_of_several_inputs_trains_like_stage_0(kind, engine):
+    """`batch["inputs"]` a pytree of arrays (a dict, a tuple), each with the global batch first: at
+    stage 3 with accumulation on data=2 x fsdp=4, the losses and the eval loss are stage 0's."""
+    model, batch = (TwoInputs if kind == "nnx" else LinenTwoInputs()), _two_inputs(kind)
+
+    def run(stage, mesh, engine, grad_accum):
+        trainer = zj.Trainer(model, optax.adam(1e-2), mesh=mesh, stage=stage, engine=engine, grad_accum=grad_accum)
+        state, losses = trainer.init(KEY, batch), []
+        for _ in range(3):
+            state, metrics = trainer.step(state, batch)
+            losses.append(float(metrics["loss"]))
+        return losses + [float(trainer.evaluate(state, batch))]
+
+    want = run(0, zj.make_mesh(fsdp=8), "gspmd", 1)
+    np.testing.assert_allclose(run(3, zj.make_mesh(data=2, fsdp=4), engine, 2), want, rtol=1e-6)
+    assert want[2] < want[0]
+
+
+def test_an_array_source_of_several_inputs_draws_each_leafs_rows():
+    """`ArraySource` takes a pytree of arrays as a value: each leaf's rows are drawn together, and
+    leaves of different lengths are one sentence naming them."""
+    batch = _two_inputs("nnx")
+    source = zj.ArraySource(batch, batch_size=4, seed=3)
+    drawn = source.batch(1)
+    idx = source.indices(1)
+    np.testing.assert_array_equal(drawn["inputs"]["x"], batch["inputs"]["x"][idx])
+    np.testing.assert_array_equal(drawn["inputs"]["mask"], batch["inputs"]["mask"][idx])
+    np.testing.assert_array_equal(drawn["targets"], batch["targets"][idx])
+    short = {**batch, "inputs": {**batch["inputs"], "mask": batch["inputs"]["mask"][:5]}}
+    with pytest.raises(zj.UserError, match=r"same number of rows.*inputs\['mask'\]\": 5"):
+        zj.ArraySource(short, batch_size=4)

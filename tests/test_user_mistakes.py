@@ -42,6 +42,8 @@ def _trainer(model=MLP, loss=None, engine="shard_map"):
             ["loss function failed", "KeyError: 'weights'"],
         ),
         (MLP, None, {"inputs": X, "targets": LABELS + 1}, ["a target is 4", "4 output classes"]),
+        (MLP, None, {"inputs": {"x": X, "y": X[:4]}, "targets": LABELS}, ["x float32[8, 12], y float32[4, 12]"]),
+        (MLP, None, {"inputs": X, "targets": {"a": LABELS}}, ["one integer array", "a int32[8]"]),
         (MLP, None, {"inputs": X, "targets": LABELS - 1}, ["a target is -1"]),
     ],
 )

@@ -32,7 +32,7 @@ from zerojax.core.loss import global_loss
 from zerojax.core.mesh import data_parallel_size
 from zerojax.core.offload import split_bytes
 from zerojax.core.optim import get_optimizer
-from zerojax.core.trees import count_params
+from zerojax.core.trees import batch_rows, count_params
 
 
 @dataclass(frozen=True)
@@ -267,13 +267,14 @@ def measure_step(
     counted = collective_bytes(text, mesh=trainer.mesh, runs=runs)
     final = collective_bytes(compiled.as_text(), runs=runs)
     ma = compiled.memory_analysis()
-    rows = batch["inputs"].shape[0]
+    first = jax.tree.leaves(batch["inputs"])[0]  # an array, or a pytree's first leaf
+    rows = batch_rows(batch["inputs"])
     micro = rows // data_parallel_size(trainer.mesh) // trainer.grad_accum  # activations are one micro-batch's
     m = Measurement(
         stage=trainer.stage.index,
         engine=trainer.engine,
         precision=trainer.precision.name,
-        ideal=ideal(trainer, optimizer, shape, seq_len or batch["inputs"].shape[-1], micro, remat),
+        ideal=ideal(trainer, optimizer, shape, seq_len or first.shape[-1], micro, remat),
         persistent_bytes=persistent_bytes(trainer, state),
         host_persistent_bytes=persistent_bytes(trainer, state, "host"),
         host_argument_bytes=compiled_argument_bytes(compiled)["host"],

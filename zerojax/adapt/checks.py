@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from zerojax.core.loss import WeightedLoss, unread_tuple
+from zerojax.core.trees import abstract, describe
 from zerojax.errors import UserError
 
 
@@ -34,25 +35,37 @@ def check_keys(batch: dict, default_loss: bool) -> None:
         raise UserError(f"the batch has no {' or '.join(repr(k) for k in missing)} key{why}; it has {sorted(batch)}.")
 
 
+def check_rows(inputs) -> int:
+    """The global batch rows of `inputs` (an array or a pytree of arrays): every leaf has them first."""
+    leaves = jax.tree.leaves(inputs)
+    rows = {int(np.shape(x)[0]) if np.ndim(x) else -1 for x in leaves}
+    if len(rows) != 1 or -1 in rows:
+        raise UserError(
+            f"a batch's 'inputs' is an array or a pytree of arrays with the global batch first; got "
+            f"{describe(abstract(inputs)) or 'no arrays'}."
+        )
+    return rows.pop()
+
+
 def check_model_and_loss(
     run_model: Callable, model_args: tuple, loss_fn: Callable, batch: dict, default_loss: bool
 ) -> int | None:
     """Run `run_model(*model_args, inputs) -> outputs` and `loss_fn(outputs, batch)` on abstract
     values; one sentence for what does not fit. Returns the number of classes the default loss reads
     targets against (the output's last dimension), or None."""
-    abstract = {k: jax.ShapeDtypeStruct(np.shape(v), v.dtype) for k, v in batch.items()}
-    out = jax.eval_shape(run_model, *model_args, abstract["inputs"])
+    shapes = {k: abstract(v) for k, v in batch.items()}
+    out = jax.eval_shape(run_model, *model_args, shapes["inputs"])
     if default_loss:
-        _check_for_cross_entropy(out, abstract.get("targets"))
-    if default_loss and "targets" not in abstract:  # a batch for shapes only (init): the step checks the rest
+        _check_for_cross_entropy(out, shapes.get("targets"))
+    if default_loss and "targets" not in shapes:  # a batch for shapes only (init): the step checks the rest
         return int(out.shape[-1])
     try:
-        value = jax.eval_shape(loss_fn, out, abstract)
+        value = jax.eval_shape(loss_fn, out, shapes)
     except Exception as e:  # the user's loss: report what it was given, and its own first line
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise UserError(
             f"the loss function failed on the model's output {_describe(out)} and the batch "
-            f"({', '.join(f'{k} {_shape(v)}' for k, v in abstract.items())}): {type(e).__name__}: {first}"
+            f"({', '.join(f'{k} {describe(v)}' for k, v in shapes.items())}): {type(e).__name__}: {first}"
         ) from None
     _check_loss_value(value)
     return int(out.shape[-1]) if default_loss else None
@@ -73,6 +86,11 @@ def _check_for_cross_entropy(out, targets) -> None:
         )
     if targets is None:
         return
+    if not hasattr(targets, "dtype"):
+        raise UserError(
+            f"the default loss (softmax cross-entropy) needs the batch's 'targets' to be one integer "
+            f"array; they are {describe(targets)}."
+        )
     if not np.issubdtype(targets.dtype, np.integer):
         raise UserError(
             f"the default loss (softmax cross-entropy) needs integer class targets; the batch's "

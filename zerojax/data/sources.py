@@ -47,12 +47,19 @@ def _check(batch: Any, source: Any, step: int) -> dict:
     return dict(batch)
 
 
+def _host(batch: Mapping) -> dict:
+    """Each value of `batch` (an array or a pytree of arrays) as NumPy arrays."""
+    import jax
+
+    return {k: jax.tree.map(np.asarray, v) for k, v in batch.items()}
+
+
 def host_batch(source: Any, step: int) -> dict[str, np.ndarray]:
     """The whole global batch of `step` as NumPy arrays on this host."""
     if callable(getattr(source, "batch", None)):
-        return {k: np.asarray(v) for k, v in _check(source.batch(step), source, step).items()}
+        return _host(_check(source.batch(step), source, step))
     if callable(getattr(source, "rows", None)):
-        return {k: np.asarray(v) for k, v in _check(source.rows(step, 0, source.batch_size), source, step).items()}
+        return _host(_check(source.rows(step, 0, source.batch_size), source, step))
     raise UserError(f"{type(source).__name__} is not a batch source: it has no batch(step) method.")
 
 
@@ -69,7 +76,7 @@ def global_batch(source: Any, step: int, sharding) -> dict:
             idx[0].indices(n)[:2] if idx else (0, n) for idx in sharding.addressable_devices_indices_map((n,)).values()
         ]
         lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
-        local = {k: np.asarray(v) for k, v in _check(source.rows(step, lo, hi), source, step).items()}
+        local = _host(_check(source.rows(step, lo, hi), source, step))
 
         def make(value: np.ndarray):
             shape = (n, *value.shape[1:])
@@ -80,9 +87,9 @@ def global_batch(source: Any, step: int, sharding) -> dict:
 
             return jax.make_array_from_callback(shape, sharding, shard)
 
-        return {k: make(v) for k, v in local.items()}
-    host = host_batch(source, step)
-    return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in host.items()}  # type: ignore[misc]
+        return {k: jax.tree.map(make, v) for k, v in local.items()}
+    whole = lambda v: jax.make_array_from_callback(v.shape, sharding, lambda idx: v[idx])  # noqa: E731
+    return {k: jax.tree.map(whole, v) for k, v in host_batch(source, step).items()}
 
 
 def example_batch(source: Any) -> dict[str, np.ndarray]:
@@ -102,7 +109,14 @@ class ArraySource:
     def __init__(self, arrays: Mapping[str, np.ndarray], *, batch_size: int, seed: int = 0, shuffle: bool = True):
         if "inputs" not in arrays:
             raise UserError(f"ArraySource needs an 'inputs' array; got {', '.join(arrays) or 'none'}.")
-        lengths = {k: len(v) for k, v in arrays.items()}
+        import jax
+
+        # each array, or each leaf of a pytree of arrays (a model's several inputs), by its path
+        lengths = {
+            f"{k}{jax.tree_util.keystr(p)}": len(x)
+            for k, v in arrays.items()
+            for p, x in jax.tree_util.tree_flatten_with_path(v)[0]
+        }
         if len(set(lengths.values())) != 1:
             raise UserError(f"ArraySource arrays must have the same number of rows, got {lengths}.")
         self.size = next(iter(lengths.values()))
@@ -141,7 +155,9 @@ class ArraySource:
         order = np.argsort(idx, kind="stable")  # memmaps read fastest in file order
         inverse = np.empty_like(order)
         inverse[order] = np.arange(len(order))
-        return {k: np.asarray(v[idx[order]])[inverse] for k, v in self.arrays.items()}
+        import jax
+
+        return {k: jax.tree.map(lambda x: np.asarray(x[idx[order]])[inverse], v) for k, v in self.arrays.items()}
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
         return self.rows(step, 0, self.batch_size)
@@ -178,12 +194,17 @@ class IterableSource:
                 "train.steps batches."
             ) from None
         self._next += 1
-        self._last = (step, {k: np.asarray(v) for k, v in _check(out, self, step).items()})
+        self._last = (step, _host(_check(out, self, step)))
         return self._last[1]
 
 
 def items_per_step(inputs) -> int:
-    """What tokens_per_s counts: tokens for integer token-id inputs [batch, seq, ...], else examples."""
+    """What tokens_per_s counts: tokens for integer token-id inputs [batch, seq, ...], else examples
+    (rows, for inputs that are a pytree of arrays)."""
+    if not hasattr(inputs, "shape"):
+        import jax
+
+        return int(np.shape(jax.tree.leaves(inputs)[0])[0])
     shape = tuple(inputs.shape)
     if len(shape) >= 2 and np.issubdtype(np.dtype(inputs.dtype), np.integer):
         return int(math.prod(shape[:2]))

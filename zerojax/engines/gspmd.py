@@ -16,6 +16,7 @@ from zerojax.core import constraints as activations
 from zerojax.core.leaf_rule import LeafLayout
 from zerojax.core.loss import global_loss
 from zerojax.core.mesh import pipeline_size
+from zerojax.core.trees import batch_rows
 from zerojax.engines import BuiltStep, EngineOptions, GatherReport, kept_whole_report, pipeline, replicated_report
 from zerojax.engines.gspmd_accum import accumulated_grads
 from zerojax.engines.unit_plan import (
@@ -150,7 +151,7 @@ def _pipelined(layout, model, static, options: EngineOptions, schedule: pipeline
                 batch["inputs"],
                 rng=key,
                 train=train,
-                layer_loop={s: functools.partial(loop, s, pipeline.batch_rows(batch["inputs"])) for s in stacks},
+                layer_loop={s: functools.partial(loop, s, batch_rows(batch["inputs"])) for s in stacks},
             )
 
     gathers = None

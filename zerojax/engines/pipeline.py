@@ -91,11 +91,6 @@ class Schedule:
         return self.microbatches or pipeline_size(mesh)
 
 
-def batch_rows(inputs) -> int:
-    """The rows of a batch's inputs (its first leaf's first axis), as a stack's loop must see them."""
-    return jax.tree.leaves(inputs)[0].shape[0]
-
-
 def check_model(model, stacks, mesh) -> None:
     """A pipeline runs a model's stack through its own loop: the model must hand it over."""
     if not model.accepts_layer_loop or not stacks:

@@ -21,6 +21,7 @@ from flax import nnx
 from zerojax.adapt.stacked import at
 from zerojax.core.leaf_rule import LeafLayout
 from zerojax.core.mesh import BATCH_AXES, data_parallel_size, pipeline_size
+from zerojax.core.trees import batch_rows
 from zerojax.engines import EngineOptions, GatherReport, pipeline
 from zerojax.engines.collectives import Reduce, keep_tensor_split
 from zerojax.engines.pipeline_circular import circular_chunks
@@ -76,7 +77,7 @@ def route(layout, model, static, stacks, reduce: Reduce, options: EngineOptions,
 
     def run(raw, model_state, inputs, key, train=True):
         params = outside_stacks(one, stacks, leaves, raw)
-        rows = pipeline.batch_rows(inputs)  # this device's
+        rows = batch_rows(inputs)  # this device's
         with_rows = {s: functools.partial(loop, rows=rows) for s, loop in loops.items()}
         return model.apply(
             params, model_state, static, inputs, rng=key, train=train, layer_loop=with_rows, sync=BATCH_AXES

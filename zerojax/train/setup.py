@@ -114,20 +114,22 @@ class Setup:
     def check_batch(self, batch: dict) -> None:
         """What any use of `batch` needs: inputs, and rows the data-parallel devices (and micro-batches) divide."""
         checks.check_keys(batch, default_loss=False)
-        check_batch(batch["inputs"].shape[0], data_parallel_size(self.mesh))
-        check_accum_batch(batch["inputs"].shape[0], data_parallel_size(self.mesh), self.grad_accum)
+        rows = checks.check_rows(batch["inputs"])
+        check_batch(rows, data_parallel_size(self.mesh))
+        check_accum_batch(rows, data_parallel_size(self.mesh), self.grad_accum)
         if pipeline_size(self.mesh) > 1:  # each accumulation step's rows go through the pipeline
-            rows = batch["inputs"].shape[0] // self.grad_accum
-            check_schedule(self.mesh, rows, self.schedule.microbatches_on(self.mesh))
+            check_schedule(self.mesh, rows // self.grad_accum, self.schedule.microbatches_on(self.mesh))
 
     def shard_batch(self, batch: dict) -> dict:
-        """A global batch as `jax.Array`s split over the batch axes; device arrays already so are kept."""
+        """A global batch as `jax.Array`s split over the batch axes (each value an array or a pytree of
+        them); device arrays already so are kept."""
         self.check_batch(batch)
-        sharding, out = self.batch_sharding, {}
-        for name, value in batch.items():
+        sharding = self.batch_sharding
+
+        def placed(value):
             if isinstance(value, jax.Array) and value.sharding.is_equivalent_to(sharding, value.ndim):
-                out[name] = value
-            else:
-                host = np.asarray(value)
-                out[name] = jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])  # type: ignore[misc]
-        return out
+                return value
+            host = np.asarray(value)
+            return jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])
+
+        return {name: jax.tree.map(placed, value) for name, value in batch.items()}

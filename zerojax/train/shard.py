@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from zerojax.adapt import checks
 from zerojax.core import offload as offload_lib
 from zerojax.core import trainable as trainable_lib
+from zerojax.core import trees
 from zerojax.core.layout import StateLayout, make_layout
 from zerojax.core.loss import cross_entropy, global_loss
 from zerojax.core.mesh import check_tensor_used
@@ -47,7 +47,7 @@ class Sharded:
     """Everything built for one (input shape and dtype, key): pure functions and their jitted forms."""
 
     setup: Setup
-    inputs: jax.ShapeDtypeStruct  # the model inputs it was built for
+    inputs: Any  # the model inputs it was built for: a `jax.ShapeDtypeStruct`, or a pytree of them
     layout: StateLayout
     param_shapes: Any  # the model's logical params, abstract
     state_shardings: TrainState  # a NamedSharding per leaf of each group
@@ -75,7 +75,7 @@ class Sharded:
             shapes = [(None if x is None else tuple(np.shape(x)), tuple(w.shape)) for x, w in zip(given[0], want[0])]
             if given[1] != want[1] or any(g not in (None, w) for g, w in shapes):  # type: ignore[operator]
                 raise UserError("the given params do not match the model's parameter names and shapes.")
-        inputs = jnp.zeros(self.inputs.shape, self.inputs.dtype)
+        inputs = trees.zeros(self.inputs)
         return jax.jit(self.make_state, out_shardings=self.state_shardings)(key, inputs, params)
 
     def gather_report(self) -> GatherReport:
@@ -131,7 +131,7 @@ def shard(model, optimizer, batch: dict, *, key=None, **setup) -> Sharded:
 
 def prepare(setup: Setup, key, batch: dict) -> Sharded:
     """Layout, shardings, abstract state, the engine's step and their jitted forms, for `batch`'s inputs."""
-    inputs = jax.ShapeDtypeStruct(batch["inputs"].shape, batch["inputs"].dtype)
+    inputs = trees.abstract(batch["inputs"])
     setup, model, param_shapes, model_state_shapes, static_shapes = _traced(setup, key, inputs)
     layout = make_layout(
         setup.mesh,
@@ -307,4 +307,4 @@ def _static(setup: Setup, key, inputs, static_shapes, layout: StateLayout):
         return static_shapes
     shardings = jax.tree.map(lambda _: layout.replicated, static_shapes)
     init_static = jax.jit(lambda k, x: setup.model.init(k, x)[2], out_shardings=shardings)
-    return init_static(key, jnp.zeros(inputs.shape, inputs.dtype))
+    return init_static(key, trees.zeros(inputs))

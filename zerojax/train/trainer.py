@@ -27,6 +27,7 @@ from zerojax.adapt import checks
 from zerojax.core.layout import StateLayout
 from zerojax.core.loss import cross_entropy
 from zerojax.core.state import TrainState
+from zerojax.core.trees import abstract, describe
 from zerojax.engines import GatherReport
 from zerojax.errors import UserError
 from zerojax.train.choices import with_choices
@@ -89,8 +90,7 @@ class Trainer:
         Builds no state and changes nothing `step` uses (that is `init`'s and `restore_state`'s job).
         """
         self.setup.check_batch(batch)
-        inputs = jax.ShapeDtypeStruct(batch["inputs"].shape, batch["inputs"].dtype)
-        token = (tuple(inputs.shape), str(inputs.dtype), tuple(np.asarray(jax.random.key_data(key)).ravel().tolist()))
+        token = (describe(abstract(batch["inputs"])), tuple(np.asarray(jax.random.key_data(key)).ravel().tolist()))
         if token not in self._preparations:
             if len(self._preparations) >= _KEEP_PREPARED:
                 self._preparations.pop(next(iter(self._preparations)))
@@ -176,11 +176,11 @@ class Trainer:
         return compiled
 
     def _check_inputs(self, prep: Sharded, batch: dict) -> None:
-        x = batch["inputs"]
-        if tuple(x.shape) != tuple(prep.inputs.shape) or x.dtype != prep.inputs.dtype:
+        got, want = describe(abstract(batch["inputs"])), describe(prep.inputs)
+        if got != want:
             raise UserError(
-                f"this batch's inputs are {x.dtype}{list(x.shape)}, but the trainer was prepared for "
-                f"{prep.inputs.dtype}{list(prep.inputs.shape)}; call init (or restore) for new shapes."
+                f"this batch's inputs are {got}, but the trainer was prepared for {want}; call init (or "
+                "restore) for new shapes."
             )
 
     def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict[str, Any]]:
