@@ -370,3 +370,80 @@ def test_an_array_source_of_several_inputs_draws_each_leafs_rows():
     short = {**batch, "inputs": {**batch["inputs"], "mask": batch["inputs"]["mask"][:5]}}
     with pytest.raises(zj.UserError, match=r"same number of rows.*inputs\['mask'\]\": 5"):
         zj.ArraySource(short, batch_size=4)
+
+
+class _Counted(nn.Module):
+    """Counts, in its state, the calls made in training mode."""
+
+    @nn.compact
+    def __call__(self, x, training: bool):
+        calls = self.variable("counts", "training_calls", jnp.zeros, (), jnp.int32)
+        if training and not self.is_initializing():
+            calls.value += 1
+        return nn.Dense(4)(x)
+
+
+class DropoutGuide(nn.Module):  # Flax's dropout guide spells it `training`
+    @nn.compact
+    def __call__(self, x, training: bool = False):
+        return _Counted()(x, training)
+
+
+class Deterministic(nn.Module):
+    @nn.compact
+    def __call__(self, x, deterministic: bool = True):
+        return _Counted()(x, not deterministic)
+
+
+class IsTraining(nn.Module):
+    @nn.compact
+    def __call__(self, x, is_training: bool = False):
+        return _Counted()(x, is_training)
+
+
+class Train(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        return _Counted()(x, train)
+
+
+class TrainCalls(nnx.Variable):
+    pass
+
+
+class NnxTrain(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.dense, self.calls = nnx.Linear(12, 4, rngs=rngs), TrainCalls(jnp.zeros((), jnp.int32))
+
+    def __call__(self, x, train: bool = False):
+        if train:
+            self.calls[...] += 1
+        return self.dense(x)
+
+
+@pytest.mark.parametrize(
+    "model",
+    [DropoutGuide(), Deterministic(), IsTraining(), Train(), NnxTrain],
+    ids=["training", "deterministic", "is_training", "train", "nnx-train"],
+)
+def test_a_models_own_mode_argument_is_set_by_name(model):
+    """`__call__(self, x, training=False)` (Flax's dropout guide), `deterministic=True`, ...: the step
+    calls it in training mode, `evaluate` in evaluation mode. Before, only Linen's `train` was passed,
+    and a model with a default trained in evaluation mode, its dropout off, silently."""
+    trainer = zj.Trainer(model, optax.sgd(0.1), mesh=zj.make_mesh(fsdp=8), stage=3)
+    batch = {"inputs": np.ones((8, 12), np.float32), "targets": np.arange(8, dtype=np.int32) % 4}
+    state = trainer.init(KEY, batch)
+    for _ in range(2):
+        state, _ = trainer.step(state, batch)
+    trainer.evaluate(state, batch)
+    assert [int(x) for x in jax.tree.leaves(state.model_state)] == [2]
+
+
+def test_a_model_argument_zerojax_cannot_fill_is_one_sentence():
+    class NeedsAMask(nn.Module):
+        @nn.compact
+        def __call__(self, x, mask):
+            return nn.Dense(4)(x) * mask[:, None]
+
+    with pytest.raises(zj.UserError, match=r"requires mask, which zerojax cannot fill.*give it a default"):
+        zj.Trainer(NeedsAMask(), optax.sgd(0.1), mesh=zj.make_mesh(fsdp=8)).init(KEY, {"inputs": np.ones((8, 12))})

@@ -29,6 +29,7 @@ from flax import nnx
 from zerojax.adapt import stacked as stacked_lib
 from zerojax.adapt import wrap_linen, wrap_nnx
 from zerojax.core.trees import path_str
+from zerojax.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,41 @@ def _takes(fn, name: str) -> bool:
         return False
 
 
+# A model's own mode argument as Flax's guides and examples spell it, and its value when training.
+MODE_ARGUMENTS = {"train": True, "training": True, "is_training": True, "deterministic": False}
+_OWN_ARGUMENTS = ("layer_hook", "layer_loop")  # the hooks zerojax hands a model that takes them
+
+
+def mode_names(fn) -> tuple[str, ...]:
+    """The mode arguments (`MODE_ARGUMENTS`) a model's `__call__` takes, each passed by name, so a
+    model written `__call__(self, x, training: bool = False)` trains in training mode; another
+    argument it requires is one `UserError` (zerojax passes the inputs, the mode and its hooks only)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())[2:]  # past self and the inputs
+    except (TypeError, ValueError):
+        return ()
+    unfilled = [
+        p.name
+        for p in params
+        if p.default is p.empty
+        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        and p.name not in (*MODE_ARGUMENTS, *_OWN_ARGUMENTS)
+    ]
+    if unfilled:
+        raise UserError(
+            f"the model's __call__ requires {', '.join(unfilled)}, which zerojax cannot fill: it calls the "
+            f"model on batch['inputs'] (a pytree of arrays for several inputs) and passes the mode by name "
+            f"({', '.join(MODE_ARGUMENTS)}); give {'them defaults' if len(unfilled) > 1 else 'it a default'} "
+            f"or take {'them' if len(unfilled) > 1 else 'it'} from the inputs."
+        )
+    return tuple(n for n in MODE_ARGUMENTS if any(p.name == n for p in params))
+
+
+def _mode(names: tuple[str, ...], train: bool) -> dict:
+    """The mode arguments `names` for training (`train=True`) or evaluation."""
+    return {n: train == MODE_ARGUMENTS[n] for n in names}
+
+
 # ---- NNX ------------------------------------------------------------------------------------------
 #
 # A module splits into three groups: `nnx.Param`s (the params), its RNG streams (`RngKey`/`RngCount`,
@@ -185,7 +221,7 @@ def _nnx_functions(make: Callable[[Any], nnx.Module] | None, concrete: nnx.Modul
     looped = hooked and _takes(type(abstract).__call__, "layer_loop")
     stacks = () if hooked else stacked_lib.stack_paths(abstract)
     declared = tuple((name,) for name in getattr(type(abstract), "layer_stacks", ())) if hooked else ()
-    apply = functools.partial(_nnx_apply, graphdef, hooked, looped, stacks)
+    apply = functools.partial(_nnx_apply, graphdef, hooked, looped, stacks, mode_names(type(abstract).__call__))
     return FunctionalModel(
         functools.partial(_nnx_init, make, concrete),
         apply,
@@ -222,6 +258,7 @@ def _nnx_apply(
     hooked: bool,
     looped: bool,
     stacks,
+    modes: tuple[str, ...],
     params,
     model_state,
     static,
@@ -238,7 +275,7 @@ def _nnx_apply(
     rng_state = jax.tree.map(lambda x: x, static) if rng is None else _reseed(static, rng)
     module = nnx.merge(graphdef, nnx.State(params), rng_state, _merge_state(model_state))
     module.train() if train else module.eval()
-    kwargs = {}
+    kwargs = _mode(modes, train)
     if layer_hook is not None and hooked:
         kwargs["layer_hook"] = _single(layer_hook)
     if layer_loop is not None and looped:
@@ -282,12 +319,12 @@ def _single(hooks):
 # ---- Linen ----------------------------------------------------------------------------------------
 #
 # Every collection besides "params" (batch_stats, any user collection) is model state, mutable in
-# the train step. `__call__(..., train)` gets `train=True/False`; each name in `rng_streams` gets a
-# key folded from the step's key.
+# the train step. `__call__` gets its mode arguments by name (`mode_names`: `train=True/False`,
+# `deterministic=False/True`, ...); each name in `rng_streams` gets a key folded from the step's key.
 
 
 def _linen_functions(module: nn.Module, rng_streams: tuple[str, ...]) -> FunctionalModel:
-    mode = functools.partial(_linen_mode, _takes(type(module).__call__, "train"))
+    mode = functools.partial(_mode, mode_names(type(module).__call__))
     structure = functools.partial(_linen_structure, module, mode)
     return FunctionalModel(
         functools.partial(_linen_init, module, rng_streams, mode),
@@ -300,10 +337,6 @@ def _linen_functions(module: nn.Module, rng_streams: tuple[str, ...]) -> Functio
         lifted_stacks=lambda params, model_state, static, inputs: structure(params, model_state, inputs)[1],
         axis_names=functools.partial(_linen_axis_names, module, rng_streams, mode),
     )
-
-
-def _linen_mode(takes_train: bool, train: bool) -> dict:
-    return {"train": train} if takes_train else {}
 
 
 def _linen_structure(module, mode, params, model_state, inputs):
