@@ -28,8 +28,8 @@ from flax import nnx
 
 from zerojax.adapt import stacked as stacked_lib
 from zerojax.adapt import wrap_linen, wrap_nnx
+from zerojax.adapt.mode import mode_arguments, mode_names
 from zerojax.core.trees import path_str
-from zerojax.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -115,41 +115,6 @@ def _takes(fn, name: str) -> bool:
         return name in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
-
-
-# A model's own mode argument as Flax's guides and examples spell it, and its value when training.
-MODE_ARGUMENTS = {"train": True, "training": True, "is_training": True, "deterministic": False}
-_OWN_ARGUMENTS = ("layer_hook", "layer_loop")  # the hooks zerojax hands a model that takes them
-
-
-def mode_names(fn) -> tuple[str, ...]:
-    """The mode arguments (`MODE_ARGUMENTS`) a model's `__call__` takes, each passed by name, so a
-    model written `__call__(self, x, training: bool = False)` trains in training mode; another
-    argument it requires is one `UserError` (zerojax passes the inputs, the mode and its hooks only)."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())[2:]  # past self and the inputs
-    except (TypeError, ValueError):
-        return ()
-    unfilled = [
-        p.name
-        for p in params
-        if p.default is p.empty
-        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-        and p.name not in (*MODE_ARGUMENTS, *_OWN_ARGUMENTS)
-    ]
-    if unfilled:
-        raise UserError(
-            f"the model's __call__ requires {', '.join(unfilled)}, which zerojax cannot fill: it calls the "
-            f"model on batch['inputs'] (a pytree of arrays for several inputs) and passes the mode by name "
-            f"({', '.join(MODE_ARGUMENTS)}); give {'them defaults' if len(unfilled) > 1 else 'it a default'} "
-            f"or take {'them' if len(unfilled) > 1 else 'it'} from the inputs."
-        )
-    return tuple(n for n in MODE_ARGUMENTS if any(p.name == n for p in params))
-
-
-def _mode(names: tuple[str, ...], train: bool) -> dict:
-    """The mode arguments `names` for training (`train=True`) or evaluation."""
-    return {n: train == MODE_ARGUMENTS[n] for n in names}
 
 
 # ---- NNX ------------------------------------------------------------------------------------------
@@ -275,7 +240,7 @@ def _nnx_apply(
     rng_state = jax.tree.map(lambda x: x, static) if rng is None else _reseed(static, rng)
     module = nnx.merge(graphdef, nnx.State(params), rng_state, _merge_state(model_state))
     module.train() if train else module.eval()
-    kwargs = _mode(modes, train)
+    kwargs = mode_arguments(modes, train)
     if layer_hook is not None and hooked:
         kwargs["layer_hook"] = _single(layer_hook)
     if layer_loop is not None and looped:
@@ -324,7 +289,7 @@ def _single(hooks):
 
 
 def _linen_functions(module: nn.Module, rng_streams: tuple[str, ...]) -> FunctionalModel:
-    mode = functools.partial(_mode, mode_names(type(module).__call__))
+    mode = functools.partial(mode_arguments, mode_names(type(module).__call__))
     structure = functools.partial(_linen_structure, module, mode)
     return FunctionalModel(
         functools.partial(_linen_init, module, rng_streams, mode),

@@ -1,0 +1,46 @@
+"""A model's own mode argument, passed by the name its author gave it.
+
+Flax's guides and examples spell a model's mode `train` (the BatchNorm guide), `training` (the dropout
+guide), `is_training` or `deterministic`; a model with a default would otherwise train in evaluation
+mode, its dropout off and its statistics never updated, without a word.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from zerojax.errors import UserError
+
+# A model's own mode argument as Flax's guides and examples spell it, and its value when training.
+MODE_ARGUMENTS = {"train": True, "training": True, "is_training": True, "deterministic": False}
+_OWN_ARGUMENTS = ("layer_hook", "layer_loop")  # the hooks zerojax hands a model that takes them
+
+
+def mode_names(fn) -> tuple[str, ...]:
+    """The mode arguments (`MODE_ARGUMENTS`) a model's `__call__` takes, each passed by name, so a
+    model written `__call__(self, x, training: bool = False)` trains in training mode; another
+    argument it requires is one `UserError` (zerojax passes the inputs, the mode and its hooks only)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())[2:]  # past self and the inputs
+    except (TypeError, ValueError):
+        return ()
+    unfilled = [
+        p.name
+        for p in params
+        if p.default is p.empty
+        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        and p.name not in (*MODE_ARGUMENTS, *_OWN_ARGUMENTS)
+    ]
+    if unfilled:
+        raise UserError(
+            f"the model's __call__ requires {', '.join(unfilled)}, which zerojax cannot fill: it calls the "
+            f"model on batch['inputs'] (a pytree of arrays for several inputs) and passes the mode by name "
+            f"({', '.join(MODE_ARGUMENTS)}); give {'them defaults' if len(unfilled) > 1 else 'it a default'} "
+            f"or take {'them' if len(unfilled) > 1 else 'it'} from the inputs."
+        )
+    return tuple(n for n in MODE_ARGUMENTS if any(p.name == n for p in params))
+
+
+def mode_arguments(names: tuple[str, ...], train: bool) -> dict:
+    """The mode arguments `names` for training (`train=True`) or evaluation."""
+    return {n: train == MODE_ARGUMENTS[n] for n in names}
