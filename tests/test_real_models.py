@@ -447,3 +447,54 @@ def test_a_model_argument_zerojax_cannot_fill_is_one_sentence():
 
     with pytest.raises(zj.UserError, match=r"requires mask, which zerojax cannot fill.*give it a default"):
         zj.Trainer(NeedsAMask(), optax.sgd(0.1), mesh=zj.make_mesh(fsdp=8)).init(KEY, {"inputs": np.ones((8, 12))})
+
+
+class InputStats(nnx.Variable):
+    pass
+
+
+class Normalised(nnx.Module):
+    """Its own running mean of its inputs (not a BatchNorm), updated in training."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.mean, self.dense = InputStats(jnp.zeros(12)), nnx.Linear(12, 4, rngs=rngs)
+
+    def __call__(self, x, train: bool = False):
+        if train:
+            self.mean[...] = 0.9 * self.mean[...] + 0.1 * x.mean(0)
+        return self.dense(x - self.mean[...])
+
+
+def _normalised_run(**kwargs):
+    trainer = zj.Trainer(Normalised, optax.adam(1e-2), mesh=zj.make_mesh(fsdp=8), **kwargs)
+    batch = classification_batch(features=12)
+    batch["targets"] %= 4
+    state, losses = trainer.init(KEY, batch), []
+    for _ in range(2):
+        state, metrics = trainer.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return losses, np.asarray(state.model_state["InputStats"]["mean"])
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"engine": "shard_map", "stage": 1}, "engine='shard_map' each device runs the model on its own rows"),
+        ({"engine": "gspmd", "stage": 0, "grad_accum": 2}, "once per data-parallel group"),
+    ],
+)
+def test_a_statistic_of_a_devices_rows_alone_is_refused(kwargs, words):
+    """A model's own statistic over its rows (not a BatchNorm, whose statistics the engines average)
+    would be each device's or group's own under these: one sentence naming it, before compiling.
+    Before, `shard_map` kept one device's mean, and its losses differed from stage 0's from step 1."""
+    with pytest.raises(zj.UserError, match=rf"{words}.*updates InputStats/mean from them"):
+        _normalised_run(**kwargs)
+
+
+def test_a_statistic_of_the_global_batch_trains_at_stage_3_like_stage_0():
+    """What the refusal offers instead: `gspmd` runs the model on the global batch at every stage."""
+    losses, mean = _normalised_run(engine="gspmd", stage=3)
+    want_losses, want_mean = _normalised_run(engine="gspmd", stage=0)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+    np.testing.assert_allclose(mean, want_mean, rtol=1e-6)
+    assert np.abs(mean).max() > 0

@@ -18,7 +18,8 @@ from zerojax.core.loss import global_loss
 from zerojax.core.mesh import pipeline_size
 from zerojax.core.trees import batch_rows
 from zerojax.engines import BuiltStep, EngineOptions, GatherReport, kept_whole_report, pipeline, replicated_report
-from zerojax.engines.gspmd_accum import accumulated_grads
+from zerojax.engines.batch_statistics import check_state_is_global
+from zerojax.engines.gspmd_accum import accumulated_grads, runs_in_groups
 from zerojax.engines.unit_plan import (
     describe_stacks,
     is_layout,
@@ -184,6 +185,34 @@ def _split_axis(layout, leaf: LeafLayout, value) -> int | None:
     return leaf.axis if leaf.axis is not None and value.shape[leaf.axis] % fsdp == 0 else None
 
 
+def _pipelined_step(layout, model, static, loss_fn, tx, options, inputs, model_state, grad_accum, schedule):
+    piped, report = _pipelined(layout, model, static, options, schedule or pipeline.Schedule())
+    if grad_accum > 1 and layout.compute_sharded and not options.reshard_after_forward:
+        raise UserError(
+            "zero.reshard_after_forward=false with train.grad_accum > 1 on a pipeline keeps a stage's gathered "
+            "weights across micro-batches on the shard_map engine only; the gspmd engine gathers them per "
+            "micro-batch (set zero.reshard_after_forward=true, or use zero.engine=shard_map)."
+        )
+    if grad_accum > 1:
+        _check_group_statistics(layout, model, static, inputs, model_state, False)
+        grads = _accumulated(accumulated_grads(layout, model, static, loss_fn, piped, grad_accum, False))
+    else:
+        grads = _grads(layout, loss_fn, piped)
+    return BuiltStep(grads, _update(layout, tx, options), report, _evaluate(layout, piped))
+
+
+def _check_group_statistics(layout, model, static, inputs, model_state, keep: bool) -> None:
+    """Accumulating in data-parallel groups (`runs_in_groups`), a model's own statistic would be a group's."""
+    if runs_in_groups(layout, keep):
+        check_state_is_global(layout, model, static, inputs, model_state, _IN_GROUPS, _GLOBAL_INSTEAD)
+
+
+_IN_GROUPS = "with train.grad_accum > 1 the gspmd engine runs the model once per data-parallel group, on its rows"
+_GLOBAL_INSTEAD = (
+    "run it on whole micro-batches instead: zero.stage=3 with zero.reshard_after_forward=true, or train.grad_accum=1"
+)
+
+
 def build(
     layout,
     model,
@@ -199,18 +228,7 @@ def build(
     """The step; `schedule`: a `pipeline` mesh axis's microbatches and repeats (None: GPipe, one
     microbatch a pipeline stage)."""
     if pipeline_size(layout.mesh) > 1:
-        piped, report = _pipelined(layout, model, static, options, schedule or pipeline.Schedule())
-        if grad_accum > 1 and layout.compute_sharded and not options.reshard_after_forward:
-            raise UserError(
-                "zero.reshard_after_forward=false with train.grad_accum > 1 on a pipeline keeps a stage's gathered "
-                "weights across micro-batches on the shard_map engine only; the gspmd engine gathers them per "
-                "micro-batch (set zero.reshard_after_forward=true, or use zero.engine=shard_map)."
-            )
-        if grad_accum > 1:
-            grads = _accumulated(accumulated_grads(layout, model, static, loss_fn, piped, grad_accum, False))
-        else:
-            grads = _grads(layout, loss_fn, piped)
-        return BuiltStep(grads, _update(layout, tx, options), report, _evaluate(layout, piped))
+        return _pipelined_step(layout, model, static, loss_fn, tx, options, inputs, model_state, grad_accum, schedule)
     pipeline.gathers_each_layer(options.pipeline_gather, layout.stage, layout.mesh)  # set without a pipeline
     units = _units(layout, model, static, options, inputs, model_state or {})
     around = units[1] if units else None
@@ -232,6 +250,7 @@ def build(
     evaluate = _evaluate(layout, run)
     keep = layout.compute_sharded and not options.reshard_after_forward
     if grad_accum > 1 or keep:
+        _check_group_statistics(layout, model, static, inputs, model_state, keep)
         accumulated = accumulated_grads(layout, model, static, loss_fn, run, grad_accum, keep)
         grads, update = _accumulated(accumulated), _update(layout, tx, options)
     else:

@@ -28,9 +28,16 @@ _GROUPS = "zerojax_groups"  # the vmapped axis of data-parallel groups
 
 def accumulated_grads(layout, model, static, loss_fn, run, k: int, keep_gathered: bool):
     """`(state, batch, key) -> (loss, grads, model_state)` over k micro-batches."""
-    if layout.compute_sharded and not keep_gathered:
+    if not runs_in_groups(layout, keep_gathered):
         return _sharded_micro(layout, loss_fn, run, k)
     return _grouped(layout, model, static, loss_fn, k)
+
+
+def runs_in_groups(layout, keep_gathered: bool) -> bool:
+    """Whether the micro-batches run the model once per data-parallel group (a `vmap`, `_grouped`):
+    wherever the compute params are whole for the step; stage 3 re-gathering per micro-batch runs
+    each micro-batch as a whole instead."""
+    return not (layout.compute_sharded and not keep_gathered)
 
 
 def _scan(micro_grads, acc, model_state, key, micro, k: int, mesh):

@@ -36,6 +36,7 @@ from zerojax.engines import (
     pipeline,
     shard_map_pipeline,
 )
+from zerojax.engines.batch_statistics import check_state_is_global
 from zerojax.engines.collectives import Reduce, Resident
 from zerojax.engines.pipeline import Schedule, check_options
 from zerojax.engines.quantize import Quantizer
@@ -77,6 +78,9 @@ def _specs(layout: StateLayout, sharded: bool):
 
 def _without_tensor(spec):
     return P(*(None if entry == TENSOR_AXIS else entry for entry in spec))
+
+
+_PER_DEVICE = "under engine='shard_map' each device runs the model on its own rows"
 
 
 def _manual(fn, layout: StateLayout, in_specs, out_specs):
@@ -288,6 +292,9 @@ def build(
     schedule              a `pipeline` mesh axis's microbatches (GPipe: `zerojax.engines.shard_map_pipeline`).
     """
     schedule = schedule or Schedule()
+    check_state_is_global(
+        layout, model, static, inputs, model_state, _PER_DEVICE, "use engine='gspmd', which runs it on the global batch"
+    )
     if pipeline_size(layout.mesh) > 1:
         check_options(options, layout.mesh)
     stage, prec = layout.stage, layout.precision
