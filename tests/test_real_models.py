@@ -357,6 +357,17 @@ def test_a_model_of_several_inputs_trains_like_stage_0(kind, engine):
     assert want[2] < want[0]
 
 
+def test_a_step_for_several_inputs_lowers_from_shapes_alone():
+    """`Trainer.lower` on abstract values (what `zerojax inspect` and the measurements use)."""
+    batch = _two_inputs("nnx")
+    trainer = zj.Trainer(TwoInputs, optax.adam(1e-2), mesh=zj.make_mesh(fsdp=8), stage=3)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+    trainer.init(KEY, batch)
+    lowered = trainer.lower(trainer.abstract_state(KEY, shapes), shapes)
+    text = lowered.as_text()
+    assert "tensor<16x12xf32>" in text and "tensor<16xf32>" in text  # both inputs, whole
+
+
 def test_an_array_source_of_several_inputs_draws_each_leafs_rows():
     """`ArraySource` takes a pytree of arrays as a value: each leaf's rows are drawn together, and
     leaves of different lengths are one sentence naming them."""
@@ -439,14 +450,30 @@ def test_a_models_own_mode_argument_is_set_by_name(model):
     assert [int(x) for x in jax.tree.leaves(state.model_state)] == [2]
 
 
-def test_a_model_argument_zerojax_cannot_fill_is_one_sentence():
-    class NeedsAMask(nn.Module):
-        @nn.compact
-        def __call__(self, x, mask):
-            return nn.Dense(4)(x) * mask[:, None]
+class NeedsAMask(nn.Module):
+    @nn.compact
+    def __call__(self, x, mask):
+        return nn.Dense(4)(x) * mask[:, None]
 
-    with pytest.raises(zj.UserError, match=r"requires mask, which zerojax cannot fill.*give it a default"):
-        zj.Trainer(NeedsAMask(), optax.sgd(0.1), mesh=zj.make_mesh(fsdp=8)).init(KEY, {"inputs": np.ones((8, 12))})
+
+class PositionalTrain(nn.Module):
+    @nn.compact
+    def __call__(self, x, train, /):  # positional only: it cannot be passed by name
+        return nn.Dropout(0.5, deterministic=not train)(nn.Dense(4)(x))
+
+
+class LinenLayerHook(nn.Module):  # zerojax hands a layer hook to NNX models only
+    @nn.compact
+    def __call__(self, x, layer_hook):
+        return nn.Dense(4)(x)
+
+
+@pytest.mark.parametrize(
+    "model, name", [(NeedsAMask(), "mask"), (PositionalTrain(), "train"), (LinenLayerHook(), "layer_hook")]
+)
+def test_a_model_argument_zerojax_cannot_fill_is_one_sentence(model, name):
+    with pytest.raises(zj.UserError, match=rf"requires {name}, which zerojax cannot fill.*give it a default"):
+        zj.Trainer(model, optax.sgd(0.1), mesh=zj.make_mesh(fsdp=8)).init(KEY, {"inputs": np.ones((8, 12))})
 
 
 class InputStats(nnx.Variable):
@@ -489,6 +516,16 @@ def test_a_statistic_of_a_devices_rows_alone_is_refused(kwargs, words):
     Before, `shard_map` kept one device's mean, and its losses differed from stage 0's from step 1."""
     with pytest.raises(zj.UserError, match=rf"{words}.*updates InputStats/mean from them"):
         _normalised_run(**kwargs)
+
+
+def test_a_statistic_on_one_data_parallel_device_is_the_batchs():
+    """With one data-parallel device its rows are the whole batch: nothing to refuse."""
+    one = zj.make_mesh(fsdp=1, devices=jax.devices()[:1])
+    trainer = zj.Trainer(Normalised, optax.adam(1e-2), mesh=one, engine="shard_map", stage=1)
+    batch = classification_batch(features=12)
+    batch["targets"] %= 4
+    state, _ = trainer.step(trainer.init(KEY, batch), batch)
+    assert np.abs(np.asarray(state.model_state["InputStats"]["mean"])).max() > 0
 
 
 def test_a_statistic_of_the_global_batch_trains_at_stage_3_like_stage_0():

@@ -318,7 +318,7 @@ def activation_temp_bytes(trainer, batch, key=None) -> int:
     shapes = jax.tree.map(
         lambda l: jax.ShapeDtypeStruct(l.shape, dtype, sharding=layout.replicated), layout.leaves, is_leaf=_is_layout
     )
-    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding) for k, v in batch.items()}
+    batch = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding), batch)
 
     def loss(params, model_state, batch):
         out, _ = trainer.model.apply(params, model_state, static, batch["inputs"])

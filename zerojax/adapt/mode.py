@@ -16,21 +16,19 @@ MODE_ARGUMENTS = {"train": True, "training": True, "is_training": True, "determi
 _OWN_ARGUMENTS = ("layer_hook", "layer_loop")  # the hooks zerojax hands a model that takes them
 
 
-def mode_names(fn) -> tuple[str, ...]:
+def mode_names(fn, hooks: tuple[str, ...] = _OWN_ARGUMENTS) -> tuple[str, ...]:
     """The mode arguments (`MODE_ARGUMENTS`) a model's `__call__` takes, each passed by name, so a
     model written `__call__(self, x, training: bool = False)` trains in training mode; another
-    argument it requires is one `UserError` (zerojax passes the inputs, the mode and its hooks only)."""
+    argument it requires is one `UserError` (zerojax passes the inputs, the mode and, to a model that
+    takes them, `hooks`)."""
     try:
         params = list(inspect.signature(fn).parameters.values())[2:]  # past self and the inputs
     except (TypeError, ValueError):
         return ()
-    unfilled = [
-        p.name
-        for p in params
-        if p.default is p.empty
-        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-        and p.name not in (*MODE_ARGUMENTS, *_OWN_ARGUMENTS)
-    ]
+    by_name = [p for p in params if p.kind not in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    filled = {p.name for p in by_name if p.name in (*MODE_ARGUMENTS, *hooks)}
+    unfilled = [p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    unfilled = [name for name in unfilled if name not in filled]
     if unfilled:
         raise UserError(
             f"the model's __call__ requires {', '.join(unfilled)}, which zerojax cannot fill: it calls the "
@@ -38,7 +36,7 @@ def mode_names(fn) -> tuple[str, ...]:
             f"({', '.join(MODE_ARGUMENTS)}); give {'them defaults' if len(unfilled) > 1 else 'it a default'} "
             f"or take {'them' if len(unfilled) > 1 else 'it'} from the inputs."
         )
-    return tuple(n for n in MODE_ARGUMENTS if any(p.name == n for p in params))
+    return tuple(n for n in MODE_ARGUMENTS if n in filled)
 
 
 def mode_arguments(names: tuple[str, ...], train: bool) -> dict:

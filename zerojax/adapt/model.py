@@ -289,7 +289,7 @@ def _single(hooks):
 
 
 def _linen_functions(module: nn.Module, rng_streams: tuple[str, ...]) -> FunctionalModel:
-    mode = functools.partial(mode_arguments, mode_names(type(module).__call__))
+    mode = functools.partial(mode_arguments, mode_names(type(module).__call__, hooks=()))
     structure = functools.partial(_linen_structure, module, mode)
     return FunctionalModel(
         functools.partial(_linen_init, module, rng_streams, mode),

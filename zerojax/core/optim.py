@@ -105,9 +105,10 @@ def pads_exactly(tx, shape: tuple[int, int] = (129, 131), padded: tuple[int, int
         grads = [jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(2)]
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
             s, sp, q, qp = tx.init(p), tx.init(pad(p)), p, pad(p)
+            extra = update_args(tx, jnp.zeros((), jnp.float32))  # as the step calls it
             for g in grads:
-                u, s = tx.update(g, s, q)
-                up, sp = tx.update(pad(g), sp, qp)
+                u, s = tx.update(g, s, q, **extra)
+                up, sp = tx.update(pad(g), sp, qp, **extra)
                 if not np.allclose(np.asarray(up)[: shape[0], : shape[1]], np.asarray(u), rtol=1e-6, atol=1e-8):
                     return False
                 if np.any(np.asarray(up)[:, shape[1] :]):

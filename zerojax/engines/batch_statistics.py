@@ -1,7 +1,8 @@
 """Model state a step keeps is the global batch's, or the step is refused before it compiles.
 
-The `shard_map` engine runs the model once per device on the device's rows, and `gspmd`'s
-accumulation at stages 0-2 runs it once per data-parallel group (a `vmap`). BatchNorm's statistics
+The `shard_map` engine runs the model once per device on the device's rows, and `gspmd` runs it
+once per data-parallel group (a `vmap`) wherever it accumulates over whole compute params (stages
+0-2 with accumulation, stage 3 keeping its gathered weights). BatchNorm's statistics
 are averaged over those devices or groups (the engines set its `axis_name`), but a statistic a model
 computes from its rows itself (a running mean of its inputs in an `nnx.Variable`, a Linen collection)
 would be each device's own: kept as one value, it would differ from what stage 0 without accumulation
@@ -18,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.core import constraints as activations
 from zerojax.core.layout import StateLayout
-from zerojax.core.mesh import BATCH_AXES
+from zerojax.core.mesh import BATCH_AXES, data_parallel_size
 from zerojax.core.trees import path_str
 from zerojax.engines.unit_plan import is_layout
 from zerojax.errors import UserError
@@ -27,7 +28,7 @@ from zerojax.errors import UserError
 def check_state_is_global(layout: StateLayout, model, static, inputs, model_state, where: str, instead: str) -> None:
     """A `UserError` naming the model-state leaves a training call computes from each device's rows
     alone (`where`: how the engine splits the rows; `instead`: what keeps them global)."""
-    if not jax.tree.leaves(model_state):
+    if not jax.tree.leaves(model_state) or data_parallel_size(layout.mesh) == 1:  # one device: its rows are all
         return
     per_device = _per_device_leaves(layout, model, static, inputs, model_state)
     if per_device:

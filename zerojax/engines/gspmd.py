@@ -204,13 +204,20 @@ def _pipelined_step(layout, model, static, loss_fn, tx, options, inputs, model_s
 def _check_group_statistics(layout, model, static, inputs, model_state, keep: bool) -> None:
     """Accumulating in data-parallel groups (`runs_in_groups`), a model's own statistic would be a group's."""
     if runs_in_groups(layout, keep):
-        check_state_is_global(layout, model, static, inputs, model_state, _IN_GROUPS, _GLOBAL_INSTEAD)
+        check_state_is_global(layout, model, static, inputs, model_state, _IN_GROUPS, _global_instead(keep))
 
 
-_IN_GROUPS = "with train.grad_accum > 1 the gspmd engine runs the model once per data-parallel group, on its rows"
-_GLOBAL_INSTEAD = (
-    "run it on whole micro-batches instead: zero.stage=3 with zero.reshard_after_forward=true, or train.grad_accum=1"
+_IN_GROUPS = (
+    "accumulating over whole compute params (train.grad_accum > 1 at stages 0-2, or stage 3 keeping its "
+    "gathered weights), the gspmd engine runs the model once per data-parallel group, on the group's rows"
 )
+
+
+def _global_instead(keep: bool) -> str:
+    instead = "run it on whole micro-batches instead: "
+    if keep:
+        return instead + "zero.reshard_after_forward=true"
+    return instead + "zero.stage=3 with zero.reshard_after_forward=true, or train.grad_accum=1"
 
 
 def build(

@@ -162,7 +162,7 @@ class Trainer:
     def lower(self, state: TrainState, batch: dict):
         """The current step lowered for `state` and `batch` (arrays, or ShapeDtypeStructs)."""
         if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch)):
-            batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding) for k, v in batch.items()}
+            batch = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding), batch)
         else:
             batch = self.shard_batch(batch)
         return self.prepared.step_fn.lower(state, batch)  # type: ignore[attr-defined]
@@ -196,7 +196,7 @@ class Trainer:
     def evaluate(self, state: TrainState, batch: dict, loss_fn: Callable | None = None) -> jax.Array:
         """The loss of `batch` in eval mode (NNX `model.eval()`, Linen `train=False`): no dropout,
         BatchNorm on its running statistics. `loss_fn` (default: the trainer's) may be any metric of
-        the same form, e.g. `(correct, rows)` for accuracy."""
+        the same form, e.g. `zj.WeightedLoss(correct, rows)` for accuracy."""
         return self.prepared.eval_fn(state, self.shard_batch(batch), loss_fn or self.loss_fn)
 
     def verify(self, batch, steps: int = 3, key=None, tolerance: tuple[float, float] | None = None):

@@ -57,7 +57,7 @@ def layout_report(c) -> dict:
 
     from zerojax.cli.experiment import build_experiment
     from zerojax.core.leaf_rule import LeafLayout
-    from zerojax.core.trees import count_params, path_str
+    from zerojax.core.trees import abstract, count_params, path_str
 
     exp = build_experiment(c)
     trainer = exp.trainer
@@ -68,7 +68,7 @@ def layout_report(c) -> dict:
     else:
         from zerojax.data.sources import example_batch
 
-        batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in example_batch(exp.train_data).items()}
+        batch = abstract(example_batch(exp.train_data))
     state = trainer.abstract_state(jax.random.key(c.train.seed), batch)
     prepared = trainer.prepare(jax.random.key(c.train.seed), batch)
     layout = prepared.layout

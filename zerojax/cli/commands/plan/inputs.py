@@ -150,16 +150,17 @@ def target_inputs(c, args: argparse.Namespace) -> dict:
 
     model, _, _ = build_model(c)
     train, _ = build_data(c, None)
-    x = example_batch(train)["inputs"]
-    inputs = jax.ShapeDtypeStruct((1, *x.shape[1:]), x.dtype)
+    given = example_batch(train)["inputs"]  # an array, or a pytree of arrays
+    inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1, *x.shape[1:]), x.dtype), given)
     shapes = param_shapes(functional(model), jax.random.key(0), inputs)
     params = count_params(shapes)
-    tokens = x.ndim >= 2 and np.issubdtype(x.dtype, np.integer)
+    x = given if hasattr(given, "shape") else None  # token ids name the sequence length; a pytree does not
+    tokens = x is not None and x.ndim >= 2 and np.issubdtype(x.dtype, np.integer)
     if args.lora_rank is not None:
         raise UserError("--lora-rank adds adapters to the shipped GPT, not to model.target; give --trainable instead.")
     return {
         "params": float(params),
-        "seq_len": args.seq or (int(x.shape[1]) if tokens else 1),
+        "seq_len": args.seq or (int(x.shape[1]) if tokens and x is not None else 1),
         "shape": None,
         "remat": "none",
         "trainable": args.trainable * params if args.trainable else selected_params(shapes, c.train.trainable),
