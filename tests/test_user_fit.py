@@ -259,6 +259,18 @@ def test_plan_and_inspect_count_a_target_model(tmp_path):
     assert report["params"] == n and {l["path"] for l in report["leaves"]} >= {"hidden/kernel", "out/kernel"}
 
 
+def test_plan_and_inspect_count_a_target_model_of_several_inputs():
+    """A model.target whose data's inputs are a dict of arrays: counted from one row of each leaf."""
+    targets = ["--set", "model.target=tests.user_code:GatedMLP", "--set", "data.target=tests.user_code:gated_blobs"]
+    n = 12 * 24 + 24 + 24 * 4 + 4
+    plan = cli_in_process("plan", "configs/tiny.yaml", *targets, "--devices", "8", "--json")
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    assert json.loads(plan.stdout)["params"] == n
+    inspect = cli_in_process("inspect", "configs/tiny.yaml", *targets, "--devices", "8", "--json")
+    assert inspect.returncode == 0, inspect.stderr[-3000:]
+    assert json.loads(inspect.stdout)["params"] == n
+
+
 @pytest.mark.slow
 def test_compare_runs_a_target_model(tmp_path):
     done = run_cli(

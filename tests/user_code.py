@@ -68,6 +68,28 @@ def blobs(seed: int, batch_size: int, rows: int = 256, features: int = 12, class
     return ArraySource({"inputs": x, "targets": labels}, batch_size=batch_size, seed=seed)
 
 
+class GatedMLP(nnx.Module):
+    """Two inputs, as a dict: features and a per-row gate."""
+
+    def __init__(self, features: int = 12, hidden: int = 24, classes: int = 4, *, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(features, hidden, rngs=rngs)
+        self.out = nnx.Linear(hidden, classes, rngs=rngs)
+
+    def __call__(self, inputs):
+        return self.out(jax.nn.gelu(self.hidden(inputs["x"])) * inputs["gate"][:, None])
+
+
+def gated_blobs(seed: int, batch_size: int) -> ArraySource:
+    """`blobs` with a gate per row beside the features: inputs that are a dict of arrays."""
+    arrays = blobs(seed, batch_size).arrays
+    gate = np.linspace(0.5, 1.5, len(arrays["targets"]), dtype=np.float32)
+    return ArraySource(
+        {"inputs": {"x": arrays["inputs"], "gate": gate}, "targets": arrays["targets"]},
+        batch_size=batch_size,
+        seed=seed,
+    )
+
+
 def not_a_model(**kwargs):
     return 3
 
