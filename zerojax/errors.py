@@ -6,6 +6,12 @@ Preempted  SIGTERM (or JAX's preemption notice): a checkpoint of the last step i
 """
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message ("" for an empty one): what a one-line report quotes."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
+
+
 class UserError(ValueError):
     """Bad input from the user (config, data path, checkpoint, device counts): one clear sentence."""
 

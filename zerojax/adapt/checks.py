@@ -17,7 +17,7 @@ import numpy as np
 
 from zerojax.core.loss import WeightedLoss, unread_tuple
 from zerojax.core.trees import abstract, describe
-from zerojax.errors import UserError
+from zerojax.errors import UserError, first_line
 
 
 def _shape(x) -> str:
@@ -62,7 +62,7 @@ def check_model_and_loss(
     try:
         value = jax.eval_shape(loss_fn, out, shapes)
     except Exception as e:  # the user's loss: report what it was given, and its own first line
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        first = first_line(e)
         raise UserError(
             f"the loss function failed on the model's output {_describe(out)} and the batch "
             f"({', '.join(f'{k} {describe(v)}' for k, v in shapes.items())}): {type(e).__name__}: {first}"

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from zerojax.errors import Preempted, UserError
+from zerojax.errors import Preempted, UserError, first_line
 
 ENV_COORDINATOR = "ZEROJAX_COORDINATOR"
 ENV_NUM_PROCESSES = "ZEROJAX_NUM_PROCESSES"
@@ -254,7 +254,7 @@ def fail_fast(spec: DistributedSpec):
         sys.stderr.write(f"stopped: {e}\n")
         _exit_now(e.exit_code)
     except jax.errors.JaxRuntimeError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e) or type(e).__name__
         sys.stderr.write(
             f"error: {who}: a collective with the other processes failed; another process most "
             f"likely died or was stopped (see its log). XLA said: {first}\n"

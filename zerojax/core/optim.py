@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from zerojax.errors import UserError
+from zerojax.errors import UserError, first_line
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ def state_shapes(tx, params):
     try:
         return jax.eval_shape(tx.init, params)
     except Exception as error:  # noqa: BLE001 - any failure of a user's init: one sentence
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        first = first_line(error)
         raise UserError(
             f"the optimizer's init failed on the model's parameters ({type(error).__name__}: {first[:200]}); "
             "its masks or labels must match the params tree (zerojax inspect lists the parameter names)."
@@ -169,7 +169,7 @@ def check_update(tx, params, state) -> None:
     try:
         jax.eval_shape(lambda g, s: tx.update(g, s, g, **update_args(tx, jnp.zeros((), jnp.float32))), params, state)
     except Exception as error:  # noqa: BLE001 - any failure of a user's update: one sentence
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        first = first_line(error)
         raise UserError(
             f"the optimizer's update failed on gradients shaped like the model's parameters "
             f"({type(error).__name__}: {first[:200]}); zerojax calls update(grads, state, params), with "

@@ -27,7 +27,7 @@ import numpy as np
 
 from zerojax.core.state import TrainState
 from zerojax.core.trees import path_str
-from zerojax.errors import UserError, WriteFailed
+from zerojax.errors import UserError, WriteFailed, first_line
 from zerojax.log import warn
 from zerojax.train import frozen_part
 from zerojax.train.checksums import device_checksums
@@ -262,7 +262,7 @@ class CheckpointWriter:
         try:
             yield
         except Exception as e:  # noqa: BLE001 - orbax re-raises the background thread's error
-            why = failure(e) or f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            why = failure(e) or f"{type(e).__name__}: {first_line(e)}"
             self._closed = True  # the manager is unusable now; don't wait for it again
             self._remove_partial()
             raise WriteFailed(
