@@ -32,7 +32,7 @@ from zerojax.core.loss import global_loss
 from zerojax.core.mesh import data_parallel_size
 from zerojax.core.offload import split_bytes
 from zerojax.core.optim import get_optimizer
-from zerojax.core.trees import batch_rows, count_params
+from zerojax.core.trees import count_params
 
 
 @dataclass(frozen=True)
@@ -268,7 +268,7 @@ def measure_step(
     final = collective_bytes(compiled.as_text(), runs=runs)
     ma = compiled.memory_analysis()
     first = jax.tree.leaves(batch["inputs"])[0]  # an array, or a pytree's first leaf
-    rows = batch_rows(batch["inputs"])
+    rows = first.shape[0]
     micro = rows // data_parallel_size(trainer.mesh) // trainer.grad_accum  # activations are one micro-batch's
     m = Measurement(
         stage=trainer.stage.index,

@@ -20,10 +20,6 @@ from zerojax.core.trees import abstract, describe
 from zerojax.errors import UserError, first_line
 
 
-def _shape(x) -> str:
-    return f"{np.dtype(x.dtype).name}{list(x.shape)}"
-
-
 def check_keys(batch: dict, default_loss: bool) -> None:
     """'inputs', and 'targets' for the default loss."""
     if not hasattr(batch, "keys"):
@@ -74,8 +70,8 @@ def check_model_and_loss(
 def _describe(out: Any) -> str:
     leaves = jax.tree.leaves(out)
     if len(leaves) == 1 and leaves[0] is out:
-        return _shape(out)
-    return str(jax.tree.map(_shape, out))
+        return describe(out)
+    return str(jax.tree.map(describe, out))
 
 
 def _check_for_cross_entropy(out, targets) -> None:
@@ -94,11 +90,11 @@ def _check_for_cross_entropy(out, targets) -> None:
     if not np.issubdtype(targets.dtype, np.integer):
         raise UserError(
             f"the default loss (softmax cross-entropy) needs integer class targets; the batch's "
-            f"'targets' are {_shape(targets)}."
+            f"'targets' are {describe(targets)}."
         )
     if tuple(out.shape[:-1]) != tuple(targets.shape):
         raise UserError(
-            f"the model's output is {_shape(out)} but the batch's targets are {_shape(targets)}: the "
+            f"the model's output is {describe(out)} but the batch's targets are {describe(targets)}: the "
             f"default loss (softmax cross-entropy) needs logits of shape {list(targets.shape) + ['classes']}."
         )
 
