@@ -314,10 +314,7 @@ def activation_temp_bytes(trainer, batch, key=None) -> int:
     0) only picks the preparation: activation memory does not depend on the values."""
     prepared = trainer.prepare(jax.random.key(0) if key is None else key, batch)
     layout, static = prepared.layout, prepared.static
-    dtype = trainer.precision.compute_dtype
-    shapes = jax.tree.map(
-        lambda l: jax.ShapeDtypeStruct(l.shape, dtype, sharding=layout.replicated), layout.leaves, is_leaf=_is_layout
-    )
+    shapes = layout.compute_shapes(layout.replicated)
     batch = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding), batch)
 
     def loss(params, model_state, batch):

@@ -213,6 +213,14 @@ class StateLayout:
         host = {g: jax.tree.map(offload_lib.to_host, getattr(shardings, g)) for g in self.host_groups}
         return shardings.replace(**host)
 
+    def compute_shapes(self, sharding=None):
+        """The logical params as `jax.ShapeDtypeStruct`s in the compute dtype, each with `sharding`
+        if given: what an abstract trace of the model reads."""
+        dtype = self.precision.compute_dtype
+        return jax.tree.map(
+            lambda l: jax.ShapeDtypeStruct(l.shape, dtype, sharding=sharding), self.leaves, is_leaf=_is_layout
+        )
+
     def abstract_state(self, tx, opt_state_shapes) -> TrainState:
         """The state as `jax.ShapeDtypeStruct`s carrying their shardings; traces nothing."""
         shardings = self.state_shardings(tx, opt_state_shapes)

@@ -21,7 +21,6 @@ from zerojax.core import constraints as activations
 from zerojax.core.layout import StateLayout
 from zerojax.core.mesh import BATCH_AXES, data_parallel_size
 from zerojax.core.trees import path_str
-from zerojax.engines.unit_plan import is_layout
 from zerojax.errors import UserError
 
 
@@ -39,8 +38,7 @@ def check_state_is_global(layout: StateLayout, model, static, inputs, model_stat
 
 
 def _per_device_leaves(layout, model, static, inputs, model_state) -> list[str]:
-    dtype = layout.precision.compute_dtype
-    params = jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape, dtype), layout.leaves, is_leaf=is_layout)
+    params = layout.compute_shapes()
     key = jax.ShapeDtypeStruct((2,), jnp.uint32)
     found: list[str] = []
 

@@ -26,8 +26,7 @@ def unit_around(
     itself, called inside the transform on one layer's params: each leaf it reads there has lost its
     layer axis, and is gathered as that one layer (`LeafLayout.one_layer`)."""
     leaves = jax.tree.leaves(layout.leaves, is_leaf=is_layout)
-    dtype = layout.precision.compute_dtype
-    logical = jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape, dtype), layout.leaves, is_leaf=is_layout)
+    logical = layout.compute_shapes()
     modules = model.modules(logical, model_state, inputs)
     module_paths = {p for p, _, n in modules if n}
     units = sorted(set(units_lib.choose_units(modules, rule)) | {s for s in layout.stacks if s in module_paths})
