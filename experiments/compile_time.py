@@ -2,7 +2,7 @@
 
     python -m experiments.compile_time [--blocks 4 8 16] [--stages 0 1 2 3] [--engines gspmd shard_map]
                                        [--optimizers adamw_clip sgd] [--checked] [--phases]
-                                       [--repeat N] [--variants]
+                                       [--repeat N] [--variants] [--by-hand]
 
 The model is a user's unrolled NNX decoder: an `nnx.List` of pre-norm blocks (causal self-attention
 and an MLP, LayerNorms), width 128, vocabulary 256, sequence 64, batch 16, on 8 simulated CPU
@@ -14,7 +14,9 @@ tenth from one process to the next; repeats within one process agree closely). A
 step is compiled first, untimed: a process's first trace and compile pay one-off costs (zerojax's own
 first-use costs still fall on the first zerojax cell). `--variants` adds
 stage-3 cells with public options that leave parts of the stage-3 step out, to show where its
-compile time goes. Writes experiments/results/compile_time.md.
+compile time goes. `--by-hand` adds the same plain step with each parameter and its optimizer state
+split over the devices (FSDP written by hand under GSPMD: the partitioner's gathers and reductions,
+without units, the skipped non-finite step or the update's in-place order). Writes experiments/results/compile_time.md.
 """
 
 from __future__ import annotations
@@ -81,15 +83,24 @@ def batch() -> dict:
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
-def plain_seconds(depth: int, optimizer: str) -> tuple[float, float, float]:
-    """Trace, lower and compile a plain data-parallel `jax.jit` step of the same model."""
+def plain_seconds(depth: int, optimizer: str, by_hand_fsdp: bool = False) -> tuple[float, float, float]:
+    """Trace, lower and compile a plain data-parallel `jax.jit` step of the same model; with
+    `by_hand_fsdp`, each parameter and optimizer-state leaf split over the devices along its first
+    dimension they divide (replicated where none does), the step itself unchanged."""
     model = decoder(depth)(rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
     tx = OPTIMIZERS[optimizer]()
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    devices = jax.devices()
+    mesh = jax.sharding.Mesh(np.array(devices), ("data",))
     replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-    params = jax.device_put(params, replicated)
-    opt_state = jax.device_put(tx.init(params), replicated)
+
+    def placed(x):
+        split = [i for i, size in enumerate(x.shape) if size % len(devices) == 0] if by_hand_fsdp else []
+        return NamedSharding(mesh, P(*[None] * split[0], "data")) if split else replicated
+
+    params = jax.device_put(params, jax.tree.map(placed, params))
+    opt_state = tx.init(params)
+    opt_state = jax.device_put(opt_state, jax.tree.map(placed, opt_state))
     data = jax.device_put(batch(), rows)
 
     def loss_of(p, b):
@@ -167,6 +178,7 @@ def main() -> None:
     ap.add_argument("--phases", action="store_true", help="each cell's trace + lower + compile seconds too")
     ap.add_argument("--repeat", type=int, default=1, help="compiles per program; the fastest is reported")
     ap.add_argument("--variants", action="store_true", help="stage-3 cells leaving parts of the step out")
+    ap.add_argument("--by-hand", action="store_true", help="a column for the plain step with FSDP by hand")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "compile_time.md"))
     args = ap.parse_args()
     if args.repeat < 1:
@@ -174,7 +186,8 @@ def main() -> None:
     global REPEAT
     REPEAT = args.repeat
     jax.config.update("jax_enable_compilation_cache", False)
-    cells_of = [(f"{e} s{s}", e, s, None) for e in args.engines for s in args.stages]
+    cells_of = [("fsdp by hand", None, None, None)] if args.by_hand else []
+    cells_of += [(f"{e} s{s}", e, s, None) for e in args.engines for s in args.stages]
     if args.variants:
         cells_of += [(f"{e} {name}", e, 3, options) for e in args.engines for name, options in VARIANTS.items()]
     plain_seconds(1, args.optimizers[0])  # warm-up: a process's first trace and compile pay one-off costs
@@ -185,7 +198,10 @@ def main() -> None:
             plain = sum(plain_phases)
             cells = []
             for name, engine, stage, options in cells_of:
-                phases = zerojax_seconds(depth, stage, engine, optimizer, args.checked, options)
+                if engine is None:  # the `--by-hand` column
+                    phases = plain_seconds(depth, optimizer, by_hand_fsdp=True)
+                else:
+                    phases = zerojax_seconds(depth, stage, engine, optimizer, args.checked, options)
                 s = sum(phases)
                 cells.append(f"{s:.1f} ({s / plain:.1f}x)" + (_phases(phases) if args.phases else ""))
                 print(f"{optimizer} blocks={depth} plain={plain:.1f}s {name}: {s:.1f}s", flush=True)
