@@ -450,6 +450,30 @@ def test_a_models_own_mode_argument_is_set_by_name(model):
     assert [int(x) for x in jax.tree.leaves(state.model_state)] == [2]
 
 
+class CallTimeRngs(nnx.Module):
+    """Dropout keyed at call time, as Flax's NNX guides also write it: `self.drop(x, rngs=rngs)`."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden, self.out = nnx.Linear(37, 64, rngs=rngs), nnx.Linear(64, 10, rngs=rngs)
+        self.drop = nnx.Dropout(0.5)  # no stream of its own
+
+    def __call__(self, x, *, rngs: nnx.Rngs | None = None):
+        return self.out(self.drop(jax.nn.gelu(self.hidden(x)), rngs=rngs))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_nnx_model_taking_rngs_at_call_time_gets_them(engine):
+    """zerojax hands it an `nnx.Rngs` keyed from the step's key (before: Flax's raw ValueError, no
+    `rngs` for Dropout). With lr 0 only the masks move the loss; stage 3 draws the masks stage 0 does;
+    evaluation is deterministic."""
+    batch = classification_batch(0)
+    trainer, state, losses = _run(CallTimeRngs, stage=3, engine=engine, steps=3, batch=batch, tx=optax.sgd(0.0))
+    assert len(set(losses)) == len(losses), losses
+    assert _run(CallTimeRngs, stage=0, engine=engine, steps=3, batch=batch, tx=optax.sgd(0.0))[2] == losses
+    first = float(trainer.evaluate(state, batch))
+    assert first == float(trainer.evaluate(state, batch)) and first not in losses
+
+
 class NeedsAMask(nn.Module):
     @nn.compact
     def __call__(self, x, mask):

@@ -13,7 +13,9 @@ from zerojax.errors import UserError
 
 # A model's own mode argument as Flax's guides and examples spell it, and its value when training.
 MODE_ARGUMENTS = {"train": True, "training": True, "is_training": True, "deterministic": False}
-_OWN_ARGUMENTS = ("layer_hook", "layer_loop")  # the hooks zerojax hands a model that takes them
+CALL_RNGS = "rngs"  # an NNX model's `nnx.Rngs` taken at call time (`self.dropout(x, rngs=rngs)`)
+# What zerojax hands an NNX model whose `__call__` takes it: the layer hooks, and its own `Rngs`.
+_OWN_ARGUMENTS = ("layer_hook", "layer_loop", CALL_RNGS)
 
 
 def mode_names(fn, hooks: tuple[str, ...] = _OWN_ARGUMENTS) -> tuple[str, ...]:
@@ -37,6 +39,15 @@ def mode_names(fn, hooks: tuple[str, ...] = _OWN_ARGUMENTS) -> tuple[str, ...]:
             f"or take {'them' if len(unfilled) > 1 else 'it'} from the inputs."
         )
     return tuple(n for n in MODE_ARGUMENTS if n in filled)
+
+
+def takes_by_name(fn, name: str) -> bool:
+    """Whether the `__call__` `fn` takes `name` by keyword."""
+    try:
+        param = inspect.signature(fn).parameters.get(name)
+    except (TypeError, ValueError):
+        return False
+    return param is not None and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
 
 
 def mode_arguments(names: tuple[str, ...], train: bool) -> dict:

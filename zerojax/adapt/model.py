@@ -28,7 +28,7 @@ from flax import nnx
 
 from zerojax.adapt import stacked as stacked_lib
 from zerojax.adapt import wrap_linen, wrap_nnx
-from zerojax.adapt.mode import mode_arguments, mode_names
+from zerojax.adapt.mode import CALL_RNGS, mode_arguments, mode_names, takes_by_name
 from zerojax.core.trees import path_str
 
 
@@ -110,13 +110,6 @@ def _linen_axis_names(module, rng_streams, mode, key, inputs) -> dict:
     }
 
 
-def _takes(fn, name: str) -> bool:
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 # ---- NNX ------------------------------------------------------------------------------------------
 #
 # A module splits into three groups: `nnx.Param`s (the params), its RNG streams (`RngKey`/`RngCount`,
@@ -182,11 +175,14 @@ def _nnx_functions(make: Callable[[Any], nnx.Module] | None, concrete: nnx.Modul
         make = (lambda build: lambda rngs: build(rngs=rngs))(make)  # type: ignore[call-arg]
     abstract = concrete if concrete is not None else nnx.eval_shape(lambda: _built(make, nnx.Rngs(0)))
     graphdef = nnx.split(abstract, nnx.Param, nnx.RngState, ...)[0]
-    hooked = _takes(type(abstract).__call__, "layer_hook")
-    looped = hooked and _takes(type(abstract).__call__, "layer_loop")
+    call = type(abstract).__call__
+    hooked = takes_by_name(call, "layer_hook")
+    looped = hooked and takes_by_name(call, "layer_loop")
     stacks = () if hooked else stacked_lib.stack_paths(abstract)
     declared = tuple((name,) for name in getattr(type(abstract), "layer_stacks", ())) if hooked else ()
-    apply = functools.partial(_nnx_apply, graphdef, hooked, looped, stacks, mode_names(type(abstract).__call__))
+    apply = functools.partial(
+        _nnx_apply, graphdef, hooked, looped, stacks, mode_names(call), takes_by_name(call, CALL_RNGS)
+    )
     return FunctionalModel(
         functools.partial(_nnx_init, make, concrete),
         apply,
@@ -224,6 +220,7 @@ def _nnx_apply(
     looped: bool,
     stacks,
     modes: tuple[str, ...],
+    call_rngs: bool,
     params,
     model_state,
     static,
@@ -241,6 +238,8 @@ def _nnx_apply(
     module = nnx.merge(graphdef, nnx.State(params), rng_state, _merge_state(model_state))
     module.train() if train else module.eval()
     kwargs = mode_arguments(modes, train)
+    if call_rngs:
+        kwargs[CALL_RNGS] = _call_rngs(rng)
     if layer_hook is not None and hooked:
         kwargs["layer_hook"] = _single(layer_hook)
     if layer_loop is not None and looped:
@@ -255,6 +254,16 @@ def _nnx_apply(
     with contexts:
         out = module(inputs, **kwargs)
     return out, _nnx_split(module)[3] if model_state else model_state
+
+
+# The salt of a call-time stream's key ("rngs" in ASCII): no stored stream's index (`_reseed`) reaches it.
+_CALL_RNGS_SALT = 0x726E6773
+
+
+def _call_rngs(rng) -> nnx.Rngs:
+    """The `nnx.Rngs` a model taking `rngs` at call time gets: keyed from the step's key as the stored
+    streams are (per step, device and micro-batch alike); without a key (evaluation), a fixed one."""
+    return nnx.Rngs(jax.random.fold_in(rng, _CALL_RNGS_SALT) if rng is not None else jax.random.key(0))
 
 
 def _nnx_sync_batch_stats(module, axes):
