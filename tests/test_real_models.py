@@ -13,6 +13,7 @@ from flax import nnx
 
 import zerojax as zj
 from tests.models import UnevenMLP, classification_batch
+from tests.user_code import NoisyLinen
 from zerojax.core.optim import pads_exactly
 from zerojax.interop.params import export_params
 from zerojax.train.checkpoint import CheckpointWriter, restore, run_metadata
@@ -472,6 +473,30 @@ def test_an_nnx_model_taking_rngs_at_call_time_gets_them(engine):
     assert _run(CallTimeRngs, stage=0, engine=engine, steps=3, batch=batch, tx=optax.sgd(0.0))[2] == losses
     first = float(trainer.evaluate(state, batch))
     assert first == float(trainer.evaluate(state, batch)) and first not in losses
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_linen_stream_the_step_does_not_key_is_one_sentence_and_named_it_trains(engine):
+    """`self.make_rng("noise")` without "noise" in `rng_streams`: one `UserError` saying how (before:
+    Flax's raw InvalidRngError); named, stage 3 draws stage 0's noise."""
+    batch = {"inputs": classification_batch(0)["inputs"][:, :12], "targets": classification_batch(0)["targets"] % 4}
+    with pytest.raises(zj.UserError, match=r"stream 'noise'.*rng_streams=\('dropout', 'noise'\)"):
+        zj.Trainer(NoisyLinen(), optax.sgd(0.0), mesh=zj.make_mesh(fsdp=8), stage=3, engine=engine).init(KEY, batch)
+    losses = {}
+    for stage in (0, 3):
+        trainer = zj.Trainer(
+            NoisyLinen(),
+            optax.sgd(0.0),
+            mesh=zj.make_mesh(fsdp=8),
+            stage=stage,
+            engine=engine,
+            rng_streams=("dropout", "noise"),
+        )
+        state, losses[stage] = trainer.init(KEY, batch), []
+        for _ in range(2):
+            state, metrics = trainer.step(state, batch)
+            losses[stage].append(float(metrics["loss"]))
+    assert losses[0] == losses[3] and losses[3][0] != losses[3][1], losses  # lr 0: only the noise moves it
 
 
 class NeedsAMask(nn.Module):

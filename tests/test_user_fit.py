@@ -236,6 +236,11 @@ BAD = {
     ),
     "per-row loss": ([*_MLP, "loss.target=tests.user_code:per_row_loss"], ["loss function returned shape [16]"]),
     "labels outside the classes": ([*_MLP, "model.kwargs={classes: 3}"], ["a target is 3", "3 output classes"]),
+    "a Linen stream not keyed": (
+        ["model.target=tests.user_code:NoisyLinen", "data.target=tests.user_code:blobs"],
+        ["RNG stream 'noise'", "model.rng_streams"],
+    ),
+    "streams without a target": (["model.rng_streams=[noise]"], ["model.rng_streams", "model.target"]),
 }
 
 
@@ -246,6 +251,20 @@ def test_bad_target_is_one_line_exit_2(case, tmp_path):
     assert_one_line_error(
         cli_in_process("train", "configs/tiny.yaml", "--devices", "8", "--out", str(tmp_path), *args), *needles
     )
+
+
+def test_a_configs_rng_streams_reach_the_trainer():
+    """model.rng_streams keys the Linen target's own stream: the step's check traces it in training."""
+    import jax
+
+    from zerojax.cli.config import load_config
+    from zerojax.cli.experiment import build_experiment
+
+    sets = ["model.target=tests.user_code:NoisyLinen", "data.target=tests.user_code:blobs"]
+    c = load_config("configs/tiny.yaml", [*sets, "model.rng_streams=[dropout, noise]", "train.batch_size=16"])
+    experiment = build_experiment(c)
+    batch = blobs(seed=0, batch_size=16).batch(0)
+    assert int(experiment.trainer.init(jax.random.key(0), batch).step) == 0
 
 
 # the same model, its data's inputs an array, then a dict of arrays (features and a per-row gate)

@@ -59,6 +59,16 @@ def linen_mlp(classes: int = 4) -> nn.Module:
     return LinenMLP(classes=classes)
 
 
+class NoisyLinen(nn.Module):
+    """Gaussian input noise in training, drawn from an RNG stream of its own name."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        if train:
+            x = x + 0.1 * jax.random.normal(self.make_rng("noise"), x.shape)
+        return nn.Dense(4)(nn.gelu(nn.Dense(24)(x)))
+
+
 def blobs(seed: int, batch_size: int, rows: int = 256, features: int = 12, classes: int = 4) -> ArraySource:
     """Gaussian blobs, one per class; the data set is fixed, `seed` only shuffles it."""
     rng = np.random.default_rng(1234)

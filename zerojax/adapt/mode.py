@@ -1,13 +1,15 @@
-"""A model's own mode argument, passed by the name its author gave it.
+"""What zerojax hands a model's call besides its inputs, by the names its author gave them.
 
 Flax's guides and examples spell a model's mode `train` (the BatchNorm guide), `training` (the dropout
 guide), `is_training` or `deterministic`; a model with a default would otherwise train in evaluation
-mode, its dropout off and its statistics never updated, without a word.
+mode, its dropout off and its statistics never updated, without a word. An NNX model may take its
+`nnx.Rngs` at call time; a Linen model draws from the RNG streams the step keys (`rng_streams`).
 """
 
 from __future__ import annotations
 
 import inspect
+import re
 
 from zerojax.errors import UserError
 
@@ -53,3 +55,16 @@ def takes_by_name(fn, name: str) -> bool:
 def mode_arguments(names: tuple[str, ...], train: bool) -> dict:
     """The mode arguments `names` for training (`train=True`) or evaluation."""
     return {n: train == MODE_ARGUMENTS[n] for n in names}
+
+
+def unkeyed_stream(error, rng_streams: tuple[str, ...]) -> UserError:
+    """Flax's error for a stream a Linen model draws from (`self.make_rng`) that the step does not key,
+    as one sentence that says how to key it."""
+    found = re.search(r'needs PRNG for "([^"]+)"', str(error))
+    stream = f"the RNG stream {found.group(1)!r}" if found else "an RNG stream"
+    streams = ", ".join([*map(repr, rng_streams), repr(found.group(1)) if found else "..."])
+    return UserError(
+        f"the model draws from {stream} (self.make_rng), which is not among the streams zerojax keys from each "
+        f"step ({', '.join(map(repr, rng_streams)) or 'none'}): name it, Trainer(..., rng_streams=({streams})) "
+        "or model.rng_streams in a config."
+    )

@@ -23,12 +23,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import errors as flax_errors
 from flax import linen as nn
 from flax import nnx
 
 from zerojax.adapt import stacked as stacked_lib
 from zerojax.adapt import wrap_linen, wrap_nnx
-from zerojax.adapt.mode import CALL_RNGS, mode_arguments, mode_names, takes_by_name
+from zerojax.adapt.mode import CALL_RNGS, mode_arguments, mode_names, takes_by_name, unkeyed_stream
 from zerojax.core.trees import path_str
 
 
@@ -350,9 +351,12 @@ def _linen_apply(
         contexts.enter_context(around(module))
         mutable = [*mutable, "params"]  # the root writes its gathered params into its scope
     with contexts:
-        out = module.apply(
-            {"params": params, **model_state}, inputs, rngs=rngs, mutable=mutable or False, **mode(train)
-        )
+        try:
+            out = module.apply(
+                {"params": params, **model_state}, inputs, rngs=rngs, mutable=mutable or False, **mode(train)
+            )
+        except flax_errors.InvalidRngError as e:
+            raise unkeyed_stream(e, rng_streams) from None
     if not mutable:
         return out, model_state
     out, updates = out

@@ -57,6 +57,7 @@ class RopeScalingSection(_Section):
 class ModelConfig(_Section):
     target: str | None = None  # "package.module:name": the user's model instead of the shipped GPT
     kwargs: dict = Field(default_factory=dict)  # passed to model.target
+    rng_streams: list[str] | None = None  # a Linen model.target's make_rng streams, keyed each step; null: [dropout]
     preset: str = "tiny"  # this and the keys below: the shipped GPT only
     d_model: Int | None = None
     n_layers: Int | None = None
@@ -289,10 +290,12 @@ def validate(c: Config) -> None:
             "model.kwargs needs a model.target to pass them to; the shipped GPT takes model.preset, "
             "model.d_model, ... instead."
         )
+    if c.model.rng_streams is not None and not c.model.target:
+        raise UserError("model.rng_streams names a model.target's RNG streams; the shipped GPT keys its own.")
     gpt_only = [
         k
         for k in ModelConfig.model_fields
-        if k not in ("target", "kwargs", "preset")
+        if k not in ("target", "kwargs", "rng_streams", "preset")
         if c.model.target and getattr(c.model, k) is not None
     ]
     if gpt_only:

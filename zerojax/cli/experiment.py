@@ -130,6 +130,7 @@ def build_experiment(c: Config, devices=None) -> Experiment:
         offload=c.zero.offload,
         axis_rules=axis_rules(c),
         trainable=c.train.trainable,
+        **({"rng_streams": tuple(c.model.rng_streams)} if c.model.rng_streams is not None else {}),
     )
     return Experiment(c, gpt, trainer, train_data, eval_data, meta)
 
