@@ -344,6 +344,55 @@ def test_linen_units_with_batchnorm_and_dropout_train_like_stage_0(engine):
     assert all(jax.tree.leaves(moved))  # every unit's running mean and variance was updated
 
 
+class SharingBlock(nnx.Module):
+    def __init__(self, shared: nnx.Linear, rngs: nnx.Rngs):
+        self.own, self.shared = nnx.Linear(16, 16, rngs=rngs), shared
+
+    def __call__(self, x):
+        return x + jax.nn.gelu(self.shared(self.own(x)))
+
+
+class NnxSharedNet(nnx.Module):
+    """One `nnx.Linear` in every block (cross-layer sharing, as ALBERT shares its layers), which the
+    root also calls: with `root_first` the root holds it first, so it is the model's own unit there."""
+
+    def __init__(self, root_first: bool, *, rngs: nnx.Rngs):
+        shared = nnx.Linear(16, 16, rngs=rngs)
+        if root_first:
+            self.a_shared = shared
+        self.blocks = nnx.List([SharingBlock(shared, rngs) for _ in range(2)])
+        self.out, self.z_shared = nnx.Linear(16, 10, rngs=rngs), shared
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(self.z_shared(x))
+        return self.out(x)
+
+
+@pytest.mark.parametrize("root_first", [False, True], ids=["blocks-first", "root-first"])
+def test_a_module_the_model_shares_between_units_trains_like_stage_0(root_first):
+    """NNX keeps a shared module once, at the first path it reaches; every unit holding it gathers it
+    from there, or the module is a unit of its own (before: a raw KeyError at stages 2-3, and under
+    `shard_map` a second gather of gathered weights)."""
+    batch = {"inputs": classification_batch(0)["inputs"][:, :16], "targets": classification_batch(0)["targets"]}
+    losses = {}
+    for stage, engine in ((0, "gspmd"), (3, "gspmd"), (3, "shard_map")):
+        trainer = zj.Trainer(
+            functools.partial(NnxSharedNet, root_first),
+            optax.adam(1e-2),
+            mesh=zj.make_mesh(fsdp=8),
+            stage=stage,
+            engine=engine,
+        )
+        state, losses[stage, engine] = trainer.init(jax.random.key(0), batch), []
+        for _ in range(2):
+            state, metrics = trainer.step(state, batch)
+            losses[stage, engine].append(float(metrics["loss"]))
+    assert trainer.gather_report().route == "units"
+    for key in ((3, "gspmd"), (3, "shard_map")):
+        np.testing.assert_allclose(losses[key], losses[0, "gspmd"], rtol=1e-6, err_msg=str(key))
+
+
 class LinenSharedNet(nn.Module):
     """A unit called twice (once with a keyword argument) and a unit with Dense units inside it."""
 

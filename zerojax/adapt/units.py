@@ -65,10 +65,6 @@ class UnitPlan:
         """The leaves the root gathers once, before the model runs."""
         return [p for p in self.param_paths if owner(p, self.units) is None or p in self.loose]
 
-    def inner(self, path: Path) -> list[Path]:
-        """The units inside the unit at `path`, relative to it."""
-        return [u[len(path) :] for u in self.units if len(u) > len(path) and u[: len(path)] == path]
-
 
 def as_rule(wrap) -> WrapRule | None:
     """`"auto"` -> the default rule; `None`/`"none"` -> no units (one whole-model gather);

@@ -38,11 +38,13 @@ def nnx_around(plan: UnitPlan):
         record = Prefetch() if plan.prefetch and plan.reshard_after_forward else None  # one per traced call
         nodes = [(tuple(str(k) for k in p), n) for p, n in nnx.iter_graph(module)]
         by_path = dict(nodes)
+        # a module or parameter the model shares is reached once, at the path the plan and layout key it by
+        canonical = {id(n): p for p, n in nodes}
         for p, n in nodes:
             if isinstance(n, nnx.Param) and (owner(p, plan.units) is None or p in plan.loose):
                 n.set_value(plan.materialize([path_str(p)], [n.get_value()])[0])
         for u in plan.units:
-            by_path[u].__class__ = _unit_class(type(by_path[u]), u, plan, record)
+            by_path[u].__class__ = _unit_class(type(by_path[u]), u, plan, record, canonical)
         return contextlib.nullcontext()
 
     return around
@@ -78,7 +80,7 @@ def nnx_slice_recorder(ranks: dict[Path, int], sliced: set):
     return around
 
 
-def _unit_class(cls: type, path: Path, plan: UnitPlan, record: Prefetch | None) -> type:
+def _unit_class(cls: type, path: Path, plan: UnitPlan, record: Prefetch | None, canonical: dict) -> type:
     """`cls` with each compute method a unit call: `__call__` and every public method its own classes
     define (not `nnx.Module`'s), when called with an array (`Embed.attend(x)`); one called with none
     (`set_view(deterministic=True)`) runs as it is."""
@@ -89,7 +91,7 @@ def _unit_class(cls: type, path: Path, plan: UnitPlan, record: Prefetch | None) 
         def call(self, *args, **kwargs):
             if not any(isinstance(x, jax.Array) for x in jax.tree.leaves((args, kwargs))):
                 return method(self, *args, **kwargs)
-            return _unit_call(self, method, cls, path, plan, record, args, kwargs)
+            return _unit_call(self, method, cls, path, plan, record, canonical, args, kwargs)
 
         call.__name__ = name
         return call
@@ -106,17 +108,36 @@ def _compute_methods(cls: type) -> list[str]:
     return sorted(names)
 
 
-def _owned(flat: dict, path: Path, plan: UnitPlan) -> set:
-    """The unit's own leaves (relative paths): not an inner unit's, nor read outside the unit."""
-    inner, rel = plan.inner(path), {p: tuple(str(k) for k in p) for p in flat}
-    return {p for p in flat if owner(rel[p], inner) is None and path + rel[p] not in plan.loose}
+def _canonical_paths(unit: nnx.Module, path: Path, canonical: dict) -> dict[Path, Path]:
+    """{each node under a unit, by relative path: its path in the model (`canonical`, by identity)}. A
+    module or parameter shared with another (the same `nnx.Linear` in several blocks) is keyed where
+    the model first reaches it; a unit holding a shared parameter gathers it from there."""
+    return {
+        tuple(str(k) for k in rel): canonical.get(id(n), path + tuple(str(k) for k in rel))
+        for rel, n in nnx.iter_graph(unit)
+    }
 
 
-def _unit_call(self, method, cls: type, path: Path, plan: UnitPlan, record: Prefetch | None, args, kwargs):
+def _owned(flat: dict, plan: UnitPlan, canon: dict[Path, Path]) -> set:
+    """The unit's own leaves (relative paths): not an inner unit's (a shared unit's too), nor one the
+    root gathers (read outside its unit, or shared with a module outside every unit)."""
+    inner = [r for r, c in canon.items() if r and c in plan.units]
+    rel = {p: tuple(str(k) for k in p) for p in flat}
+    return {
+        p
+        for p in flat
+        if owner(rel[p], inner) is None
+        and owner(canon[rel[p]], plan.units) is not None
+        and canon[rel[p]] not in plan.loose
+    }
+
+
+def _unit_call(self, method, cls: type, path: Path, plan: UnitPlan, record, canonical: dict, args, kwargs):
     """`method(self, *args, **kwargs)` on the unit's gathered params (see `rematerialized`)."""
     graphdef, params, rest = nnx.split(self, nnx.Param, ...)  # type: ignore[misc]
     flat = nnx.traversals.flatten_mapping(nnx.to_pure_dict(params))
-    names, owned_set = list(flat), _owned(flat, path, plan)
+    canon = _canonical_paths(self, path, canonical)
+    names, owned_set = list(flat), _owned(flat, plan, canon)
     owned = [i for i, p in enumerate(names) if p in owned_set]
     leaves, treedef = jax.tree.flatten((args, kwargs))
     dynamic = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
@@ -125,7 +146,7 @@ def _unit_call(self, method, cls: type, path: Path, plan: UnitPlan, record: Pref
 
     def gather(values_raw, token):
         values = list(values_raw)
-        keys = [path_str(path + names[i]) for i in owned]
+        keys = [path_str(canon[tuple(str(k) for k in names[i])]) for i in owned]
         for i, x in zip(owned, plan.materialize(keys, [tie(values[i], token) for i in owned])):
             values[i] = x
         return values
