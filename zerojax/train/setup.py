@@ -90,10 +90,11 @@ class Setup:
             c,
         )
 
-    def reference(self) -> Setup:
-        """The same model, optimizer, loss, precision, rules and mesh at stage 0 under `gspmd`: what
-        `verify` compares against."""
-        plain = dataclasses.replace(self.choices, stage=0, engine="gspmd", engine_options=None, offload="none")
+    def reference(self, same_engine: bool = False) -> Setup:
+        """The same model, optimizer, loss, precision, rules and mesh at stage 0 under `gspmd` (or,
+        `same_engine`, under this setup's engine): what `verify` compares against."""
+        engine = self.choices.engine if same_engine else "gspmd"
+        plain = dataclasses.replace(self.choices, stage=0, engine=engine, engine_options=None, offload="none")
         return Setup.of(self.source, self.optimizer or self.tx, **plain.given())
 
     def frozen_where(self, mask) -> Setup:

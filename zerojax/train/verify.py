@@ -12,6 +12,10 @@ round at other points (measured: 1e-4 to 4e-4 in the loss and gradient norm, and
 update, since Adam's first steps move every element by about the learning rate whatever its
 gradient's size, so a rounding that flips a tiny gradient's sign moves the element the other way).
 A model handed a shard, or a gradient reduced wrongly, is off by 1e-1 to 1 or more.
+
+The reference runs under `gspmd`, which draws random numbers (dropout masks, noise) over the global
+batch at every stage. `shard_map` draws them per device, so for a step that draws any (found in its
+traced program) the reference runs under `shard_map` too, and draws the same.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class Verification:
     tolerance: tuple[float, float]  # (loss and gradient norm, updates)
     update_diffs: dict  # every parameter's relative update difference, by path
     route: str  # how the trainer gathers the params (its gather report)
+    reference_engine: str = "gspmd"  # the engine stage 0 ran under: the trainer's, where it draws per device
 
     @property
     def passed(self) -> bool:
@@ -52,7 +57,13 @@ class Verification:
             return f"  {name:<14} {value:.2e} (tolerance {tol:.0e}){what}{'' if value <= tol else '  <- over'}"
 
         return [
-            f"{'PASS' if self.passed else 'FAIL'}: {self.steps} steps against stage 0, largest relative differences:",
+            f"{'PASS' if self.passed else 'FAIL'}: {self.steps} steps against stage 0"
+            + (
+                " under shard_map (the step draws random numbers per device)"
+                if self.reference_engine != "gspmd"
+                else ""
+            )
+            + ", largest relative differences:",
             row("loss", self.loss_diff, self.tolerance[0]),
             row("gradient norm", self.grad_norm_diff, self.tolerance[0]),
             row("update", self.update_diff, self.tolerance[1], f", parameter {self.worst_leaf}"),
@@ -77,7 +88,9 @@ def verify(
             f"verify needs at least one step and a batch per step, got {steps} steps, {len(batches)} batches"
         )
     key = jax.random.key(0) if key is None else key
-    ref = prepare(trainer.setup.reference() if reference is None else reference, key, batches[0])
+    if reference is None:
+        reference = trainer.setup.reference(same_engine=_draws_per_device(trainer, key, batches[0]))
+    ref = prepare(reference, key, batches[0])
     runs = [
         _train(lambda: trainer.init(key, batches[0]), trainer.step, lambda: trainer.layout, batches),
         _train(
@@ -100,7 +113,32 @@ def verify(
         tolerance,
         diffs,
         trainer.gather_report().description,
+        ref.setup.choices.engine,
     )
+
+
+_RANDOM_PRIMITIVES = ("random_bits", "threefry2x32")  # what drawing random numbers traces to
+
+
+def _draws_per_device(trainer, key, batch: dict) -> bool:
+    """Whether the trainer's step runs under `shard_map` and draws random numbers (its traced program
+    holds a draw: the step key's folds alone are not one)."""
+    if trainer.engine != "shard_map":
+        return False
+    prep = trainer.prepare(key, batch)
+    return _draws(prep.step_fn.trace(prep.abstract_state(), trainer.shard_batch(batch)).jaxpr.jaxpr)
+
+
+def _draws(jaxpr) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _RANDOM_PRIMITIVES:
+            return True
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's, or a Jaxpr
+                if hasattr(inner, "eqns") and _draws(inner):
+                    return True
+    return False
 
 
 def _train(init, step, layout_of, batches: list[dict]):
