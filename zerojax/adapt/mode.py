@@ -61,10 +61,10 @@ def unkeyed_stream(error, rng_streams: tuple[str, ...]) -> UserError:
     """Flax's error for a stream a Linen model draws from (`self.make_rng`) that the step does not key,
     as one sentence that says how to key it."""
     found = re.search(r'needs PRNG for "([^"]+)"', str(error))
-    stream = f"the RNG stream {found.group(1)!r}" if found else "an RNG stream"
-    streams = ", ".join([*map(repr, rng_streams), repr(found.group(1)) if found else "..."])
+    name = found.group(1) if found else None
+    stream = f"the RNG stream {name!r}" if name else "an RNG stream"
+    wanted = repr((*rng_streams, name)) if name else "(..., the stream)"
     return UserError(
         f"the model draws from {stream} (self.make_rng), which is not among the streams zerojax keys from each "
-        f"step ({', '.join(map(repr, rng_streams)) or 'none'}): name it, Trainer(..., rng_streams=({streams})) "
-        "or model.rng_streams in a config."
+        f"step, {rng_streams!r}: name it, Trainer(..., rng_streams={wanted}) or model.rng_streams in a config."
     )

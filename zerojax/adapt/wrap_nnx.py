@@ -139,6 +139,7 @@ def _unit_call(self, method, cls: type, path: Path, plan: UnitPlan, record, cano
     canon = _canonical_paths(self, path, canonical)
     names, owned_set = list(flat), _owned(flat, plan, canon)
     owned = [i for i, p in enumerate(names) if p in owned_set]
+    keys = [path_str(canon[tuple(str(k) for k in names[i])]) for i in owned]  # as the layout knows them
     leaves, treedef = jax.tree.flatten((args, kwargs))
     dynamic = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
     rest_leaves, rest_def = jax.tree.flatten(rest)  # passed in, so the unit may update it inside
@@ -146,7 +147,6 @@ def _unit_call(self, method, cls: type, path: Path, plan: UnitPlan, record, cano
 
     def gather(values_raw, token):
         values = list(values_raw)
-        keys = [path_str(canon[tuple(str(k) for k in names[i])]) for i in owned]
         for i, x in zip(owned, plan.materialize(keys, [tie(values[i], token) for i in owned])):
             values[i] = x
         return values

@@ -107,7 +107,9 @@ def pads_exactly(tx, shape: tuple[int, int] = (129, 131), padded: tuple[int, int
         grads = [jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(2)]
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
             s, sp, q, qp = tx.init(p), tx.init(pad(p)), p, pad(p)
-            if not all(jax.tree.leaves(jax.tree.map(_padded_alike(shape, padded), s, sp))):
+            # each state leaf: the leaf's shape, padded with it, or one shape whatever the padding
+            alike = lambda a, b: (np.shape(a), np.shape(b)) == (shape, padded) or np.shape(a) == np.shape(b)  # noqa: E731
+            if not all(jax.tree.leaves(jax.tree.map(alike, s, sp))):
                 return False
             extra = update_args(tx, jnp.zeros((), jnp.float32))  # as the step calls it
             for g in grads:
@@ -121,13 +123,6 @@ def pads_exactly(tx, shape: tuple[int, int] = (129, 131), padded: tuple[int, int
         return True
     except Exception:  # noqa: BLE001 - any failure on the probe: be exact
         return False
-
-
-def _padded_alike(shape: tuple[int, ...], padded: tuple[int, ...]):
-    """(a state leaf for the leaf, for it padded) -> whether it is the leaf's shape padded, or one shape."""
-    import numpy as np
-
-    return lambda a, b: (np.shape(a), np.shape(b)) == (shape, padded) or np.shape(a) == np.shape(b)
 
 
 def check_transformation(tx) -> None:
