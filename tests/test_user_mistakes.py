@@ -83,3 +83,10 @@ def test_evaluate_refuses_a_bare_tuple_and_takes_a_weighted_loss(engine):
     mean_of_products = trainer.evaluate(state, batch, loss_fn=lambda o, b: (o[:, 0] * b["w"]).mean())
     assert float(weighted) == pytest.approx(float(mean_of_products) * 8 / w.sum(), rel=1e-5)
     assert float(weighted) != pytest.approx(float(mean_of_products), rel=1e-3)  # the weights mattered
+
+
+def test_streams_named_for_an_nnx_model_are_refused():
+    """`rng_streams` keys a Linen model's `make_rng` streams; an NNX model keys all of its own, so a
+    name given for one would do nothing."""
+    with pytest.raises(UserError, match=r"rng_streams \('noise',\) names a Linen model's make_rng streams"):
+        zj.Trainer(MLP, optax.sgd(0.1), mesh=zj.make_mesh(fsdp=8), rng_streams=("noise",))

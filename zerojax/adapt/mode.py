@@ -57,6 +57,19 @@ def mode_arguments(names: tuple[str, ...], train: bool) -> dict:
     return {n: train == MODE_ARGUMENTS[n] for n in names}
 
 
+def linen_streams(rng_streams: tuple[str, ...] | None, linen: bool) -> tuple[str, ...]:
+    """The streams a Linen model's step keys (None: dropout). An NNX model keys every stream its
+    `Rngs` hold, so streams named for one would do nothing: one `UserError`."""
+    if linen:
+        return tuple(rng_streams) if rng_streams is not None else ("dropout",)
+    if rng_streams is not None:
+        raise UserError(
+            f"rng_streams {tuple(rng_streams)!r} names a Linen model's make_rng streams; an NNX model's Rngs "
+            f"streams are each keyed every step already: leave it out."
+        )
+    return ()
+
+
 def unkeyed_stream(error, rng_streams: tuple[str, ...]) -> UserError:
     """Flax's error for a stream a Linen model draws from (`self.make_rng`) that the step does not key,
     as one sentence that says how to key it."""

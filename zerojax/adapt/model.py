@@ -29,7 +29,7 @@ from flax import nnx
 
 from zerojax.adapt import stacked as stacked_lib
 from zerojax.adapt import wrap_linen, wrap_nnx
-from zerojax.adapt.mode import CALL_RNGS, mode_arguments, mode_names, takes_by_name, unkeyed_stream
+from zerojax.adapt.mode import CALL_RNGS, linen_streams, mode_arguments, mode_names, takes_by_name, unkeyed_stream
 from zerojax.core.trees import path_str
 
 
@@ -375,9 +375,11 @@ def _linen_sync(axes):
     return nn.intercept_methods(interceptor)
 
 
-def functional(model, rng_streams: tuple[str, ...] = ("dropout",)) -> FunctionalModel:
+def functional(model, rng_streams: tuple[str, ...] | None = None) -> FunctionalModel:
+    """The model as pure functions; `rng_streams`: a Linen model's `make_rng` streams (None: dropout)."""
     if isinstance(model, nn.Module):
-        return _linen_functions(model, tuple(rng_streams))
+        return _linen_functions(model, linen_streams(rng_streams, linen=True))
+    linen_streams(rng_streams, linen=False)
     if isinstance(model, nnx.Module):
         return _nnx_functions(None, model)
     if callable(model):

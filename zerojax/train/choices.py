@@ -22,7 +22,7 @@ class Choices:
     reduce_dtype: str | None = None  # the gradient reduction's dtype; None: the precision's
     replicate_below_bytes: int = 2048  # leaves smaller than this stay whole on every device
     engine_options: Any = None  # `EngineOptions` or a dict of its fields
-    rng_streams: tuple[str, ...] = ("dropout",)  # the model's RNG streams, keyed from each step
+    rng_streams: tuple[str, ...] | None = None  # a Linen model's make_rng streams, keyed each step; None: dropout
     grad_accum: int = 1  # micro-batches per step
     microbatches: int | None = None  # a `pipeline` mesh axis: GPipe microbatches per step; None: one a stage
     pipeline_repeats: int = 1  # layer chunks per pipeline device: more than 1 runs the circular schedule
