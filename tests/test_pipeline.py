@@ -524,6 +524,25 @@ def test_kept_weights_on_a_pipeline_train_as_unpipelined(gpt_reference):
     )
 
 
+def test_gspmd_accumulates_micro_batches_through_the_pipeline(gpt_reference):
+    """gspmd, stage 0, two accumulation micro-batches: each runs through the pipeline (its sends in the
+    compiled step) and the step trains as unpipelined. Before, accumulating at stages 0-2 ran the
+    model once per data-parallel group with no pipeline at all, every device holding every layer,
+    while the gather report said it was pipelined."""
+    trainer = zj.Trainer(
+        functools.partial(GPT, CFG),
+        optax.sgd(LR),
+        mesh=zj.make_mesh(pipeline=2, fsdp=4),
+        stage=0,
+        microbatches=2,
+        grad_accum=2,
+    )
+    state = trainer.init(KEY, _tokens(0))
+    compiled = trainer.lower(state, trainer.shard_batch(_tokens(0))).compile()
+    assert compiled.as_text().count("collective-permute(") >= 2  # a stage's activations sent forward and back
+    _assert_same_training(_run(trainer, _tokens, state=state), gpt_reference)
+
+
 def test_stage_sends_follow_the_schedule_and_the_gradient_is_reduced_once():
     """On the partitioned HLO, its sends counted as often as a profile of the step shows they ran:
     each work item's activations cross a stage boundary forward and their gradient backward, and

@@ -577,17 +577,17 @@ def _normalised_run(**kwargs):
 
 
 @pytest.mark.parametrize(
-    "kwargs, words",
+    "kwargs, words, instead",
     [
-        ({"engine": "shard_map", "stage": 1}, "engine='shard_map' each device runs the model on its own rows"),
-        ({"engine": "gspmd", "stage": 0, "grad_accum": 2}, "once per data-parallel group"),
+        ({"engine": "shard_map", "stage": 1}, "engine='shard_map' each device runs the model on its own rows", "gspmd"),
+        ({"engine": "gspmd", "stage": 0, "grad_accum": 2}, "once per data-parallel group", "whole_micro_batches=true"),
     ],
 )
-def test_a_statistic_of_a_devices_rows_alone_is_refused(kwargs, words):
+def test_a_statistic_of_a_devices_rows_alone_is_refused(kwargs, words, instead):
     """A model's own statistic over its rows (not a BatchNorm, whose statistics the engines average)
     would be each device's or group's own under these: one sentence naming it, before compiling.
     Before, `shard_map` kept one device's mean, and its losses differed from stage 0's from step 1."""
-    with pytest.raises(zj.UserError, match=rf"{words}.*updates InputStats/mean from them"):
+    with pytest.raises(zj.UserError, match=rf"{words}.*updates InputStats/mean from them.*{instead}"):
         _normalised_run(**kwargs)
 
 
@@ -599,6 +599,17 @@ def test_a_statistic_on_one_data_parallel_device_is_the_batchs():
     batch["targets"] %= 4
     state, _ = trainer.step(trainer.init(KEY, batch), batch)
     assert np.abs(np.asarray(state.model_state["InputStats"]["mean"])).max() > 0
+
+
+def test_a_statistic_of_whole_micro_batches_accumulates_at_stage_0_like_stage_3():
+    """The refusal's other way out: `whole_micro_batches` runs each micro-batch on all of its rows,
+    as stage 3 does, so the statistic is each micro-batch's over the global rows."""
+    accumulate = {"engine": "gspmd", "grad_accum": 2}
+    losses, mean = _normalised_run(stage=0, engine_options={"whole_micro_batches": True}, **accumulate)
+    want_losses, want_mean = _normalised_run(stage=3, **accumulate)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+    np.testing.assert_allclose(mean, want_mean, rtol=1e-6)
+    assert np.abs(mean).max() > 0
 
 
 def test_a_statistic_of_the_global_batch_trains_at_stage_3_like_stage_0():

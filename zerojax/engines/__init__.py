@@ -57,6 +57,11 @@ class EngineOptions:
     # step and keeps them for every microbatch; "per_microbatch" gathers each layer as it runs, for
     # every microbatch (least memory, m + p - 1 times the gathers)
     pipeline_gather: str = "per_step"
+    # gspmd, grad_accum > 1 at stages 0-2: run each micro-batch on all of its rows and reduce its
+    # gradient as it is made (k reductions a step), drawing random numbers and computing a model's own
+    # statistics as stage 3 does. Default: once per data-parallel group, one reduction a step
+    # (docs/engines.md, "Gradient accumulation")
+    whole_micro_batches: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_stacks", tuple(self.layer_stacks))

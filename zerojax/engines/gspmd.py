@@ -38,6 +38,7 @@ SUPPORTS = (
     "reshard_after_forward",
     "checked_update",
     "pipeline_gather",
+    "whole_micro_batches",
 )  # `EngineOptions` fields
 
 
@@ -193,9 +194,8 @@ def _pipelined_step(layout, model, static, loss_fn, tx, options, inputs, model_s
             "weights across micro-batches on the shard_map engine only; the gspmd engine gathers them per "
             "micro-batch (set zero.reshard_after_forward=true, or use zero.engine=shard_map)."
         )
-    if grad_accum > 1:
-        _check_group_statistics(layout, model, static, inputs, model_state, False)
-        grads = _accumulated(accumulated_grads(layout, model, static, loss_fn, piped, grad_accum, False))
+    if grad_accum > 1:  # each micro-batch through the pipeline: a per-group vmap would leave it out
+        grads = _accumulated(accumulated_grads(layout, model, static, loss_fn, piped, grad_accum, False, whole=True))
     else:
         grads = _grads(layout, loss_fn, piped)
     return BuiltStep(grads, _update(layout, tx, options), report, _evaluate(layout, piped))
@@ -217,7 +217,7 @@ def _global_instead(keep: bool) -> str:
     instead = "run it on whole micro-batches instead: "
     if keep:
         return instead + "zero.reshard_after_forward=true"
-    return instead + "zero.stage=3 with zero.reshard_after_forward=true, or train.grad_accum=1"
+    return instead + "zero.whole_micro_batches=true, or train.grad_accum=1"
 
 
 def build(
@@ -256,9 +256,16 @@ def build(
 
     evaluate = _evaluate(layout, run)
     keep = layout.compute_sharded and not options.reshard_after_forward
+    if keep and options.whole_micro_batches:
+        raise UserError(
+            "zero.whole_micro_batches=true reduces each micro-batch's gradient, and "
+            "zero.reshard_after_forward=false keeps the gathered weights to reduce once a step: choose one."
+        )
     if grad_accum > 1 or keep:
-        _check_group_statistics(layout, model, static, inputs, model_state, keep)
-        accumulated = accumulated_grads(layout, model, static, loss_fn, run, grad_accum, keep)
+        whole = options.whole_micro_batches
+        if not whole:
+            _check_group_statistics(layout, model, static, inputs, model_state, keep)
+        accumulated = accumulated_grads(layout, model, static, loss_fn, run, grad_accum, keep, whole)
         grads, update = _accumulated(accumulated), _update(layout, tx, options)
     else:
         # The update may read the gradient shards twice (check, then write in place) where they are

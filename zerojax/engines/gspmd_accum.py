@@ -1,10 +1,11 @@
 """Gradient accumulation under `gspmd`: k micro-batches in one `lax.scan` (see `zerojax.engines.accum`).
 
-Stage 3 (weights resharded after the forward): each micro-batch runs the plain step's forward and
-backward, gathering where used, and its gradient is reduced to shards as it is made (the gather's
-transpose); the shards are accumulated in fp32.
+Whole micro-batches (stage 3 with its weights resharded after the forward, a pipeline, or any stage
+with `whole_micro_batches`): each micro-batch runs the plain step's forward and backward on all of
+its rows, and its gradient is reduced as it is made (at stage 3 to shards: the gather's transpose);
+the reduced gradients are accumulated in fp32.
 
-Stages 0-2, and stage 3 keeping the gathered weights (gathered once before the scan): the
+Otherwise (stages 0-2, and stage 3 keeping the gathered weights, gathered once before the scan): the
 partitioner cannot hold a partial sum across loop iterations, so each data-parallel group's gradient
 is made separately (`vmap` over the groups, the group axis sharded over the batch axes: every device
 computes and accumulates its own unreduced fp32 gradient), and the sum over groups after the scan is
@@ -26,17 +27,18 @@ from zerojax.engines.update import compute_params, constrain
 _GROUPS = "zerojax_groups"  # the vmapped axis of data-parallel groups
 
 
-def accumulated_grads(layout, model, static, loss_fn, run, k: int, keep_gathered: bool):
-    """`(state, batch, key) -> (loss, grads, model_state)` over k micro-batches."""
-    if not runs_in_groups(layout, keep_gathered):
-        return _sharded_micro(layout, loss_fn, run, k)
+def accumulated_grads(layout, model, static, loss_fn, run, k: int, keep_gathered: bool, whole: bool = False):
+    """`(state, batch, key) -> (loss, grads, model_state)` over k micro-batches (`whole`: each on
+    all of its rows, whatever the stage)."""
+    if whole or not runs_in_groups(layout, keep_gathered):
+        return _whole_micro(layout, loss_fn, run, k)
     return _grouped(layout, model, static, loss_fn, k)
 
 
 def runs_in_groups(layout, keep_gathered: bool) -> bool:
-    """Whether the micro-batches run the model once per data-parallel group (a `vmap`, `_grouped`):
-    wherever the compute params are whole for the step; stage 3 re-gathering per micro-batch runs
-    each micro-batch as a whole instead."""
+    """Whether the micro-batches run the model once per data-parallel group (a `vmap`, `_grouped`) by
+    default: wherever the compute params are whole for the step; stage 3 re-gathering per micro-batch
+    runs each micro-batch whole instead."""
     return not (layout.compute_sharded and not keep_gathered)
 
 
@@ -50,13 +52,14 @@ def _scan(micro_grads, acc, model_state, key, micro, k: int, mesh):
     return loss / weight, jax.tree.map(lambda g: g / weight, grads), model_state
 
 
-def _sharded_micro(layout, loss_fn, run, k: int):
+def _whole_micro(layout, loss_fn, run, k: int):
     dp = data_parallel_size(layout.mesh)
-    shardings = layout.shardings(True)
+    sharded = layout.grads_sharded  # each micro-batch's gradient reduced to the stage's form
+    shardings = layout.shardings(sharded)
 
     def grads(state, batch, key):
         params = compute_params(layout, state)
-        zeros = constrain(layout.to_layout(accum.zeros_f32(params), True), shardings)
+        zeros = constrain(layout.to_layout(accum.zeros_f32(params), sharded), shardings)
         micro = jax.tree.map(lambda x: accum.split(x, k, dp).reshape(k, -1, *x.shape[1:]), batch)
         trained_shardings = layout.trained(shardings)  # no accumulator for a frozen leaf
 
@@ -70,7 +73,7 @@ def _sharded_micro(layout, loss_fn, run, k: int):
 
             (loss, (scale, weight, new_state)), g = jax.value_and_grad(loss_of, has_aux=True)(params)
             model_state = new_state if model_state is not None else None
-            g = constrain(layout.to_layout(g, True), shardings)
+            g = constrain(layout.to_layout(g, sharded), shardings)
             return constrain(accum.add_scaled(acc, g, scale), trained_shardings), scale * loss, weight, model_state
 
         loss, grads, model_state = _scan(

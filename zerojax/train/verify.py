@@ -15,7 +15,8 @@ A model handed a shard, or a gradient reduced wrongly, is off by 1e-1 to 1 or mo
 
 The reference runs under `gspmd`, which draws random numbers (dropout masks, noise) over the global
 batch at every stage. `shard_map` draws them per device, so for a step that draws any (found in its
-traced program) the reference runs under `shard_map` too, and draws the same.
+traced program) the reference runs under `shard_map` too, and draws the same. Accumulating
+micro-batches, it runs them as the step does, whole or per data-parallel group (`Setup.reference`).
 """
 
 from __future__ import annotations
