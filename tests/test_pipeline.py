@@ -543,6 +543,23 @@ def test_gspmd_accumulates_micro_batches_through_the_pipeline(gpt_reference):
     _assert_same_training(_run(trainer, _tokens, state=state), gpt_reference)
 
 
+def test_shard_map_stage_2_accumulating_on_a_pipeline_says_so():
+    """Its report named the accumulation alone, though each micro-batch runs through the pipeline."""
+    trainer = zj.Trainer(
+        functools.partial(GPT, CFG),
+        optax.sgd(LR),
+        mesh=zj.make_mesh(pipeline=2, fsdp=4),
+        stage=2,
+        engine="shard_map",
+        microbatches=2,
+        grad_accum=2,
+    )
+    trainer.init(KEY, _tokens(0))
+    description = trainer.gather_report().description
+    assert description.startswith("pipelined: 'blocks' split into 2 pipeline stages"), description
+    assert "stage 2 with gradient accumulation" in description
+
+
 def test_stage_sends_follow_the_schedule_and_the_gradient_is_reduced_once():
     """On the partitioned HLO, its sends counted as often as a profile of the step shows they ran:
     each work item's activations cross a stage boundary forward and their gradient backward, and

@@ -344,7 +344,8 @@ def _train_grads(layout, model, static, loss_fn, options, reduce, report, run_mo
         train_report = kept_whole_report(stage)
     else:
         text = "compute params are replicated, the local gradient reduce-scattered once per step"
-        train_report = GatherReport("replicated", f"stage {stage.index} with gradient accumulation: {text}")
+        piped = f"{report.description}; " if whole_route else ""  # each micro-batch through the pipeline
+        train_report = GatherReport("replicated", f"{piped}stage {stage.index} with gradient accumulation: {text}")
 
     def whole(raw, ms, x, key, train=True):
         return model.apply(raw, ms, static, x, rng=key, train=train, sync=BATCH_AXES)
