@@ -205,7 +205,8 @@ def _fsdp(pod: Pod, s: Split, stage_share: float) -> tuple[float, float]:
     reduces its gradient per accumulation step: without a pipeline, regathering for the backward
     (remat "none" keeps the gathered weights instead, `activations.gathered_weights_kept`);
     a pipeline keeps its gather for the step, or gathers each chunk for every iteration, forward
-    and backward. Stages 0-2 reduce the trained gradient once a step (stage 0 all-reduces it) and,
+    and backward. Stages 0-2 reduce the trained gradient once a step (stage 0 all-reduces it; gspmd
+    accumulating on a pipeline reduces per micro-batch, not modelled here) and,
     at stages 1-2, gather the updated weights back (`analytic.traffic_units`)."""
     p, t, f, k, v = s.pipeline, s.tensor, s.fsdp, s.grad_accum, s.repeats
     rest_share = (pod.params - pod.stacked_params) / t

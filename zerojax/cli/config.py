@@ -90,9 +90,7 @@ class ZeroConfig(_Section):
     checked_update: StrictBool = False  # also refuse a non-finite new state: two optimizer passes
     # stage 3, mesh.pipeline > 1: gather the stage weights once per step, or each layer per microbatch
     pipeline_gather: Literal["per_step", "per_microbatch"] = "per_step"
-    # gspmd, train.grad_accum > 1, stages 0-2: each micro-batch on all its rows, its gradient reduced as
-    # made (k reductions a step, as stage 3); false: once per data-parallel group, one reduction a step
-    whole_micro_batches: StrictBool = False
+    whole_micro_batches: StrictBool = False  # gspmd, grad_accum > 1: each micro-batch whole, reduced as made
 
 
 class MeshConfig(_Section):

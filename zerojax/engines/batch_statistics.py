@@ -2,7 +2,8 @@
 
 The `shard_map` engine runs the model once per device on the device's rows, and `gspmd` runs it
 once per data-parallel group (a `vmap`) wherever it accumulates over whole compute params (stages
-0-2 with accumulation, stage 3 keeping its gathered weights). BatchNorm's statistics
+0-2 with accumulation, stage 3 keeping its gathered weights; not with `whole_micro_batches` or a
+pipeline). BatchNorm's statistics
 are averaged over those devices or groups (the engines set its `axis_name`), but a statistic a model
 computes from its rows itself (a running mean of its inputs in an `nnx.Variable`, a Linen collection)
 would be each device's own: kept as one value, it would differ from what stage 0 without accumulation

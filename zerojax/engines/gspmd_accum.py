@@ -2,8 +2,8 @@
 
 Whole micro-batches (stage 3 with its weights resharded after the forward, a pipeline, or any stage
 with `whole_micro_batches`): each micro-batch runs the plain step's forward and backward on all of
-its rows, and its gradient is reduced as it is made (at stage 3 to shards: the gather's transpose);
-the reduced gradients are accumulated in fp32.
+its rows, and its gradient is reduced as it is made, to the stage's form (shards at stages 2-3; at
+stage 3 the gather's transpose); the reduced gradients are accumulated in fp32.
 
 Otherwise (stages 0-2, and stage 3 keeping the gathered weights, gathered once before the scan): the
 partitioner cannot hold a partial sum across loop iterations, so each data-parallel group's gradient

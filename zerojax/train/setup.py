@@ -92,9 +92,9 @@ class Setup:
 
     def reference(self, same_engine: bool = False) -> Setup:
         """The same model, optimizer, loss, precision, rules and mesh at stage 0 under `gspmd` (or,
-        `same_engine`, under this setup's engine): what `verify` compares against. It accumulates
-        micro-batches as this setup does, whole or per data-parallel group, so it draws the same
-        random numbers (`zerojax.engines.gspmd_accum`)."""
+        `same_engine`, under this setup's engine): what `verify` compares against. Accumulating, it
+        runs the micro-batches as this setup does, whole or per data-parallel group, so it draws the
+        same random numbers (`zerojax.engines.gspmd_accum`)."""
         engine = self.choices.engine if same_engine else "gspmd"
         whole = self.grad_accum > 1 and (
             self.options.whole_micro_batches or (self.stage.compute_params and self.options.reshard_after_forward)

@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from zerojax.core.trees import path_str
+from zerojax.errors import UserError
 from zerojax.train.shard import prepare
 
 TOLERANCE = {"fp32": (1e-5, 1e-4), "bf16": (2e-3, 0.1)}  # (loss and gradient norm, updates)
@@ -90,7 +91,15 @@ def verify(
         )
     key = jax.random.key(0) if key is None else key
     if reference is None:
-        reference = trainer.setup.reference(same_engine=_draws_per_device(trainer, key, batches[0]))
+        draws = _per_group_alone(trainer) or trainer.engine == "shard_map"
+        draws = draws and _draws(trainer, key, batches[0])
+        if draws and _per_group_alone(trainer):
+            raise UserError(
+                "verify cannot compare this step: keeping its gathered weights without accumulation, the gspmd "
+                "engine runs the model once per data-parallel group and draws its random numbers per group, as no "
+                "stage-0 step does; verify it with zero.reshard_after_forward=true (the same state and sharding)."
+            )
+        reference = trainer.setup.reference(same_engine=draws)
     ref = prepare(reference, key, batches[0])
     runs = [
         _train(lambda: trainer.init(key, batches[0]), trainer.step, lambda: trainer.layout, batches),
@@ -121,23 +130,28 @@ def verify(
 _RANDOM_PRIMITIVES = ("random_bits", "threefry2x32")  # what drawing random numbers traces to
 
 
-def _draws_per_device(trainer, key, batch: dict) -> bool:
-    """Whether the trainer's step runs under `shard_map` and draws random numbers (its traced program
-    holds a draw: the step key's folds alone are not one)."""
-    if trainer.engine != "shard_map":
-        return False
+def _per_group_alone(trainer) -> bool:
+    """gspmd at stage 3 keeping its gathered weights without accumulation: the one step that runs
+    the model per data-parallel group (`zerojax.engines.gspmd_accum`) where no stage-0 step does."""
+    keep = trainer.stage.compute_params and not trainer.options.reshard_after_forward
+    return trainer.engine == "gspmd" and keep and trainer.grad_accum == 1
+
+
+def _draws(trainer, key, batch: dict) -> bool:
+    """Whether the trainer's step draws random numbers (its traced program holds a draw: the step
+    key's folds alone are not one)."""
     prep = trainer.prepare(key, batch)
-    return _draws(prep.step_fn.trace(prep.abstract_state(), trainer.shard_batch(batch)).jaxpr.jaxpr)
+    return _holds_draw(prep.step_fn.trace(prep.abstract_state(), trainer.shard_batch(batch)).jaxpr.jaxpr)
 
 
-def _draws(jaxpr) -> bool:
+def _holds_draw(jaxpr) -> bool:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in _RANDOM_PRIMITIVES:
             return True
         for value in eqn.params.values():
             for sub in value if isinstance(value, (tuple, list)) else (value,):
                 inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's, or a Jaxpr
-                if hasattr(inner, "eqns") and _draws(inner):
+                if hasattr(inner, "eqns") and _holds_draw(inner):
                     return True
     return False
 

@@ -28,7 +28,7 @@ def _error(*overrides: str) -> str:
             "zero.stagee=1",
             "unknown config key 'zero.stagee'; valid keys here are: stage, engine, reduce_dtype, prefetch, "
             "reshard_after_forward, offload, quantize_weights, quantize_grads, quantize_block, hierarchical, "
-            "checked_update, pipeline_gather.",
+            "checked_update, pipeline_gather, whole_micro_batches.",
         ),
         ("train.log_every=10", "unknown config key 'train.log_every'"),
         (
