@@ -7,6 +7,7 @@ padded shape; a replicated group in their logical shape.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -284,7 +285,7 @@ def make_layout(
     param_shapes,
     *,
     replicate_below_bytes: int = 2048,
-    pad_free_optimizer: bool = False,
+    optimizer_pads_exactly: Callable[[], bool] = lambda: True,
     stack_paths: tuple = (),
     offload: str = "none",
     hierarchical: bool = False,
@@ -296,8 +297,9 @@ def make_layout(
     model's layer stacks: `zj.Stacked`, or what a model taking `layer_hook` declares) keep axis 0 whole
     from FSDP (a `pipeline` mesh splits it into pipeline stages, every other leaf over fsdp x pipeline).
 
-    `pad_free_optimizer`: the optimizer group keeps padded leaves replicated in their logical shape
-    (for an optimizer whose update is not elementwise, which the zero padding would change).
+    `optimizer_pads_exactly`: whether the optimizer's update of a zero-padded leaf is the padded update
+    (`zerojax.core.optim.pads_exactly`); asked only when the optimizer group has a padded leaf, which
+    it otherwise keeps replicated in its logical shape (the zero padding would change the update).
     `axis_names` ({param path: logical names}) and `axis_rules` (`zerojax.core.axis_rules`) choose each
     leaf's tensor-parallel dimension, and a dimension the model gives to `fsdp` itself.
     `trainable`: a bool per leaf (`zerojax.core.trainable.select`); None: every leaf trains.
@@ -330,7 +332,8 @@ def make_layout(
     leaves = jax.tree_util.tree_map_with_path(rule, param_shapes)
     leaves = leaves if trainable is None else _with_trainable(leaves, trainable)
     opt_leaves = None
-    if pad_free_optimizer and stage.optimizer and any(l.padded for l in jax.tree.leaves(leaves, is_leaf=_is_layout)):
+    padded = any(l.padded for l in jax.tree.leaves(leaves, is_leaf=_is_layout))
+    if stage.optimizer and padded and not optimizer_pads_exactly():
         opt_leaves = jax.tree.map(_unpadded, leaves, is_leaf=_is_layout)
     names = [n for ns in (axis_names or {}).values() for n in ns]
     unmapped = tuple(axis_rules_lib.unmapped(names, rules))
