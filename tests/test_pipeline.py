@@ -655,3 +655,22 @@ def test_inspect_counts_a_kept_compute_copy_per_pipeline_stage():
     w_down, embed = leaves["blocks/w_down"], leaves["embed"]
     assert w_down["bytes_per_device"]["compute_params"] == np.prod(w_down["shape"]) * 2 // 2  # bf16, half the layers
     assert embed["bytes_per_device"]["compute_params"] == np.prod(embed["shape"]) * 2  # outside the pipeline
+
+
+class _OptedInGPT(GPT):
+    layer_stacks = ()  # declares no stack of its own: the engine option names it
+
+
+def test_verify_pipelines_the_reference_of_a_model_opted_into_its_layer_stacks():
+    """The stage-0 reference keeps the engine option `layer_stacks`: without it, it could not split
+    the model over the `pipeline` axis and `verify` refused a model that trains."""
+    trainer = zj.Trainer(
+        functools.partial(_OptedInGPT, CFG),
+        optax.sgd(LR),
+        mesh=zj.make_mesh(pipeline=2, fsdp=4),
+        stage=3,
+        engine_options={"layer_stacks": ("blocks",)},
+    )
+    result = trainer.verify(_tokens(0), steps=1)
+    assert result.passed, result.lines()
+    assert "pipelined: 'blocks' split into 2 pipeline stages" in "\n".join(result.lines())

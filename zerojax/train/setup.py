@@ -94,12 +94,13 @@ class Setup:
         """The same model, optimizer, loss, precision, rules and mesh at stage 0 under `gspmd` (or,
         `same_engine`, under this setup's engine): what `verify` compares against. Accumulating, it
         runs the micro-batches as this setup does, whole or per data-parallel group, so it draws the
-        same random numbers (`zerojax.engines.gspmd_accum`)."""
+        same random numbers (`zerojax.engines.gspmd_accum`); the engine option `layer_stacks` is kept."""
         engine = self.choices.engine if same_engine else "gspmd"
         whole = self.grad_accum > 1 and (
             self.options.whole_micro_batches or (self.stage.compute_params and self.options.reshard_after_forward)
         )
-        options = EngineOptions(whole_micro_batches=True) if whole and engine == "gspmd" else None
+        # the layer stacks a model is opted into are part of the model (a pipeline splits them)
+        options = EngineOptions(layer_stacks=self.options.layer_stacks, whole_micro_batches=whole and engine == "gspmd")
         plain = dataclasses.replace(self.choices, stage=0, engine=engine, engine_options=options, offload="none")
         return Setup.of(self.source, self.optimizer or self.tx, **plain.given())
 
