@@ -119,7 +119,9 @@ def kept_state_bytes(
     return out
 
 
-def traffic_units(stage: Stage, grad_accum: int = 1, reshard_after_forward: bool = True) -> tuple[int, int]:
+def traffic_units(
+    stage: Stage, grad_accum: int = 1, reshard_after_forward: bool = True, *, reduce_each_micro_batch: bool = False
+) -> tuple[int, int]:
     """(param all-gathers, gradient reductions) per step, in units of b * params * (p - 1) / p.
 
     A ring all-gather or reduce-scatter sends (p - 1)/p of the full tensor from every device; an
@@ -128,7 +130,9 @@ def traffic_units(stage: Stage, grad_accum: int = 1, reshard_after_forward: bool
     With `grad_accum` = k micro-batches per step, stages 0-2 still reduce once per step (the local
     gradient is accumulated, then reduced), but stage 3 gathers and reduce-scatters per micro-batch:
     k times the traffic. Stage 3 with `reshard_after_forward=False` gathers once per step and keeps
-    the whole weights: 1 gather and 1 reduction, whatever k.
+    the whole weights: 1 gather and 1 reduction, whatever k. `reduce_each_micro_batch` (the gspmd
+    engine's whole micro-batches, and its pipelines): stages 0-2 reduce each micro-batch's gradient
+    too, k reductions, and still gather once.
     """
     if stage.compute_params and not reshard_after_forward:
         return 1, 1
@@ -140,7 +144,7 @@ def traffic_units(stage: Stage, grad_accum: int = 1, reshard_after_forward: bool
     reductions = 1 if stage.optimizer else 2
     if stage.compute_params:
         return gathers * grad_accum, reductions * grad_accum
-    return gathers, reductions
+    return gathers, reductions * (grad_accum if reduce_each_micro_batch else 1)
 
 
 def traffic_bytes(
@@ -152,9 +156,11 @@ def traffic_bytes(
     grad_accum: int = 1,
     reshard_after_forward: bool = True,
     trainable: float | None = None,
+    *,
+    reduce_each_micro_batch: bool = False,
 ) -> dict[str, float]:
     """Bytes one device sends per optimizer step (ring collectives; `grad_accum` micro-batches per
-    step, see `traffic_units`).
+    step, see `traffic_units`, as `reduce_each_micro_batch`).
 
     Parameters are gathered in the compute dtype (`compute_bytes`), gradients reduced in the reduce
     dtype (`reduce_bytes`, default: the compute dtype). Of `trainable` parameters only (None: all)
@@ -165,7 +171,9 @@ def traffic_bytes(
     trains = trained(params, trainable)
     st = get_stage(stage)
     ring = (devices - 1) / devices
-    gathers, reductions = traffic_units(st, grad_accum, reshard_after_forward)
+    gathers, reductions = traffic_units(
+        st, grad_accum, reshard_after_forward, reduce_each_micro_batch=reduce_each_micro_batch
+    )
     reduce_bytes = compute_bytes if reduce_bytes is None else reduce_bytes
     gathered = params if st.compute_params else trains
     out = {
@@ -189,6 +197,8 @@ def step_temp_bytes(
     grad_accum: int = 1,
     reshard_after_forward: bool = True,
     trainable: float | None = None,
+    *,
+    reduce_each_micro_batch: bool = False,
 ) -> float:
     """Temporaries of one train step per device (beside the kept state): the activations, the
     gradients (whole at stages 0-1, only this device's shard at 2-3) and one fp32 update-sized buffer
@@ -202,6 +212,7 @@ def step_temp_bytes(
     micro-batch loop, so each device holds its whole unreduced micro-batch gradient and a whole fp32
     accumulator through the step; stage 3 reduces per micro-batch, so both are shards, unless
     `reshard_after_forward=False`, which also keeps the whole compute-dtype weights gathered.
+    `reduce_each_micro_batch` (`traffic_units`): stage 2 then holds both as shards too.
 
     A rough sum, not a schedule: XLA overlaps some of these (activations are freed before the update)
     and keeps others this does not model (the scan's stacked gradient accumulators; bf16 matmul
@@ -213,7 +224,8 @@ def step_temp_bytes(
     update = 4.0 * trains / (devices if st.optimizer else 1)
     accumulate = 0.0
     if grad_accum > 1:
-        per_micro_batch = st.compute_params and reshard_after_forward  # reduced inside the loop
+        # reduced inside the loop, to shards
+        per_micro_batch = (st.compute_params and reshard_after_forward) or (st.gradients and reduce_each_micro_batch)
         grads = policy.grad_bytes * trains / (devices if per_micro_batch else 1)
         accumulate = 4.0 * trains / (devices if per_micro_batch else 1)
         if st.compute_params and not reshard_after_forward:

@@ -29,7 +29,7 @@ from zerojax.accounting.partitioned import compile_partitioned
 from zerojax.accounting.placed_bytes import compiled_argument_bytes
 from zerojax.core.leaf_rule import LeafLayout
 from zerojax.core.loss import global_loss
-from zerojax.core.mesh import data_parallel_size
+from zerojax.core.mesh import data_parallel_size, pipeline_size
 from zerojax.core.offload import split_bytes
 from zerojax.core.optim import get_optimizer
 from zerojax.core.trees import count_params
@@ -169,11 +169,16 @@ def ideal(
     # frozen leaves (`trainable=`): kept as compute params only, never reduced
     trains = tensor_local_params(layout.trained_leaves()) if layout.frozen_leaves() else None
     k, reshard = trainer.grad_accum, trainer.options.reshard_after_forward
+    # gspmd runs whole micro-batches through a pipeline, or opted in, reducing each one's gradient
+    each = trainer.engine == "gspmd" and (trainer.options.whole_micro_batches or pipeline_size(trainer.mesh) > 1)
     kept = _summed(
         layout, lambda n, d, t: analytic.kept_state_bytes(n, d, stage, prec, get_optimizer(optimizer), trainable=t)
     )
     traffic = _summed(
-        layout, lambda n, d, t: analytic.traffic_bytes(n, d, stage, prec.param_bytes, prec.reduce_bytes, k, reshard, t)
+        layout,
+        lambda n, d, t: analytic.traffic_bytes(
+            n, d, stage, prec.param_bytes, prec.reduce_bytes, k, reshard, t, reduce_each_micro_batch=each
+        ),
     )
     by_kind_axis = _zeropp_traffic(trainer, psi, shape, k, trains)
     if by_kind_axis is not None:
@@ -183,7 +188,15 @@ def ideal(
         act = gpt_activation_bytes(shape, seq_len, micro_batch, prec.param_bytes, remat)
         held = gathered_weights_kept(psi, stage, remat, prec.param_bytes, reshard)
         temp = analytic.step_temp_bytes(
-            psi, p, stage, prec, act + held, grad_accum=k, reshard_after_forward=reshard, trainable=trains
+            psi,
+            p,
+            stage,
+            prec,
+            act + held,
+            grad_accum=k,
+            reshard_after_forward=reshard,
+            trainable=trains,
+            reduce_each_micro_batch=each,
         )
     return Ideal(
         psi, p, kept["total"], kept, traffic["param_allgather"], traffic["grad_reduce"], temp, act, by_kind_axis

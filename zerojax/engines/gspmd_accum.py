@@ -79,6 +79,9 @@ def _whole_micro(layout, loss_fn, run, k: int):
         loss, grads, model_state = _scan(
             micro_grads, layout.trained(zeros), state.model_state, key, micro, k, layout.mesh
         )
+        # in the accumulator's form: else the partitioner gives the loop the update's layout (shards at
+        # stage 1) and gathers the accumulator in every micro-batch to add the whole gradient to it
+        grads = constrain(grads, trained_shardings)
         return loss, layout.frozen_from(zeros, grads), model_state
 
     return grads
