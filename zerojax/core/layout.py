@@ -297,9 +297,8 @@ def make_layout(
     model's layer stacks: `zj.Stacked`, or what a model taking `layer_hook` declares) keep axis 0 whole
     from FSDP (a `pipeline` mesh splits it into pipeline stages, every other leaf over fsdp x pipeline).
 
-    `optimizer_pads_exactly`: whether the optimizer's update of a zero-padded leaf is the padded update
-    (`zerojax.core.optim.pads_exactly`); asked only when the optimizer group has a padded leaf, which
-    it otherwise keeps replicated in its logical shape (the zero padding would change the update).
+    `optimizer_pads_exactly` (`zerojax.core.optim.pads_exactly`), asked only if the optimizer group has a
+    padded leaf: if not, the group keeps such leaves replicated in their logical shapes.
     `axis_names` ({param path: logical names}) and `axis_rules` (`zerojax.core.axis_rules`) choose each
     leaf's tensor-parallel dimension, and a dimension the model gives to `fsdp` itself.
     `trainable`: a bool per leaf (`zerojax.core.trainable.select`); None: every leaf trains.
@@ -331,10 +330,9 @@ def make_layout(
 
     leaves = jax.tree_util.tree_map_with_path(rule, param_shapes)
     leaves = leaves if trainable is None else _with_trainable(leaves, trainable)
-    opt_leaves = None
-    padded = any(l.padded for l in jax.tree.leaves(leaves, is_leaf=_is_layout))
-    if stage.optimizer and padded and not optimizer_pads_exactly():
-        opt_leaves = jax.tree.map(_unpadded, leaves, is_leaf=_is_layout)
+    padded = stage.optimizer and any(l.padded for l in jax.tree.leaves(leaves, is_leaf=_is_layout))
+    unpadded = padded and not optimizer_pads_exactly()
+    opt_leaves = jax.tree.map(_unpadded, leaves, is_leaf=_is_layout) if unpadded else None
     names = [n for ns in (axis_names or {}).values() for n in ns]
     unmapped = tuple(axis_rules_lib.unmapped(names, rules))
     return StateLayout(
