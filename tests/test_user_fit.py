@@ -145,6 +145,14 @@ def test_summary_and_metrics_have_the_gpt_fields(tmp_path):
     assert set(_records(tmp_path / "m")[0]) == set(_records(tmp_path / "g")[0])
 
 
+def test_a_learning_rate_function_with_python_control_flow_is_recorded(tmp_path):
+    """Schedules are compiled once per run; one that branches on the step in Python is called as is."""
+    zj.fit(
+        _trainer(), blobs(seed=0, batch_size=16), str(tmp_path), steps=3, learning_rate=lambda s: 0.1 if s < 2 else 0.01
+    )
+    assert [r["learning_rate"] for r in _records(tmp_path)] == [0.1, 0.1, 0.01]
+
+
 # ---- the CLI with model.target / data.target ------------------------------------------------------
 
 

@@ -190,15 +190,29 @@ class _Run:
     eval_loss: float | None = None
     bad_run: int = 0  # consecutive non-finite steps
     last_saved: int = 0
+    rate: Callable | None = None  # step -> the learning rate (`FitOptions.learning_rate`, `_schedule`)
 
 
-def _rate_and_memory(o: FitOptions, step: int) -> dict:
+def _schedule(rate):
+    """The learning rate (a number, or step -> rate) as step -> rate: an optax schedule compiled once
+    (run op by op, it compiled a dozen small programs and ran them every step); a function that
+    cannot be traced (Python control flow on the step) as it is."""
+    if not callable(rate):
+        return lambda step: rate
+    compiled = jax.jit(rate)
+    try:
+        compiled(0)
+    except jax.errors.JAXTypeError:
+        return rate
+    return compiled
+
+
+def _rate_and_memory(run: _Run, step: int) -> dict:
     """The learning rate the step used (where known) and the device's peak memory so far (where the
     backend reports it: GPU and TPU, not CPU)."""
     out = {}
-    if o.learning_rate is not None:
-        rate = o.learning_rate(step) if callable(o.learning_rate) else o.learning_rate
-        out["learning_rate"] = float(rate)
+    if run.rate is not None:
+        out["learning_rate"] = float(run.rate(step))
     stats = jax.local_devices()[0].memory_stats()
     if stats and "peak_bytes_in_use" in stats:
         out["device_peak_bytes"] = int(stats["peak_bytes_in_use"])
@@ -222,7 +236,7 @@ def _train_step(trainer, eval_source, o: FitOptions, run: _Run, step: int, batch
         "step_time_s": dt,
         "tokens_per_s": run.items_per_step / dt,
     }
-    record.update(_rate_and_memory(o, step))
+    record.update(_rate_and_memory(run, step))
     if o.eval_every and (step + 1) % o.eval_every == 0:
         run.eval_loss = record["eval_loss"] = evaluate(trainer, eval_source, run.state, o.eval_batches)
     run.records.append(record)
@@ -316,6 +330,7 @@ def _train(trainer, source, eval_source, o: FitOptions, out_dir: str, begun: Sta
     sharding, ckpt_dir = trainer.batch_sharding, _ckpt_dir(o, out_dir)
     first = sources.global_batch(source, begun.step, sharding)
     run = _Run(begun.state, begun.step, [], [], sources.items_per_step(first["inputs"]), last_saved=begun.step)
+    run.rate = None if o.learning_rate is None else _schedule(o.learning_rate)
     out = _Outputs(trainer, o, out_dir, run.start)
     try:
         with Preemption() as preemption:
