@@ -90,3 +90,43 @@ def test_streams_named_for_an_nnx_model_are_refused():
     name given for one would do nothing."""
     with pytest.raises(UserError, match=r"rng_streams \('noise',\) names a Linen model's make_rng streams"):
         zj.Trainer(MLP, optax.sgd(0.1), mesh=zj.make_mesh(fsdp=8), rng_streams=("noise",))
+
+
+def _contrastive(out, batch):  # each row's positive is itself, every other row of the batch a negative
+    return optax.softmax_cross_entropy_with_integer_labels(out @ out.T, np.arange(out.shape[0])).mean()
+
+
+def _masked_mean(out, batch):  # a mean over the unmasked rows of the whole batch, returned as a scalar
+    ce = optax.softmax_cross_entropy_with_integer_labels(out, batch["targets"])
+    return (ce * batch["mask"]).sum() / batch["mask"].sum()
+
+
+ROWS = {  # 16 rows: two micro-batches of one row per device
+    "inputs": np.random.default_rng(0).normal(size=(16, 12)).astype(np.float32),
+    "targets": np.arange(16, dtype=np.int32) % 4,
+    "mask": np.array([1, 1, 0, 1, 1, 1, 1, 0] * 2, np.float32),
+}
+
+
+@pytest.mark.parametrize(
+    "loss, engine, accumulate, needles",
+    [
+        (_contrastive, "shard_map", 1, ["shard_map engine calls the loss on each device's rows", "over 8 blocks of 2"]),
+        (_masked_mean, "shard_map", 1, ["does not add up over rows", "zj.WeightedLoss(total, weight)"]),
+        (_contrastive, "gspmd", 2, ["accumulation calls the loss on each data-parallel group's micro-batch"]),
+    ],
+)
+def test_a_loss_that_does_not_add_up_over_rows_is_refused_where_the_step_splits_them(loss, engine, accumulate, needles):
+    """Called on each device's rows, or each micro-batch's, such a loss would train on another loss,
+    whose value changes with the device count; gspmd without accumulation calls it on the whole
+    batch and takes it."""
+
+    def trainer(engine, k):
+        return zj.Trainer(MLP, optax.sgd(0.1), mesh=zj.make_mesh(fsdp=8), engine=engine, loss_fn=loss, grad_accum=k)
+
+    with pytest.raises(UserError) as e:
+        trainer(engine, accumulate).init(jax.random.key(0), ROWS)
+    assert "\n" not in str(e.value)
+    for needle in needles:
+        assert needle in str(e.value), (needle, str(e.value))
+    trainer("gspmd", 1).init(jax.random.key(0), ROWS)

@@ -4,7 +4,8 @@ Each mistake is one sentence naming shapes (a `UserError`), instead of a traceba
 step or, worse, a silent NaN: a model output that does not fit the targets, a missing batch key, a
 loss that is not a scalar or a `WeightedLoss` (a bare tuple is refused), integer targets outside the output's classes.
 The model and the loss run once on abstract values (`jax.eval_shape`, global shapes): nothing is
-computed, and the check is the same whatever the stage or engine.
+computed, and the check is the same whatever the stage or engine; only a user's loss, where the step
+calls it on blocks of rows, is also computed once on the batch (`zerojax.adapt.loss_rows`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from zerojax.adapt.loss_rows import check_loss_splits
 from zerojax.core.loss import WeightedLoss, unread_tuple
 from zerojax.core.trees import abstract, describe
 from zerojax.errors import UserError, first_line
@@ -44,11 +46,17 @@ def check_rows(inputs) -> int:
 
 
 def check_model_and_loss(
-    run_model: Callable, model_args: tuple, loss_fn: Callable, batch: dict, default_loss: bool
+    run_model: Callable,
+    model_args: tuple,
+    loss_fn: Callable,
+    batch: dict,
+    default_loss: bool,
+    split: tuple[int, str] = (1, ""),
 ) -> int | None:
     """Run `run_model(*model_args, inputs) -> outputs` and `loss_fn(outputs, batch)` on abstract
     values; one sentence for what does not fit. Returns the number of classes the default loss reads
-    targets against (the output's last dimension), or None."""
+    targets against (the output's last dimension), or None. `split`: the blocks of rows the step
+    calls a user's loss on, and why (`zerojax.adapt.loss_rows`: measured where the batch is concrete)."""
     shapes = {k: abstract(v) for k, v in batch.items()}
     out = jax.eval_shape(run_model, *model_args, shapes["inputs"])
     if default_loss:
@@ -64,6 +72,8 @@ def check_model_and_loss(
             f"({', '.join(f'{k} {describe(v)}' for k, v in shapes.items())}): {type(e).__name__}: {first}"
         ) from None
     _check_loss_value(value)
+    if not default_loss:
+        check_loss_splits(loss_fn, out, batch, *split)
     return int(out.shape[-1]) if default_loss else None
 
 

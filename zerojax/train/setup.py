@@ -90,15 +90,38 @@ class Setup:
             c,
         )
 
+    @property
+    def whole_micro_batches(self) -> bool:
+        """Accumulating, each micro-batch runs on all of its rows (`zerojax.engines.gspmd_accum`):
+        stage 3 re-gathering per micro-batch, a pipeline, or the engine option; else `gspmd` runs
+        it once per data-parallel group."""
+        return self.grad_accum > 1 and (
+            self.options.whole_micro_batches
+            or pipeline_size(self.mesh) > 1
+            or (self.stage.compute_params and self.options.reshard_after_forward)
+        )
+
+    @property
+    def loss_split(self) -> tuple[int, str]:
+        """(the equal blocks of a batch's rows the step calls the loss function on, what splits them)."""
+        dp, k = data_parallel_size(self.mesh), self.grad_accum
+        if self.choices.engine == "shard_map":
+            return dp * k, "the shard_map engine calls the loss on each device's rows" + (
+                " and micro-batch" if k > 1 else ""
+            )
+        if k == 1:
+            return 1, "gspmd calls the loss on the whole batch"
+        if self.whole_micro_batches:
+            return k, "gradient accumulation calls the loss on each micro-batch"
+        return dp * k, "gspmd's gradient accumulation calls the loss on each data-parallel group's micro-batch"
+
     def reference(self, same_engine: bool = False) -> Setup:
         """The same model, optimizer, loss, precision, rules and mesh at stage 0 under `gspmd` (or,
         `same_engine`, under this setup's engine): what `verify` compares against. Accumulating, it
         runs the micro-batches as this setup does, whole or per data-parallel group, so it draws the
         same random numbers (`zerojax.engines.gspmd_accum`); the engine option `layer_stacks` is kept."""
         engine = self.choices.engine if same_engine else "gspmd"
-        whole = self.grad_accum > 1 and (
-            self.options.whole_micro_batches or (self.stage.compute_params and self.options.reshard_after_forward)
-        )
+        whole = self.whole_micro_batches
         # the layer stacks a model is opted into are part of the model (a pipeline splits them)
         options = EngineOptions(layer_stacks=self.options.layer_stacks, whole_micro_batches=whole and engine == "gspmd")
         plain = dataclasses.replace(self.choices, stage=0, engine=engine, engine_options=options, offload="none")

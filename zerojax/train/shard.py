@@ -221,7 +221,7 @@ def _check_model(setup: Setup, key, batch: dict, args) -> int | None:
         return setup.model.apply(params, model_state, static, inputs, rng=key, train=True)[0]
 
     default = setup.loss_fn is cross_entropy
-    return checks.check_model_and_loss(run_model, args, setup.loss_fn, batch, default)
+    return checks.check_model_and_loss(run_model, args, setup.loss_fn, batch, default, setup.loss_split)
 
 
 def _checked(fn, abstract: TrainState):
