@@ -51,7 +51,7 @@ def check_model_and_loss(
     loss_fn: Callable,
     batch: dict,
     default_loss: bool,
-    split: tuple[int, str] = (1, ""),
+    split: tuple[int, int, str] = (1, 1, ""),
 ) -> int | None:
     """Run `run_model(*model_args, inputs) -> outputs` and `loss_fn(outputs, batch)` on abstract
     values; one sentence for what does not fit. Returns the number of classes the default loss reads
@@ -73,7 +73,7 @@ def check_model_and_loss(
         ) from None
     _check_loss_value(value)
     if not default_loss:
-        check_loss_splits(loss_fn, out, batch, *split)
+        check_loss_splits(loss_fn, out, batch, split)
     return int(out.shape[-1]) if default_loss else None
 
 

@@ -1,13 +1,15 @@
 """Whether a user's loss function may be called on blocks of a batch's rows.
 
-A step calls the loss function on the whole global batch only under `gspmd` without accumulation.
-`shard_map` calls it on each device's rows, and accumulation on each micro-batch (`gspmd`'s per-group
-accumulation on each group's share of one), then combines the values as the loss's own form says:
-the mean of the blocks' means for a scalar, sum(total) / sum(weight) for a `zj.WeightedLoss`. A loss
-that mixes rows (a contrastive loss, a statistic of the batch) or divides by a count of the whole
-batch (a masked mean returned as a scalar) would train on another loss than the one written, at a
-value that changes with the device count. It is measured once, on the first batch's own values with
-the model's outputs drawn at random in their shapes, and refused in one sentence.
+A step calls the loss function on the whole global batch only under `gspmd` without accumulation
+(and, at stage 3, with `reshard_after_forward`). `shard_map` calls it on each device's rows,
+accumulation on each micro-batch, and `gspmd`'s per-group runs on each data-parallel group's share,
+then combines the values as the loss's own form says: the mean of the blocks' means for a scalar,
+sum(total) / sum(weight) for a `zj.WeightedLoss`. A loss that mixes rows (a contrastive loss, a
+statistic of the batch) or divides by a count of the whole batch (a masked mean returned as a
+scalar) would train on another loss than the one written, at a value that changes with the device
+count. It is measured once, on the first batch's own values with the model's outputs drawn at
+random in their shapes (in fp32: the property is the loss's, not its rounding), and refused in one
+sentence.
 """
 
 from __future__ import annotations
@@ -21,64 +23,97 @@ import numpy as np
 from zerojax.core.loss import loss_parts
 from zerojax.errors import UserError
 
-RTOL = 1e-4  # float32 sums in another order differ by ~1e-7; a mixed-up loss by far more
+RTOL = 1e-4  # fp32 sums in another order differ by ~1e-7; a mixed-up loss by far more
+MAX_BLOCKS = 8  # blocks compared (each a copy of the loss in the probe's one program)
+MAX_BYTES = 64 * 2**20  # random outputs drawn at most; a probe that needs more is not run
 
 
-def check_loss_splits(loss_fn: Callable, out, batch: dict, blocks: int, split_by: str) -> None:
-    """One `UserError` if `loss_fn` over `blocks` equal blocks of `batch`'s rows, combined, is not
-    its value over the whole batch (`out`: the model's abstract outputs; `split_by`: what calls the
-    loss per block). Inconclusive, so passed: several processes, an abstract batch, outputs or
-    values without the rows first, a loss with side effects (`jax.debug` callbacks and prints, not
-    run on made-up outputs), one that fails on a block, or one not finite on the whole batch."""
+def check_loss_splits(loss_fn: Callable, out, batch: dict, split: tuple[int, int, str]) -> None:
+    """One `UserError` if `loss_fn` over the blocks of `batch`'s rows the step calls it on, combined,
+    is not its value over their rows together. `out`: the model's abstract outputs; `split`: (blocks,
+    groups, why) from `Setup.loss_split`: with the rows as (groups, blocks, size), block i is slice i
+    of every group (up to `MAX_BLOCKS` blocks of the first groups are compared).
+
+    Inconclusive, so passed: several processes, an abstract batch, outputs or values without the rows
+    first, outputs too large to draw (`MAX_BYTES`), a loss with side effects (`jax.debug` callbacks
+    and prints, not run on made-up outputs), one that fails on a block, or one not finite over the
+    rows together."""
+    blocks, groups, split_by = split
     # one process only: each of several would judge its own rows, and one refusing alone would leave
     # the others waiting for it
     if blocks <= 1 or jax.process_count() > 1 or not all(_concrete(x) for x in jax.tree.leaves(batch)):
         return
     rows = int(np.shape(jax.tree.leaves(batch["inputs"])[0])[0])
-    leaves = jax.tree.leaves(out) + jax.tree.leaves(batch)
-    if rows % blocks or any(np.shape(x)[:1] != (rows,) for x in leaves):
+    if rows % (blocks * groups) or any(np.shape(x)[:1] != (rows,) for x in jax.tree.leaves((out, batch))):
         return
-    rng = np.random.default_rng(0)
-    outputs = jax.tree.map(lambda s: _drawn(rng, s), out)
-    values = jax.tree.map(np.asarray, batch)
-    size = rows // blocks
-
-    def whole_and_blocks(outputs, values):
-        block = lambda tree, i: jax.tree.map(lambda x: x[i * size : (i + 1) * size], tree)  # noqa: E731
-        parts = [loss_parts(loss_fn(block(outputs, i), block(values, i))) for i in range(blocks)]
-        return loss_parts(loss_fn(outputs, values)), parts
-
+    size = rows // (blocks * groups)
+    row_bytes = sum(4 * int(np.prod(s.shape[1:])) for s in jax.tree.leaves(out))
+    used_blocks, used_groups = min(blocks, MAX_BLOCKS), groups
+    while used_groups > 1 and used_groups * used_blocks * size * row_bytes > MAX_BYTES:
+        used_groups //= 2
+    while used_blocks > 2 and used_groups * used_blocks * size * row_bytes > MAX_BYTES:
+        used_blocks //= 2
+    if used_groups * used_blocks * size * row_bytes > MAX_BYTES:
+        return
     try:
-        traced = jax.jit(whole_and_blocks).trace(outputs, values)
-        if traced.jaxpr.effects:  # callbacks or prints: not run on made-up outputs behind the user's back
-            return
-        (total, weight), parts = traced.lower().compile()(outputs, values)
+        got = _measured(loss_fn, out, batch, (groups, blocks, size), (used_groups, used_blocks))
     except Exception:  # noqa: BLE001 - the step traces the loss itself and reports its failure
         return
-    whole = float(total if weight is None else total / weight)
-    if weight is None:
-        combined = float(np.mean([float(t) for t, _ in parts]))
-    else:
-        combined = float(sum(float(t) for t, _ in parts) / sum(float(w) for _, w in parts))
-    # non-finite over the whole batch: inconclusive; over the blocks only (a masked mean over a block
-    # masked out): the step would fail where the loss the user wrote does not
+    if got is None:
+        return
+    whole, combined = got
+    # non-finite over the rows together: inconclusive; over the blocks only (a masked mean over a
+    # block masked out): the step would fail where the loss the user wrote does not
     if not np.isfinite(whole) or abs(whole - combined) <= RTOL * max(1.0, abs(whole)):
         return
     raise UserError(
         f"{split_by}, but the loss function does not add up over rows: on this batch (with random model "
-        f"outputs) it is {whole:.6g} over all {rows} rows and {combined:.6g} combined over {blocks} blocks of "
-        f"{size}. A masked mean must be returned as zj.WeightedLoss(total, weight); a loss that mixes rows "
-        f"(contrastive, a batch statistic) needs zero.engine=gspmd with train.grad_accum=1."
+        f"outputs) it is {whole:.6g} over {used_groups * used_blocks * size} rows together and {combined:.6g} "
+        f"combined over {used_blocks} blocks of {used_groups * size}. A masked mean must be returned as "
+        f"zj.WeightedLoss(total, weight); a loss that mixes rows (contrastive, a batch statistic) needs "
+        f"zero.engine=gspmd with train.grad_accum=1 (at stage 3 also zero.reshard_after_forward=true)."
     )
+
+
+def _measured(loss_fn, out, batch, layout: tuple[int, int, int], used: tuple[int, int]):
+    """(the loss over the used rows together, combined over their blocks) in fp32, or None for a
+    loss with side effects."""
+    groups, blocks, size = layout
+    used_groups, used_blocks = used
+
+    def rows_of(x):  # the used groups' and blocks' rows, as (groups, blocks, size, ...)
+        x = np.asarray(x).reshape(groups, blocks, size, *np.shape(x)[1:])[:used_groups, :used_blocks]
+        return x.astype(np.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    rng = np.random.default_rng(0)
+    outputs = jax.tree.map(
+        lambda s: (
+            rng.standard_normal((used_groups, used_blocks, size, *s.shape[1:]), dtype=np.float32)
+            if jnp.issubdtype(s.dtype, jnp.floating)
+            else np.zeros((used_groups, used_blocks, size, *s.shape[1:]), s.dtype)
+        ),
+        out,
+    )
+    values = jax.tree.map(rows_of, batch)
+
+    def rows(tree, i=None):  # block i's rows, or (None) every used row, as (rows, ...)
+        return jax.tree.map(lambda x: (x if i is None else x[:, i : i + 1]).reshape(-1, *x.shape[3:]), tree)
+
+    def together_and_blocks(outputs, values):
+        parts = [loss_parts(loss_fn(rows(outputs, i), rows(values, i))) for i in range(used_blocks)]
+        return loss_parts(loss_fn(rows(outputs), rows(values))), parts
+
+    traced = jax.jit(together_and_blocks).trace(outputs, values)
+    if traced.jaxpr.effects:  # callbacks or prints: not run on made-up outputs behind the user's back
+        return None
+    (total, weight), parts = traced.lower().compile()(outputs, values)
+    whole = float(total if weight is None else total / weight)
+    if weight is None:
+        return whole, float(np.mean([float(t) for t, _ in parts]))
+    return whole, float(sum(float(t) for t, _ in parts) / sum(float(w) for _, w in parts))
 
 
 def _concrete(x) -> bool:
     if isinstance(x, jax.Array):
         return x.is_fully_addressable and not isinstance(x, jax.core.Tracer)
     return isinstance(x, (np.ndarray, np.generic, int, float))
-
-
-def _drawn(rng, shape):
-    if jnp.issubdtype(shape.dtype, jnp.floating):
-        return rng.standard_normal(shape.shape).astype(shape.dtype)
-    return np.zeros(shape.shape, shape.dtype)

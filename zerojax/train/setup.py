@@ -102,18 +102,20 @@ class Setup:
         )
 
     @property
-    def loss_split(self) -> tuple[int, str]:
-        """(the equal blocks of a batch's rows the step calls the loss function on, what splits them)."""
+    def loss_split(self) -> tuple[int, int, str]:
+        """How the step calls the loss function on a batch's rows: (blocks, groups, what splits them),
+        the rows as (groups, blocks, rows per block) and block i slice i of every group
+        (`zerojax.adapt.loss_rows`); (1, 1, ...) where it sees the whole batch."""
         dp, k = data_parallel_size(self.mesh), self.grad_accum
         if self.choices.engine == "shard_map":
-            return dp * k, "the shard_map engine calls the loss on each device's rows" + (
-                " and micro-batch" if k > 1 else ""
-            )
-        if k == 1:
-            return 1, "gspmd calls the loss on the whole batch"
-        if self.whole_micro_batches:
-            return k, "gradient accumulation calls the loss on each micro-batch"
-        return dp * k, "gspmd's gradient accumulation calls the loss on each data-parallel group's micro-batch"
+            per = " and micro-batch" if k > 1 else ""
+            return dp * k, 1, f"the shard_map engine calls the loss on each device's rows{per}"
+        if self.whole_micro_batches:  # micro-batch i: slice i of every data-parallel group's rows
+            return k, dp, "gradient accumulation calls the loss on each micro-batch"
+        if k > 1 or (self.stage.compute_params and not self.options.reshard_after_forward):
+            what = "gradient accumulation" if k > 1 else "keeping the gathered weights, gspmd"
+            return dp * k, 1, f"{what} calls the loss on each data-parallel group's rows"
+        return 1, 1, "gspmd calls the loss on the whole batch"
 
     def reference(self, same_engine: bool = False) -> Setup:
         """The same model, optimizer, loss, precision, rules and mesh at stage 0 under `gspmd` (or,
