@@ -146,11 +146,16 @@ def test_summary_and_metrics_have_the_gpt_fields(tmp_path):
 
 
 def test_a_learning_rate_function_with_python_control_flow_is_recorded(tmp_path):
-    """Schedules are compiled once per run; one that branches on the step in Python is called as is."""
+    """Schedules are compiled once per run; one that cannot be traced
+    (a branch on the step, a dict looked up by it) is called as is."""
     zj.fit(
         _trainer(), blobs(seed=0, batch_size=16), str(tmp_path), steps=3, learning_rate=lambda s: 0.1 if s < 2 else 0.01
     )
     assert [r["learning_rate"] for r in _records(tmp_path)] == [0.1, 0.1, 0.01]
+    table = {0: 0.5, 1: 0.25}  # looked up by the step: unhashable while traced
+    out = str(tmp_path / "table")
+    zj.fit(_trainer(), blobs(seed=0, batch_size=16), out, steps=3, learning_rate=lambda s: table.get(s, 0.0))
+    assert [r["learning_rate"] for r in _records(out)] == [0.5, 0.25, 0.0]
 
 
 # ---- the CLI with model.target / data.target ------------------------------------------------------
