@@ -47,18 +47,26 @@ def _masked_batch(seed: int) -> dict:
 LOSSES = {"mean": (None, lambda step: classification_batch(step, rows=ROWS)), "masked": (masked_loss, _masked_batch)}
 
 
-def _train(stage, engine, k, loss="mean", raf=True, model=UnevenMLP, batches=None, steps=STEPS, whole=False):
-    loss_fn, make = LOSSES[loss]
-    batches = batches or make
-    trainer = zj.Trainer(
+def _trainer(model, stage, engine="gspmd", k=K, loss_fn=None, lr=0.2, **options):
+    """`model` trained by SGD on 8 devices of fsdp; `options`: engine options."""
+    mesh = zj.make_mesh(fsdp=DEVICES)
+    return zj.Trainer(
         model,
-        optax.sgd(0.2),
-        mesh=zj.make_mesh(fsdp=DEVICES),
+        optax.sgd(lr),
+        mesh=mesh,
         stage=stage,
         engine=engine,
         loss_fn=loss_fn,
         grad_accum=k,
-        engine_options={"reshard_after_forward": raf, **({"whole_micro_batches": True} if whole else {})},
+        engine_options=options,
+    )
+
+
+def _train(stage, engine, k, loss="mean", raf=True, model=UnevenMLP, batches=None, steps=STEPS, whole=False):
+    loss_fn, make = LOSSES[loss]
+    batches = batches or make
+    trainer = _trainer(
+        model, stage, engine, k, loss_fn, reshard_after_forward=raf, **({"whole_micro_batches": True} if whole else {})
     )
     state = trainer.init(jax.random.key(0), batches(0))
     losses = []
@@ -139,7 +147,7 @@ def test_batch_norm_statistics_thread_through_the_micro_batches(engine):
     """After one step the running statistics are the k micro-batches' updates applied in order
     (the params are the same for every micro-batch of a step)."""
     batch = classification_batch(0, rows=ROWS)
-    trainer = zj.Trainer(_Norm, optax.sgd(0.1), mesh=zj.make_mesh(fsdp=DEVICES), stage=0, engine=engine, grad_accum=K)
+    trainer = _trainer(_Norm, 0, engine, lr=0.1)
     state = trainer.init(jax.random.key(0), batch)
     state, _ = trainer.step(state, batch)
 
@@ -183,15 +191,7 @@ def test_every_micro_batch_draws_its_own_masks(engine):
         return jnp.mean(out**2)
 
     batch = classification_batch(0, rows=ROWS)
-    trainer = zj.Trainer(
-        _Masks,
-        optax.sgd(0.1),
-        mesh=zj.make_mesh(fsdp=DEVICES),
-        stage=0,
-        engine=engine,
-        loss_fn=record_loss,
-        grad_accum=K,
-    )
+    trainer = _trainer(_Masks, 0, engine, loss_fn=record_loss, lr=0.1)
     state = trainer.init(jax.random.key(0), batch)
     jax.block_until_ready(trainer.step(state, batch))
     jax.effects_barrier()
@@ -209,15 +209,7 @@ def test_stage_3_and_whole_micro_batches_draw_the_same_masks_and_verify_passes()
     loss = lambda out, b: jnp.mean(out**2)  # noqa: E731 - depends on every mask
 
     def trainer(stage, **options):
-        return zj.Trainer(
-            _Masks,
-            optax.sgd(0.1),
-            mesh=zj.make_mesh(fsdp=DEVICES),
-            stage=stage,
-            loss_fn=loss,
-            grad_accum=K,
-            engine_options=options,
-        )
+        return _trainer(_Masks, stage, loss_fn=loss, lr=0.1, **options)
 
     def losses(t):
         state, out = t.init(jax.random.key(0), batch), []
@@ -240,8 +232,7 @@ def test_options_that_cannot_hold_together_are_one_sentence():
     batch = classification_batch(0, rows=ROWS)
 
     def trainer(**options):
-        mesh = zj.make_mesh(fsdp=DEVICES)
-        return zj.Trainer(_Masks, optax.sgd(0.1), mesh=mesh, stage=3, engine_options=options)
+        return _trainer(_Masks, 3, k=1, lr=0.1, **options)
 
     with pytest.raises(UserError, match="reshard_after_forward=false keeps the gathered weights.*choose one"):
         trainer(reshard_after_forward=False, whole_micro_batches=True).init(jax.random.key(0), batch)
@@ -269,15 +260,7 @@ def _traffic(stage, engine, k, raf=True, whole=False):
         "inputs": rng.normal(size=(64, 64)).astype(np.float32),
         "targets": rng.integers(0, 10, size=(64,)).astype(np.int32),
     }
-    trainer = zj.Trainer(
-        _Wide,
-        optax.sgd(0.1),
-        mesh=zj.make_mesh(fsdp=DEVICES),
-        stage=stage,
-        engine=engine,
-        grad_accum=k,
-        engine_options={"reshard_after_forward": raf, "whole_micro_batches": whole},
-    )
+    trainer = _trainer(_Wide, stage, engine, k, lr=0.1, reshard_after_forward=raf, whole_micro_batches=whole)
     state = trainer.init(jax.random.key(0), batch)
     compiled, hlo = compile_partitioned(
         trainer.lower(state, trainer.shard_batch(batch)), tempfile.mkdtemp(prefix="zerojax-hlo-")

@@ -36,7 +36,10 @@ def _tokens(seed: int, rows: int = 16) -> dict:
     return {k: rng.integers(0, 256, (rows, CFG.seq_len)).astype(np.int32) for k in ("inputs", "targets")}
 
 
-def _trainer(make, mesh, stage: int, microbatches=None, engine="gspmd", tx=None, repeats=1, gather="per_step"):
+def _trainer(
+    make, mesh, stage: int, microbatches=None, engine="gspmd", tx=None, repeats=1, gather="per_step", k=1, **options
+):
+    """`options`: engine options beside `pipeline_gather`; `k`: gradient accumulation."""
     return zj.Trainer(
         make,
         tx or optax.sgd(LR),
@@ -45,7 +48,8 @@ def _trainer(make, mesh, stage: int, microbatches=None, engine="gspmd", tx=None,
         engine=engine,
         microbatches=microbatches,
         pipeline_repeats=repeats,
-        engine_options={"pipeline_gather": gather} if gather != "per_step" else None,
+        grad_accum=k,
+        engine_options={**options, **({"pipeline_gather": gather} if gather != "per_step" else {})},
     )
 
 
@@ -508,15 +512,14 @@ def test_hpz_on_a_pipeline_trains_as_unpipelined_and_keeps_its_gathers_off_data(
 def test_kept_weights_on_a_pipeline_train_as_unpipelined(gpt_reference):
     """shard_map, stage 3, reshard_after_forward=False: a pipeline stage's weights gathered once per
     step and kept across two accumulation micro-batches."""
-    trainer = zj.Trainer(
+    trainer = _trainer(
         functools.partial(GPT, CFG),
-        optax.sgd(LR),
-        mesh=zj.make_mesh(pipeline=2, fsdp=4),
-        stage=3,
-        engine="shard_map",
-        microbatches=2,
-        grad_accum=2,
-        engine_options={"reshard_after_forward": False},
+        zj.make_mesh(pipeline=2, fsdp=4),
+        3,
+        2,
+        "shard_map",
+        k=2,
+        reshard_after_forward=False,
     )
     _assert_same_training(_run(trainer, _tokens), gpt_reference)
     assert trainer.gather_report().description.endswith(
@@ -529,14 +532,7 @@ def test_gspmd_accumulates_micro_batches_through_the_pipeline(gpt_reference):
     compiled step) and the step trains as unpipelined. Before, accumulating at stages 0-2 ran the
     model once per data-parallel group with no pipeline at all, every device holding every layer,
     while the gather report said it was pipelined."""
-    trainer = zj.Trainer(
-        functools.partial(GPT, CFG),
-        optax.sgd(LR),
-        mesh=zj.make_mesh(pipeline=2, fsdp=4),
-        stage=0,
-        microbatches=2,
-        grad_accum=2,
-    )
+    trainer = _trainer(functools.partial(GPT, CFG), zj.make_mesh(pipeline=2, fsdp=4), 0, 2, k=2)
     state = trainer.init(KEY, _tokens(0))
     compiled = trainer.lower(state, trainer.shard_batch(_tokens(0))).compile()
     assert compiled.as_text().count("collective-permute(") >= 2  # a stage's activations sent forward and back
@@ -545,15 +541,7 @@ def test_gspmd_accumulates_micro_batches_through_the_pipeline(gpt_reference):
 
 def test_shard_map_stage_2_accumulating_on_a_pipeline_says_so():
     """Its report named the accumulation alone, though each micro-batch runs through the pipeline."""
-    trainer = zj.Trainer(
-        functools.partial(GPT, CFG),
-        optax.sgd(LR),
-        mesh=zj.make_mesh(pipeline=2, fsdp=4),
-        stage=2,
-        engine="shard_map",
-        microbatches=2,
-        grad_accum=2,
-    )
+    trainer = _trainer(functools.partial(GPT, CFG), zj.make_mesh(pipeline=2, fsdp=4), 2, 2, "shard_map", k=2)
     trainer.init(KEY, _tokens(0))
     description = trainer.gather_report().description
     assert description.startswith("pipelined: 'blocks' split into 2 pipeline stages"), description
@@ -664,12 +652,8 @@ class _OptedInGPT(GPT):
 def test_verify_pipelines_the_reference_of_a_model_opted_into_its_layer_stacks():
     """The stage-0 reference keeps the engine option `layer_stacks`: without it, it could not split
     the model over the `pipeline` axis and `verify` refused a model that trains."""
-    trainer = zj.Trainer(
-        functools.partial(_OptedInGPT, CFG),
-        optax.sgd(LR),
-        mesh=zj.make_mesh(pipeline=2, fsdp=4),
-        stage=3,
-        engine_options={"layer_stacks": ("blocks",)},
+    trainer = _trainer(
+        functools.partial(_OptedInGPT, CFG), zj.make_mesh(pipeline=2, fsdp=4), 3, layer_stacks=("blocks",)
     )
     result = trainer.verify(_tokens(0), steps=1)
     assert result.passed, result.lines()
