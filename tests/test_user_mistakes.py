@@ -160,3 +160,26 @@ def test_a_bf16_models_mean_loss_adds_up_over_rows():
         Half, optax.sgd(0.1), mesh=zj.make_mesh(fsdp=8), engine="shard_map", loss_fn=lambda o, b: jnp.mean(o**2)
     )
     trainer.init(jax.random.key(0), {"inputs": np.random.default_rng(1).normal(size=(64, 12)).astype(np.float32)})
+
+
+def _f1(out, batch):  # class 0's F1 over the batch: a ratio of counts, not a mean over rows
+    predicted, actual = out.argmax(-1) == 0, batch["targets"] == 0
+    hits = (predicted & actual).sum()
+    return 2 * hits / (predicted.sum() + actual.sum() + 1e-9)
+
+
+@pytest.mark.parametrize("engine", ["shard_map", "gspmd"])
+def test_evaluate_refuses_a_metric_that_does_not_add_up_over_the_devices_rows(engine):
+    """`shard_map` evaluates a metric on each device's rows: an F1 averaged over devices is not the
+    batch's F1. `gspmd` evaluates it on the whole batch; a `WeightedLoss` accuracy adds up in both."""
+    trainer = _trainer(engine=engine)
+    state = trainer.init(jax.random.key(0), ROWS)
+    accuracy = trainer.evaluate(
+        state, ROWS, loss_fn=lambda o, b: zj.WeightedLoss((o.argmax(-1) == b["targets"]).sum(), b["targets"].size)
+    )
+    assert 0 <= float(accuracy) <= 1
+    if engine == "gspmd":
+        assert 0 <= float(trainer.evaluate(state, ROWS, loss_fn=_f1)) <= 1
+        return
+    with pytest.raises(UserError, match="the shard_map engine evaluates a metric on each device's rows, but"):
+        trainer.evaluate(state, ROWS, loss_fn=_f1)

@@ -24,8 +24,10 @@ import optax
 from jax.sharding import NamedSharding
 
 from zerojax.adapt import checks
+from zerojax.adapt.loss_rows import check_loss_splits
 from zerojax.core.layout import StateLayout
 from zerojax.core.loss import cross_entropy
+from zerojax.core.mesh import data_parallel_size
 from zerojax.core.state import TrainState
 from zerojax.core.trees import abstract, describe
 from zerojax.engines import GatherReport
@@ -47,6 +49,7 @@ class Trainer:
         self._preparations: dict[tuple, Sharded] = {}
         self._active: Sharded | None = None  # the preparation `step` uses: set by init / restore_state
         self._compiled: tuple[Sharded, Any] | None = None  # (preparation, its compiled step), reused by `step`
+        self._checked_metrics: dict[int, Callable] = {}  # `evaluate`'s metrics that add up over rows
 
     # ---- the choices, as checked (`zerojax.train.setup.Setup`) ---------------------------------------
 
@@ -197,7 +200,29 @@ class Trainer:
         """The loss of `batch` in eval mode (NNX `model.eval()`, Linen `train=False`): no dropout,
         BatchNorm on its running statistics. `loss_fn` (default: the trainer's) may be any metric of
         the same form, e.g. `zj.WeightedLoss(correct, rows)` for accuracy."""
+        if loss_fn is not None:
+            self._check_metric(loss_fn, batch)
         return self.prepared.eval_fn(state, self.shard_batch(batch), loss_fn or self.loss_fn)
+
+    def _check_metric(self, metric: Callable, batch: dict) -> None:
+        """A metric `evaluate` is given, the first time: `shard_map` evaluates it on each device's rows,
+        so it must add up over them as a loss must (`zerojax.adapt.loss_rows`; an F1 score does not)."""
+        if self.engine != "shard_map" or self._checked_metrics.get(id(metric)) is metric:
+            return
+        prepared = self.prepared
+
+        def outputs(params, model_state, inputs):
+            return self.model.apply(params, model_state, prepared.static, inputs, train=False)[0]
+
+        try:
+            out = jax.eval_shape(
+                outputs, prepared.param_shapes, prepared.abstract.model_state or {}, abstract(batch["inputs"])
+            )
+        except Exception:  # noqa: BLE001 - the evaluation traces the model itself and reports its failure
+            return
+        dp = data_parallel_size(self.mesh)
+        check_loss_splits(metric, out, batch, (dp, 1, "the shard_map engine evaluates a metric on each device's rows"))
+        self._checked_metrics[id(metric)] = metric
 
     def verify(self, batch, steps: int = 3, key=None, tolerance: tuple[float, float] | None = None):
         """This trainer against the same model at stage 0 (same key, same batches) for `steps` steps:
