@@ -168,18 +168,19 @@ def _f1(out, batch):  # class 0's F1 over the batch: a ratio of counts, not a me
     return 2 * hits / (predicted.sum() + actual.sum() + 1e-9)
 
 
-@pytest.mark.parametrize("engine", ["shard_map", "gspmd"])
-def test_evaluate_refuses_a_metric_that_does_not_add_up_over_the_devices_rows(engine):
-    """`shard_map` evaluates a metric on each device's rows: an F1 averaged over devices is not the
-    batch's F1. `gspmd` evaluates it on the whole batch; a `WeightedLoss` accuracy adds up in both."""
-    trainer = _trainer(engine=engine)
+@pytest.mark.parametrize("engine, stage", [("shard_map", 3), ("shard_map", 0), ("gspmd", 3)])
+def test_evaluate_refuses_a_metric_that_does_not_add_up_over_the_devices_rows(engine, stage):
+    """`shard_map` at stage 3 evaluates a metric on each device's rows: an F1 averaged over devices is
+    not the batch's F1. Every other step evaluates the whole batch and takes it; a `WeightedLoss`
+    accuracy adds up everywhere."""
+    trainer = zj.Trainer(MLP, optax.sgd(0.1), mesh=zj.make_mesh(fsdp=8), stage=stage, engine=engine)
     state = trainer.init(jax.random.key(0), ROWS)
     accuracy = trainer.evaluate(
         state, ROWS, loss_fn=lambda o, b: zj.WeightedLoss((o.argmax(-1) == b["targets"]).sum(), b["targets"].size)
     )
     assert 0 <= float(accuracy) <= 1
-    if engine == "gspmd":
+    if (engine, stage) != ("shard_map", 3):
         assert 0 <= float(trainer.evaluate(state, ROWS, loss_fn=_f1)) <= 1
         return
-    with pytest.raises(UserError, match="the shard_map engine evaluates a metric on each device's rows, but"):
+    with pytest.raises(UserError, match="at stage 3 the shard_map engine evaluates on each device's rows, but"):
         trainer.evaluate(state, ROWS, loss_fn=_f1)

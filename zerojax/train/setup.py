@@ -117,6 +117,14 @@ class Setup:
             return dp * k, 1, f"{what} calls the loss on each data-parallel group's rows"
         return 1, 1, "gspmd calls the loss on the whole batch"
 
+    @property
+    def metric_split(self) -> tuple[int, int, str]:
+        """As `loss_split`, for `evaluate`: only `shard_map` at stage 3 evaluates on each device's
+        rows (it gathers the weights per device); every other step evaluates the whole batch."""
+        if self.choices.engine == "shard_map" and self.stage.compute_params:
+            return data_parallel_size(self.mesh), 1, "at stage 3 the shard_map engine evaluates on each device's rows"
+        return 1, 1, "evaluate sees the whole batch"
+
     def reference(self, same_engine: bool = False) -> Setup:
         """The same model, optimizer, loss, precision, rules and mesh at stage 0 under `gspmd` (or,
         `same_engine`, under this setup's engine): what `verify` compares against. Accumulating, it

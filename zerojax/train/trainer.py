@@ -27,7 +27,6 @@ from zerojax.adapt import checks
 from zerojax.adapt.loss_rows import check_loss_splits
 from zerojax.core.layout import StateLayout
 from zerojax.core.loss import cross_entropy
-from zerojax.core.mesh import data_parallel_size
 from zerojax.core.state import TrainState
 from zerojax.core.trees import abstract, describe
 from zerojax.engines import GatherReport
@@ -205,9 +204,11 @@ class Trainer:
         return self.prepared.eval_fn(state, self.shard_batch(batch), loss_fn or self.loss_fn)
 
     def _check_metric(self, metric: Callable, batch: dict) -> None:
-        """A metric `evaluate` is given, the first time: `shard_map` evaluates it on each device's rows,
-        so it must add up over them as a loss must (`zerojax.adapt.loss_rows`; an F1 score does not)."""
-        if self.engine != "shard_map" or self._checked_metrics.get(id(metric)) is metric:
+        """A metric `evaluate` is given, the first time: where the step evaluates it on each device's
+        rows (`Setup.metric_split`), it must add up over them as a loss must (`zerojax.adapt.loss_rows`;
+        an F1 score does not)."""
+        split = self.setup.metric_split
+        if split[0] <= 1 or self._checked_metrics.get(id(metric)) is metric:
             return
         prepared = self.prepared
 
@@ -220,8 +221,9 @@ class Trainer:
             )
         except Exception:  # noqa: BLE001 - the evaluation traces the model itself and reports its failure
             return
-        dp = data_parallel_size(self.mesh)
-        check_loss_splits(metric, out, batch, (dp, 1, "the shard_map engine evaluates a metric on each device's rows"))
+        check_loss_splits(metric, out, batch, split)
+        if len(self._checked_metrics) > 64:  # a metric written inline is a new function at every call
+            self._checked_metrics.clear()
         self._checked_metrics[id(metric)] = metric
 
     def verify(self, batch, steps: int = 3, key=None, tolerance: tuple[float, float] | None = None):
