@@ -29,7 +29,7 @@ from zerojax.accounting.partitioned import compile_partitioned
 from zerojax.accounting.placed_bytes import compiled_argument_bytes
 from zerojax.core.leaf_rule import LeafLayout
 from zerojax.core.loss import global_loss
-from zerojax.core.mesh import data_parallel_size, pipeline_size
+from zerojax.core.mesh import data_parallel_size
 from zerojax.core.offload import split_bytes
 from zerojax.core.optim import get_optimizer
 from zerojax.core.trees import count_params
@@ -169,8 +169,8 @@ def ideal(
     # frozen leaves (`trainable=`): kept as compute params only, never reduced
     trains = tensor_local_params(layout.trained_leaves()) if layout.frozen_leaves() else None
     k, reshard = trainer.grad_accum, trainer.options.reshard_after_forward
-    # gspmd runs whole micro-batches through a pipeline, or opted in, reducing each one's gradient
-    each = trainer.engine == "gspmd" and (trainer.options.whole_micro_batches or pipeline_size(trainer.mesh) > 1)
+    # gspmd reduces each whole micro-batch's gradient (stage 3's are counted per micro-batch anyway)
+    each = trainer.engine == "gspmd" and trainer.setup.whole_micro_batches
     kept = _summed(
         layout, lambda n, d, t: analytic.kept_state_bytes(n, d, stage, prec, get_optimizer(optimizer), trainable=t)
     )

@@ -102,6 +102,13 @@ class Setup:
         )
 
     @property
+    def runs_per_group(self) -> bool:
+        """`gspmd` running the model once per data-parallel group (`zerojax.engines.gspmd_accum`):
+        accumulating without whole micro-batches, or stage 3 keeping its gathered weights."""
+        keep = self.stage.compute_params and not self.options.reshard_after_forward
+        return self.choices.engine == "gspmd" and not self.whole_micro_batches and (self.grad_accum > 1 or keep)
+
+    @property
     def loss_split(self) -> tuple[int, int, str]:
         """How the step calls the loss function on a batch's rows: (blocks, groups, what splits them),
         the rows as (groups, blocks, rows per block) and block i slice i of every group
@@ -112,7 +119,7 @@ class Setup:
             return dp * k, 1, f"the shard_map engine calls the loss on each device's rows{per}"
         if self.whole_micro_batches:  # micro-batch i: slice i of every data-parallel group's rows
             return k, dp, "gradient accumulation calls the loss on each micro-batch"
-        if k > 1 or (self.stage.compute_params and not self.options.reshard_after_forward):
+        if self.runs_per_group:
             what = "gradient accumulation" if k > 1 else "keeping the gathered weights, gspmd"
             return dp * k, 1, f"{what} calls the loss on each data-parallel group's rows"
         return 1, 1, "gspmd calls the loss on the whole batch"

@@ -133,8 +133,7 @@ _RANDOM_PRIMITIVES = ("random_bits", "threefry2x32")  # what drawing random numb
 def _per_group_alone(trainer) -> bool:
     """gspmd at stage 3 keeping its gathered weights without accumulation: the one step that runs
     the model per data-parallel group (`zerojax.engines.gspmd_accum`) where no stage-0 step does."""
-    keep = trainer.stage.compute_params and not trainer.options.reshard_after_forward
-    return trainer.engine == "gspmd" and keep and trainer.grad_accum == 1
+    return trainer.setup.runs_per_group and trainer.grad_accum == 1
 
 
 def _draws(trainer, key, batch: dict) -> bool:
