@@ -523,6 +523,24 @@ def test_a_linen_stream_the_step_does_not_key_is_one_sentence_and_named_it_train
     assert losses[0] == losses[3] and losses[3][0] != losses[3][1], losses  # lr 0: only the noise moves it
 
 
+class MonteCarloDropout(nn.Module):
+    """Dropout in every mode (Monte Carlo dropout): it has no mode argument and always draws."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(nn.Dropout(0.5, deterministic=False)(nn.relu(nn.Dense(16)(x))))
+
+
+def test_a_linen_model_drawing_in_every_mode_trains_and_evaluates():
+    """Traced for its structure and evaluated without a key, it raised Flax's raw InvalidRngError;
+    each now draws from a key."""
+    batch = {"inputs": classification_batch(0)["inputs"][:, :12], "targets": classification_batch(0)["targets"] % 4}
+    trainer = zj.Trainer(MonteCarloDropout(), optax.sgd(0.1), mesh=zj.make_mesh(fsdp=8), stage=3, engine="shard_map")
+    state = trainer.init(KEY, batch)
+    state, metrics = trainer.step(state, batch)
+    assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(trainer.evaluate(state, batch)))
+
+
 class NeedsAMask(nn.Module):
     @nn.compact
     def __call__(self, x, mask):

@@ -300,7 +300,7 @@ def _single(hooks):
 
 def _linen_functions(module: nn.Module, rng_streams: tuple[str, ...]) -> FunctionalModel:
     mode = functools.partial(mode_arguments, mode_names(type(module).__call__, hooks=()))
-    structure = functools.partial(_linen_structure, module, mode)
+    structure = functools.partial(_linen_structure, module, rng_streams, mode)
     return FunctionalModel(
         functools.partial(_linen_init, module, rng_streams, mode),
         functools.partial(_linen_apply, module, rng_streams, mode),
@@ -314,8 +314,9 @@ def _linen_functions(module: nn.Module, rng_streams: tuple[str, ...]) -> Functio
     )
 
 
-def _linen_structure(module, mode, params, model_state, inputs):
-    return wrap_linen.linen_structure(module, params, model_state, inputs, **mode(False))
+def _linen_structure(module, rng_streams, mode, params, model_state, inputs):
+    rngs = {s: jax.random.key(0) for s in rng_streams}  # a model may draw even in eval mode (hardcoded dropout)
+    return wrap_linen.linen_structure(module, params, model_state, inputs, rngs=rngs, **mode(False))
 
 
 def _linen_init(module, rng_streams, mode, key, inputs):
@@ -342,6 +343,8 @@ def _linen_apply(
     sync=None,
 ):
     del static, layer_hook, layer_loop
+    if rng is None and not train:  # evaluating a model that draws even in eval mode: a fixed key
+        rng = jax.random.key(0)
     rngs = {s: jax.random.fold_in(rng, i) for i, s in enumerate(rng_streams)} if rng is not None else None
     mutable = list(model_state) if train else []
     contexts = contextlib.ExitStack()
