@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import linen as nn
 from flax import nnx
 
 import zerojax as zj
@@ -113,10 +114,20 @@ ROWS = {  # 16 rows: two micro-batches of one row per device
 @pytest.mark.parametrize(
     "loss, engine, accumulate, needles",
     [
-        (_contrastive, "shard_map", 1, ["shard_map engine calls the loss on each device's rows", "over 8 blocks of 2"]),
+        (
+            _contrastive,
+            "shard_map",
+            1,
+            ["shard_map engine runs the model and the loss on each device's rows", "over 8 blocks of 2"],
+        ),
         (_masked_mean, "shard_map", 1, ["does not add up over rows", "zj.WeightedLoss(total, weight)"]),
-        (_contrastive, "gspmd", 2, ["gradient accumulation calls the loss on each micro-batch"]),
-        (_contrastive, "gspmd", 1, ["keeping the gathered weights, gspmd calls the loss on each data-parallel"]),
+        (_contrastive, "gspmd", 2, ["gradient accumulation runs the model and the loss on each micro-batch"]),
+        (
+            _contrastive,
+            "gspmd",
+            1,
+            ["keeping the gathered weights, gspmd runs the model and the loss on each data-parallel"],
+        ),
     ],
 )
 def test_a_loss_that_does_not_add_up_over_rows_is_refused_where_the_step_splits_them(loss, engine, accumulate, needles):
@@ -143,6 +154,44 @@ def test_a_loss_that_does_not_add_up_over_rows_is_refused_where_the_step_splits_
     for needle in needles:
         assert needle in str(e.value), (needle, str(e.value))
     trainer("gspmd", 1).init(jax.random.key(0), ROWS)
+
+
+class _Centred(nnx.Module):
+    """Subtracts its batch's mean: an output row depends on every row it is run with."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(12, 16, rngs=rngs)
+        self.out = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jax.nn.relu(self.hidden(x - x.mean(0, keepdims=True))))
+
+
+class _LinenCentred(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(nn.relu(nn.Dense(16)(x - x.mean(0, keepdims=True))))
+
+
+@pytest.mark.parametrize(
+    "model, engine, accumulate, needles",
+    [
+        (_Centred, "shard_map", 1, ["the shard_map engine runs the model and the loss on each device's rows, but"]),
+        (_LinenCentred(), "gspmd", 2, ["gradient accumulation runs the model", "in 2 blocks of 1 differ by"]),
+    ],
+)
+def test_a_model_that_mixes_rows_is_refused_where_the_step_splits_them(model, engine, accumulate, needles):
+    """Run on each device's rows, or each data-parallel group's when accumulating, a model that
+    subtracts its batch's mean computes another function, silently; gspmd without accumulation runs
+    it on the whole batch and takes it (losses equal to stage 0's: test_real_models)."""
+    with pytest.raises(UserError) as e:
+        zj.Trainer(
+            model, optax.sgd(0.1), mesh=zj.make_mesh(fsdp=8), stage=1, engine=engine, grad_accum=accumulate
+        ).init(jax.random.key(0), ROWS)
+    assert "\n" not in str(e.value)
+    for needle in [*needles, "output for a row depends on the batch's other rows", "zero.engine=gspmd"]:
+        assert needle in str(e.value), (needle, str(e.value))
+    zj.Trainer(model, optax.sgd(0.1), mesh=zj.make_mesh(fsdp=8), stage=1).init(jax.random.key(0), ROWS)
 
 
 def test_a_bf16_models_mean_loss_adds_up_over_rows():

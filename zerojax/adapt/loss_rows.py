@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zerojax.adapt.row_blocks import Blocks, probed_blocks
 from zerojax.core.loss import loss_parts
 from zerojax.errors import UserError
 
@@ -31,32 +32,20 @@ MAX_BYTES = 64 * 2**20  # random outputs drawn at most; a probe that needs more 
 def check_loss_splits(loss_fn: Callable, out, batch: dict, split: tuple[int, int, str]) -> None:
     """One `UserError` if `loss_fn` over the blocks of `batch`'s rows the step calls it on, combined,
     is not its value over their rows together. `out`: the model's abstract outputs; `split`: (blocks,
-    groups, why) from `Setup.loss_split`: with the rows as (groups, blocks, size), block i is slice i
-    of every group (up to `MAX_BLOCKS` blocks of the first groups are compared).
+    groups, why) from `Setup.loss_split` (`zerojax.adapt.row_blocks`: up to `MAX_BLOCKS` blocks of the
+    first groups are compared).
 
     Inconclusive, so passed: several processes, an abstract batch, outputs or values without the rows
     first, outputs too large to draw (`MAX_BYTES`), a loss with side effects (`jax.debug` callbacks
     and prints, not run on made-up outputs), one that fails on a block, or one not finite over the
     rows together."""
-    blocks, groups, split_by = split
-    # one process only: each of several would judge its own rows, and one refusing alone would leave
-    # the others waiting for it
-    if blocks <= 1 or jax.process_count() > 1 or not all(_concrete(x) for x in jax.tree.leaves(batch)):
-        return
-    rows = int(np.shape(jax.tree.leaves(batch["inputs"])[0])[0])
-    if rows % (blocks * groups) or any(np.shape(x)[:1] != (rows,) for x in jax.tree.leaves((out, batch))):
-        return
-    size = rows // (blocks * groups)
     row_bytes = sum(4 * int(np.prod(s.shape[1:])) for s in jax.tree.leaves(out))
-    used_blocks, used_groups = min(blocks, MAX_BLOCKS), groups
-    while used_groups > 1 and used_groups * used_blocks * size * row_bytes > MAX_BYTES:
-        used_groups //= 2
-    while used_blocks > 2 and used_groups * used_blocks * size * row_bytes > MAX_BYTES:
-        used_blocks //= 2
-    if used_groups * used_blocks * size * row_bytes > MAX_BYTES:
+    rows = {np.shape(x)[:1] for x in jax.tree.leaves(batch)} | {tuple(s.shape[:1]) for s in jax.tree.leaves(out)}
+    blocks = probed_blocks(split, batch, row_bytes, MAX_BLOCKS, MAX_BYTES) if len(rows) == 1 else None
+    if blocks is None:
         return
     try:
-        got = _measured(loss_fn, out, batch, (groups, blocks, size), (used_groups, used_blocks))
+        got = _measured(loss_fn, out, batch, blocks)
     except Exception:  # noqa: BLE001 - the step traces the loss itself and reports its failure
         return
     if got is None:
@@ -67,41 +56,39 @@ def check_loss_splits(loss_fn: Callable, out, batch: dict, split: tuple[int, int
     if not np.isfinite(whole) or abs(whole - combined) <= RTOL * max(1.0, abs(whole)):
         return
     raise UserError(
-        f"{split_by}, but the loss function does not add up over rows: on this batch (with random model "
-        f"outputs) it is {whole:.6g} over {used_groups * used_blocks * size} rows together and {combined:.6g} "
-        f"combined over {used_blocks} blocks of {used_groups * size}. A masked mean must be returned as "
-        f"zj.WeightedLoss(total, weight); a loss that mixes rows (contrastive, a batch statistic) needs "
-        f"zero.engine=gspmd with train.grad_accum=1 (at stage 3 also zero.reshard_after_forward=true)."
+        f"{split[2]}, but the loss function does not add up over rows: on this batch (with random model "
+        f"outputs) it is {whole:.6g} over {blocks.used_rows} rows together and {combined:.6g} "
+        f"combined over {blocks.used_blocks} blocks of {blocks.used_groups * blocks.size}. A masked mean must be "
+        f"returned as zj.WeightedLoss(total, weight); a loss that mixes rows (contrastive, a batch statistic) "
+        f"needs zero.engine=gspmd with train.grad_accum=1 (at stage 3 also zero.reshard_after_forward=true)."
     )
 
 
-def _measured(loss_fn, out, batch, layout: tuple[int, int, int], used: tuple[int, int]):
+def _measured(loss_fn, out, batch, blocks: Blocks):
     """(the loss over the used rows together, combined over their blocks) in fp32, or None for a
     loss with side effects."""
-    groups, blocks, size = layout
-    used_groups, used_blocks = used
+    used = (blocks.used_groups, blocks.used_blocks, blocks.size)
 
-    def rows_of(x):  # the used groups' and blocks' rows, as (groups, blocks, size, ...)
-        x = np.asarray(x).reshape(groups, blocks, size, *np.shape(x)[1:])[:used_groups, :used_blocks]
+    def rows_of(x):  # the used rows, as (groups, blocks, size, ...), floats in fp32
+        x = blocks.take(x)
         return x.astype(np.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
     rng = np.random.default_rng(0)
     outputs = jax.tree.map(
         lambda s: (
-            rng.standard_normal((used_groups, used_blocks, size, *s.shape[1:]), dtype=np.float32)
+            rng.standard_normal((*used, *s.shape[1:]), dtype=np.float32)
             if jnp.issubdtype(s.dtype, jnp.floating)
-            else np.zeros((used_groups, used_blocks, size, *s.shape[1:]), s.dtype)
+            else np.zeros((*used, *s.shape[1:]), s.dtype)
         ),
         out,
     )
     values = jax.tree.map(rows_of, batch)
 
-    def rows(tree, i=None):  # block i's rows, or (None) every used row, as (rows, ...)
-        return jax.tree.map(lambda x: (x if i is None else x[:, i : i + 1]).reshape(-1, *x.shape[3:]), tree)
-
     def together_and_blocks(outputs, values):
-        parts = [loss_parts(loss_fn(rows(outputs, i), rows(values, i))) for i in range(used_blocks)]
-        return loss_parts(loss_fn(rows(outputs), rows(values))), parts
+        parts = [
+            loss_parts(loss_fn(blocks.rows(outputs, i), blocks.rows(values, i))) for i in range(blocks.used_blocks)
+        ]
+        return loss_parts(loss_fn(blocks.rows(outputs), blocks.rows(values))), parts
 
     traced = jax.jit(together_and_blocks).trace(outputs, values)
     if traced.jaxpr.effects:  # callbacks or prints: not run on made-up outputs behind the user's back
@@ -111,9 +98,3 @@ def _measured(loss_fn, out, batch, layout: tuple[int, int, int], used: tuple[int
     if weight is None:
         return whole, float(np.mean([float(t) for t, _ in parts]))
     return whole, float(sum(float(t) for t, _ in parts) / sum(float(w) for _, w in parts))
-
-
-def _concrete(x) -> bool:
-    if isinstance(x, jax.Array):
-        return x.is_fully_addressable and not isinstance(x, jax.core.Tracer)
-    return isinstance(x, (np.ndarray, np.generic, int, float))

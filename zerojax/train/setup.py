@@ -110,19 +110,19 @@ class Setup:
 
     @property
     def loss_split(self) -> tuple[int, int, str]:
-        """How the step calls the loss function on a batch's rows: (blocks, groups, what splits them),
+        """How the step runs the model and the loss on a batch's rows: (blocks, groups, what splits them),
         the rows as (groups, blocks, rows per block) and block i slice i of every group
-        (`zerojax.adapt.loss_rows`); (1, 1, ...) where it sees the whole batch."""
+        (`zerojax.adapt.row_blocks`); (1, 1, ...) where it sees the whole batch."""
         dp, k = data_parallel_size(self.mesh), self.grad_accum
         if self.choices.engine == "shard_map":
             per = " and micro-batch" if k > 1 else ""
-            return dp * k, 1, f"the shard_map engine calls the loss on each device's rows{per}"
+            return dp * k, 1, f"the shard_map engine runs the model and the loss on each device's rows{per}"
         if self.whole_micro_batches:  # micro-batch i: slice i of every data-parallel group's rows
-            return k, dp, "gradient accumulation calls the loss on each micro-batch"
+            return k, dp, "gradient accumulation runs the model and the loss on each micro-batch"
         if self.runs_per_group:
             what = "gradient accumulation" if k > 1 else "keeping the gathered weights, gspmd"
-            return dp * k, 1, f"{what} calls the loss on each data-parallel group's rows"
-        return 1, 1, "gspmd calls the loss on the whole batch"
+            return dp * k, 1, f"{what} runs the model and the loss on each data-parallel group's rows"
+        return 1, 1, "gspmd runs the model and the loss on the whole batch"
 
     @property
     def metric_split(self) -> tuple[int, int, str]:

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from zerojax.adapt import checks
+from zerojax.adapt.model_rows import check_model_splits
 from zerojax.core import offload as offload_lib
 from zerojax.core import trainable as trainable_lib
 from zerojax.core import trees
@@ -64,6 +65,9 @@ class Sharded:
     classes: int | None = None  # the output's classes, which the default loss's integer targets index
     # the XLA options `step_fn` is compiled with, for a step jitted by hand (the engine's choice)
     compiler_options: dict[str, str] = dataclasses.field(default_factory=dict)
+    # (state) -> None: the model on the first batch's blocks of rows against their rows together,
+    # where the step splits the rows (`zerojax.adapt.model_rows`); None where it sees them all
+    check_rows: Callable | None = None
 
     def init(self, key, params=None) -> TrainState:
         """The train state, created inside `jit` directly into its shards (`params`: start from these
@@ -76,7 +80,10 @@ class Sharded:
             if given[1] != want[1] or any(g not in (None, w) for g, w in shapes):  # type: ignore[operator]
                 raise UserError("the given params do not match the model's parameter names and shapes.")
         inputs = trees.zeros(self.inputs)
-        return jax.jit(self.make_state, out_shardings=self.state_shardings)(key, inputs, params)
+        state = jax.jit(self.make_state, out_shardings=self.state_shardings)(key, inputs, params)
+        if self.check_rows is not None:
+            self.check_rows(state)
+        return state
 
     def gather_report(self) -> GatherReport:
         """How the step materialises the compute params, with what the model's traces so far dropped
@@ -100,8 +107,13 @@ class Sharded:
         Groups laid out for another model, stage or device count are one `UserError`."""
         _check_layout(saved, self.abstract_state().saved())
         state = TrainState.from_saved(saved)
-        if not self.layout.keeps_compute_copy:
-            return state
+        if self.layout.keeps_compute_copy:
+            state = state.replace(compute=self._derived_compute(state))
+        if self.check_rows is not None:
+            self.check_rows(state)
+        return state
+
+    def _derived_compute(self, state: TrainState):
         layout, shardings, host = self.layout, self.state_shardings, self.layout.host_groups
 
         def derive(state):  # the master streamed in from host memory where it is kept there
@@ -111,7 +123,7 @@ class Sharded:
                 return compute
             return offload_lib.place(state.replace(compute=compute), shardings, ("compute",), offload_lib.HOST).compute
 
-        return state.replace(compute=jax.jit(derive, out_shardings=shardings.compute)(state))
+        return jax.jit(derive, out_shardings=shardings.compute)(state)
 
     # what a checkpoint's metadata records of the run (`zerojax.train.checkpoint.run_metadata`)
     stage = property(lambda self: self.setup.stage)
@@ -165,10 +177,9 @@ def prepare(setup: Setup, key, batch: dict) -> Sharded:
         schedule=setup.schedule,
     )
     # Host-offloaded groups stream into device memory at the step's start and back out at its end.
-    host = layout.host_groups
+    host, compiler_options = layout.host_groups, dict(built.compiler_options)
     step = _checked(offload_lib.streamed(built.step, shardings, host), abstract)
     evaluate = offload_lib.streamed(_eval_loss(setup, layout, static, built.evaluate), shardings, host)
-    compiler_options = dict(built.compiler_options)
     step_fn, eval_fn = _jitted(step, evaluate, (shardings, setup.batch_sharding), layout, compiler_options)
     return Sharded(
         setup,
@@ -188,7 +199,26 @@ def prepare(setup: Setup, key, batch: dict) -> Sharded:
         eval_fn=eval_fn,
         classes=classes,
         compiler_options=compiler_options,
+        check_rows=_rows_check(setup, layout, static, shardings, batch, param_shapes),
     )
+
+
+def _rows_check(setup: Setup, layout: StateLayout, static, shardings: TrainState, batch: dict, param_shapes):
+    """(state) -> None running `zerojax.adapt.model_rows` on `batch`'s rows where the step splits them
+    (`Setup.loss_split`), the params gathered whole in the compute dtype; None where it does not."""
+    split = setup.loss_split
+    if split[0] <= 1:
+        return None
+    model, rows = setup.model, {"inputs": batch["inputs"]}
+    size = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(param_shapes))
+    param_bytes = size * np.dtype(setup.precision.compute_dtype).itemsize
+
+    def forward(state, key, inputs):
+        params = compute_params(layout, state)
+        return model.apply(params, state.model_state or {}, static, inputs, rng=key, train=False)[0]
+
+    forward = offload_lib.streamed(forward, shardings, layout.host_groups)
+    return lambda state: check_model_splits(forward, state, rows, split, param_bytes)
 
 
 def _jitted(step, evaluate, in_shardings, layout: StateLayout, compiler_options: dict[str, str]):
