@@ -194,21 +194,31 @@ def test_a_model_that_mixes_rows_is_refused_where_the_step_splits_them(model, en
     zj.Trainer(model, optax.sgd(0.1), mesh=zj.make_mesh(fsdp=8), stage=1).init(jax.random.key(0), ROWS)
 
 
+class _Half(nnx.Module):
+    """Computes in bf16, as Flax's `dtype=` asks: its outputs (logits) are bf16."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.out = nnx.Linear(12, 4, dtype=jnp.bfloat16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(x)
+
+
 def test_a_bf16_models_mean_loss_adds_up_over_rows():
     """Measured in fp32: a bf16 output's rounding is not a loss that mixes rows (drawn in bf16, this
     mean of squares is 0.9727 over the 64 rows and 0.9717 combined over 8 blocks)."""
-
-    class Half(nnx.Module):
-        def __init__(self, rngs: nnx.Rngs):
-            self.out = nnx.Linear(12, 4, dtype=jnp.bfloat16, rngs=rngs)
-
-        def __call__(self, x):
-            return self.out(x)
-
     trainer = zj.Trainer(
-        Half, optax.sgd(0.1), mesh=zj.make_mesh(fsdp=8), engine="shard_map", loss_fn=lambda o, b: jnp.mean(o**2)
+        _Half, optax.sgd(0.1), mesh=zj.make_mesh(fsdp=8), engine="shard_map", loss_fn=lambda o, b: jnp.mean(o**2)
     )
     trainer.init(jax.random.key(0), {"inputs": np.random.default_rng(1).normal(size=(64, 12)).astype(np.float32)})
+
+
+def test_bf16_logits_take_the_default_loss():
+    """The default loss's check took bfloat16, which NumPy does not count as floating, for no float
+    at all, and refused the model ("needs one float array of logits; it returned bfloat16[16, 4])."""
+    trainer = zj.Trainer(_Half, optax.sgd(0.1), mesh=zj.make_mesh(fsdp=8), engine="shard_map")
+    state = trainer.init(jax.random.key(0), ROWS)
+    assert np.isfinite(float(trainer.step(state, ROWS)[1]["loss"]))
 
 
 def _f1(out, batch):  # class 0's F1 over the batch: a ratio of counts, not a mean over rows

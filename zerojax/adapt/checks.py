@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from zerojax.adapt.loss_rows import check_loss_splits
@@ -85,7 +86,7 @@ def _describe(out: Any) -> str:
 
 
 def _check_for_cross_entropy(out, targets) -> None:
-    if not hasattr(out, "shape") or not np.issubdtype(out.dtype, np.floating) or not out.shape:
+    if not hasattr(out, "shape") or not jnp.issubdtype(out.dtype, jnp.floating) or not out.shape:
         raise UserError(
             f"the default loss (softmax cross-entropy) needs the model to return one float array of "
             f"logits; it returned {_describe(out)}."
