@@ -531,6 +531,27 @@ class MonteCarloDropout(nn.Module):
         return nn.Dense(4)(nn.Dropout(0.5, deterministic=False)(nn.relu(nn.Dense(16)(x))))
 
 
+class KeyedDropout(nn.Module):
+    """Dropout on exactly when a key is given (`has_rng`), a Linen idiom for a model with no mode argument."""
+
+    rate: float = 0.5
+
+    @nn.compact
+    def __call__(self, x):
+        hidden = nn.Dropout(self.rate, deterministic=not self.has_rng("dropout"))(nn.relu(nn.Dense(16)(x)))
+        return nn.Dense(4)(hidden)
+
+
+def test_a_linen_model_dropping_out_when_given_a_key_evaluates_without_one():
+    """Evaluation passes no key, so such a model evaluates as with no dropout at all."""
+    batch = {"inputs": classification_batch(0)["inputs"][:, :12], "targets": classification_batch(0)["targets"] % 4}
+    values = []
+    for rate in (0.5, 0.0):
+        trainer = zj.Trainer(KeyedDropout(rate), optax.sgd(0.1), mesh=zj.make_mesh(fsdp=8), stage=3)
+        values.append(float(trainer.evaluate(trainer.init(KEY, batch), batch)))
+    assert values[0] == values[1], values
+
+
 def test_a_linen_model_drawing_in_every_mode_trains_and_evaluates():
     """Traced for its structure and evaluated without a key, it raised Flax's raw InvalidRngError;
     each now draws from a key."""

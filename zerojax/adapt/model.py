@@ -50,8 +50,7 @@ class FunctionalModel:
     sync_batch_stats: Callable[..., Any] | None = None
     # param paths of the model's `zj.Stacked` layer stacks (leaves keep axis 0 whole; one hook each)
     stacks: tuple[tuple, ...] = ()
-    # a model taking `layer_hook`: the params it declares as its layer stack (its class's `layer_stacks`
-    # names, e.g. the shipped GPT's "blocks"); never found from a name alone
+    # a model taking `layer_hook`: its class's `layer_stacks` (the shipped GPT's "blocks"); never a name alone
     declared_stacks: tuple[tuple, ...] = ()
     # (logical params, model state, static, abstract inputs) -> the param paths of its lifted layer
     # stacks: Linen `nn.scan` / `nn.vmap`, NNX `nnx.vmap`-built modules run through `nnx.scan` or
@@ -315,8 +314,15 @@ def _linen_functions(module: nn.Module, rng_streams: tuple[str, ...]) -> Functio
 
 
 def _linen_structure(module, rng_streams, mode, params, model_state, inputs):
-    rngs = {s: jax.random.key(0) for s in rng_streams}  # a model may draw even in eval mode (hardcoded dropout)
-    return wrap_linen.linen_structure(module, params, model_state, inputs, rngs=rngs, **mode(False))
+    structure = functools.partial(wrap_linen.linen_structure, module, params, model_state, inputs, **mode(False))
+    try:
+        return structure()
+    except flax_errors.InvalidRngError:  # a model that draws even in eval mode (hard-coded dropout)
+        return structure(rngs=_linen_rngs(jax.random.key(0), rng_streams))
+
+
+def _linen_rngs(rng, streams) -> dict | None:
+    return None if rng is None else {s: jax.random.fold_in(rng, i) for i, s in enumerate(streams)}
 
 
 def _linen_init(module, rng_streams, mode, key, inputs):
@@ -343,10 +349,7 @@ def _linen_apply(
     sync=None,
 ):
     del static, layer_hook, layer_loop
-    if rng is None and not train:  # evaluating a model that draws even in eval mode: a fixed key
-        rng = jax.random.key(0)
-    rngs = {s: jax.random.fold_in(rng, i) for i, s in enumerate(rng_streams)} if rng is not None else None
-    mutable = list(model_state) if train else []
+    rngs, mutable = _linen_rngs(rng, rng_streams), list(model_state) if train else []
     contexts = contextlib.ExitStack()
     if sync:
         contexts.enter_context(_linen_sync(sync))
@@ -354,12 +357,14 @@ def _linen_apply(
         contexts.enter_context(around(module))
         mutable = [*mutable, "params"]  # the root writes its gathered params into its scope
     with contexts:
+        run = functools.partial(module.apply, {"params": params, **model_state}, inputs, mutable=mutable or False)
         try:
-            out = module.apply(
-                {"params": params, **model_state}, inputs, rngs=rngs, mutable=mutable or False, **mode(train)
-            )
+            out = run(rngs=rngs, **mode(train))
         except flax_errors.InvalidRngError as e:
-            raise unkeyed_stream(e, rng_streams) from None
+            if rngs is not None or train:
+                raise unkeyed_stream(e, rng_streams) from None
+            # evaluated without a key (`has_rng` turns dropout off); one drawing even so: a fixed key
+            out = run(rngs=_linen_rngs(jax.random.key(0), rng_streams), **mode(train))
     if not mutable:
         return out, model_state
     out, updates = out
