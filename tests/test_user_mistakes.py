@@ -176,8 +176,13 @@ class _LinenCentred(nn.Module):
 @pytest.mark.parametrize(
     "model, engine, accumulate, needles",
     [
-        (_Centred, "shard_map", 1, ["the shard_map engine runs the model and the loss on each device's rows, but"]),
-        (_LinenCentred(), "gspmd", 2, ["gradient accumulation runs the model", "in 2 blocks of 1 differ by"]),
+        (
+            _Centred,
+            "shard_map",
+            1,
+            ["shard_map engine runs the model and the loss on each device's rows, but", "in 8 blocks of 2"],
+        ),
+        (_LinenCentred(), "gspmd", 2, ["gradient accumulation runs the model", "100% of 8 rows", "in 8 blocks of 1"]),
     ],
 )
 def test_a_model_that_mixes_rows_is_refused_where_the_step_splits_them(model, engine, accumulate, needles):

@@ -19,108 +19,112 @@ import jax.numpy as jnp
 import numpy as np
 
 from zerojax.adapt.row_blocks import Blocks, probed_blocks
-from zerojax.adapt.row_mixing import may_mix_rows
+from zerojax.adapt.row_mixing import computes_in_half_precision, may_mix_rows
 from zerojax.errors import UserError
 
-RTOL = 3e-2  # of the outputs' norm: bf16 rounding in another batch shape differs by ~1e-3
+# apart by over this share of a row's outputs' norm: fp32 rounding in another batch shape moves them
+# by ~1e-6; bf16's, compounded over a dozen layers (and a top-k choice it flips), by up to ~10%
+RTOL = {"fp32": 3e-2, "half": 0.5}
+MOST = 0.25  # rows that must differ: a top-k choice flipped by rounding moves a few, a batch branch a block
 MAX_BYTES = 64 * 2**20  # inputs and outputs of the rows compared, at most; a larger probe is not run
 MAX_PARAM_BYTES = 2**30  # params gathered whole for the probe, at most
 TRACED_ROWS = 1031  # a prime no other dimension of a model is likely a multiple of
+MAX_BLOCKS = 8  # blocks compared, run as one vmap
+_BLOCKS = "zerojax_row_blocks"  # the vmapped axis of blocks, which BatchNorms average over
 
 
 def check_model_splits(forward: Callable, args, batch: dict, split: tuple[int, int, str], param_bytes: int) -> None:
-    """One `UserError` if the model, `forward(args, key, inputs) -> outputs` in eval mode, gives rows
-    different outputs run on the blocks of `batch`'s rows the step runs it on than on their rows
-    together. `split`: (blocks, groups, why) from `Setup.loss_split`; `param_bytes`: what `forward`
-    gathers. Run only where its jaxpr may mix rows (`zerojax.adapt.row_mixing`): most models compile
-    nothing here.
+    """One `UserError` if the model, `forward(args, key, inputs, sync) -> outputs` in eval mode (`sync`:
+    the axis name its BatchNorms average over, as the engines set it), gives most rows different
+    outputs run on the blocks of `batch`'s rows the step runs it on than on their rows together.
+    `split`: (blocks, groups, why) from `Setup.loss_split`; `param_bytes`: what `forward` gathers.
+    Run only where its jaxpr may mix rows (`zerojax.adapt.row_mixing`): most models compile nothing.
 
     Inconclusive, so passed: whatever `zerojax.adapt.row_blocks.probed_blocks` leaves out, params over
-    `MAX_PARAM_BYTES`, outputs over `MAX_BYTES` or without the rows first, a model with side effects
-    (`jax.debug` callbacks), non-finite outputs, or outputs that are random in eval mode (two keys
-    disagree)."""
+    `MAX_PARAM_BYTES`, outputs over `MAX_BYTES`, outputs without the rows first (not compared), a model
+    with side effects (`jax.debug` callbacks), one that cannot be vmapped, non-finite outputs, or
+    outputs that are random in eval mode (two keys disagree)."""
     inputs = batch["inputs"]
     row_bytes = sum(int(np.prod(np.shape(x)[1:])) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(inputs))
-    blocks = probed_blocks(split, inputs, row_bytes, 2, MAX_BYTES) if param_bytes <= MAX_PARAM_BYTES else None
-    if blocks is None or not _may_mix(forward, args, inputs):
+    blocks = probed_blocks(split, inputs, row_bytes, MAX_BLOCKS, MAX_BYTES) if param_bytes <= MAX_PARAM_BYTES else None
+    read = _rows_first(forward, args, inputs) if blocks is not None else None
+    if blocks is None or read is None:
         return
+    rows_first, rtol = read
     try:
-        difference = _difference(forward, args, jax.tree.map(blocks.take, inputs), blocks)
+        differing = _differing_rows(forward, args, jax.tree.map(blocks.take, inputs), blocks, rows_first, rtol)
     except Exception:  # noqa: BLE001 - the step traces the model itself and reports its failure
         return
-    if difference is None or not difference > RTOL:  # NaN: inconclusive
+    if differing is None or not differing > MOST:  # NaN: inconclusive
         return
     raise UserError(
         f"{split[2]}, but the model's output for a row depends on the batch's other rows: in eval mode, on "
-        f"this batch, its outputs for {blocks.used_rows} rows run together and in {blocks.used_blocks} blocks "
-        f"of {blocks.used_groups * blocks.size} differ by {difference:.3g} of their norm (a statistic or a "
-        f"branch the model computes over its batch; BatchNorm's are averaged over the blocks). Such a model "
-        f"needs zero.engine=gspmd with train.grad_accum=1 (at stage 3 also zero.reshard_after_forward=true)."
+        f"this batch, {differing:.0%} of {blocks.used_rows} rows get outputs over {rtol:.0%} apart run together "
+        f"and in {blocks.used_blocks} blocks of {blocks.used_groups * blocks.size} (a statistic or a branch the "
+        f"model computes over its batch; BatchNorm's are averaged over the blocks). Such a model needs "
+        f"zero.engine=gspmd with train.grad_accum=1 (at stage 3 also zero.reshard_after_forward=true)."
     )
 
 
-def _may_mix(forward: Callable, args, inputs) -> bool:
-    """Whether the model's jaxpr, traced for `TRACED_ROWS` rows, has an operation that may mix them
-    (`zerojax.adapt.row_mixing`); a model that fails to trace so is measured."""
+def _rows_first(forward: Callable, args, inputs) -> tuple[list[bool], float] | None:
+    """(per output leaf, whether it has the rows first; the `RTOL` for its precision), read from the
+    model's jaxpr traced for `TRACED_ROWS` rows; None where no operation in it may mix them
+    (`zerojax.adapt.row_mixing`). A model that fails to trace so is measured, every output with the
+    rows first taken, at bf16's tolerance."""
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct((TRACED_ROWS, *np.shape(x)[1:]), x.dtype), inputs)
     try:
-        traced = jax.jit(forward).trace(args, jax.random.key(0), shapes)
+        traced = jax.jit(forward).trace(args, jax.random.key(0), shapes, None)
     except Exception:  # noqa: BLE001 - a model that needs a batch of another size
-        return True
-    return may_mix_rows(traced.jaxpr.jaxpr, TRACED_ROWS)
+        return [], RTOL["half"]
+    if not may_mix_rows(traced.jaxpr.jaxpr, TRACED_ROWS):
+        return None
+    rows_first = [x.shape[:1] == (TRACED_ROWS,) for x in jax.tree.leaves(traced.out_info)]
+    return rows_first, RTOL["half" if computes_in_half_precision(traced.jaxpr.jaxpr) else "fp32"]
 
 
-def _difference(forward: Callable, args, inputs, blocks: Blocks) -> float | None:
-    """|outputs of the blocks - outputs of the rows together| / |outputs of the rows together|, over
-    every float output; inf where an output's shape beyond its rows depends on how many rows it saw;
-    None where it means nothing (side effects, too large, no rows first, random in eval mode)."""
+def _differing_rows(forward: Callable, args, inputs, blocks: Blocks, rows_first: list[bool], rtol: float):
+    """The share of rows whose outputs (those with the rows first) run on the blocks differ from
+    their outputs run together by over `rtol` of their norm; 1 where an output's shape beyond its rows
+    depends on how many rows it saw; None where it means nothing (side effects, too large, random)."""
+    g, n, s = blocks.used_groups, blocks.used_blocks, blocks.size
 
     def together_and_blocks(args, key, inputs):
-        parts = [forward(args, key, blocks.rows(inputs, i)) for i in range(blocks.used_blocks)]
-        return forward(args, key, blocks.rows(inputs)), parts
+        by_block = jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(n, g * s, *x.shape[3:]), inputs)
+        parts = jax.vmap(lambda x: forward(args, key, x, _BLOCKS), axis_name=_BLOCKS)(by_block)
+        return forward(args, key, blocks.rows(inputs), None), parts
 
     keys = [jax.random.key(0), jax.random.key(1)]
     traced = jax.jit(together_and_blocks).trace(args, keys[0], inputs)
-    out = jax.tree.leaves(traced.out_info[0])
-    if traced.jaxpr.effects or 2 * sum(x.size * x.dtype.itemsize for x in out) > MAX_BYTES:
-        return None
-    if any(x.shape[:1] != (blocks.used_rows,) for x in out):
+    out = jax.tree.leaves(traced.out_info)
+    rows_first = rows_first or [x.shape[:1] == (blocks.used_rows,) for x in jax.tree.leaves(traced.out_info[0])]
+    if traced.jaxpr.effects or sum(x.size * x.dtype.itemsize for x in out) > MAX_BYTES or not any(rows_first):
         return None
     program = traced.lower().compile()
-    together, parts = program(args, keys[0], inputs)
-    if not _same_rows(together, parts, blocks):
-        return np.inf
-    difference = _relative(together, _joined(parts, blocks))
-    if difference > RTOL and _relative(together, program(args, keys[1], inputs)[0]) > RTOL:
-        return None  # random in eval mode (dropout the mode does not reach): not comparable
-    return difference
-
-
-def _same_rows(together, parts, blocks: Blocks) -> bool:
-    """Each block's outputs shaped as the rows together's, but for their rows (leaves in order)."""
-    want = [(blocks.used_groups * blocks.size, *x.shape[1:]) for x in jax.tree.leaves(together)]
-    return all([tuple(x.shape) for x in jax.tree.leaves(p)] == want for p in parts)
-
-
-def _joined(parts, blocks: Blocks):
-    """The blocks' outputs in the order of the rows together: (groups, blocks, size) flattened."""
-    g, s = blocks.used_groups, blocks.size
-
-    def join(*xs):
-        stacked = np.stack([np.asarray(x).reshape(g, s, *x.shape[1:]) for x in xs], axis=1)
-        return stacked.reshape(-1, *stacked.shape[3:])
-
-    return jax.tree.map(join, *parts)
-
-
-def _relative(a, b) -> float:
-    pairs = [
-        (np.asarray(x, np.float64), np.asarray(y, np.float64))
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
-        if jnp.issubdtype(x.dtype, jnp.floating)  # bfloat16 too, which NumPy does not count as floating
+    together, parts = (_compared(t, rows_first) for t in program(args, keys[0], inputs))
+    if [x.shape[1:] for x in together] != [x.shape[2:] for x in parts]:
+        return 1.0  # an output shaped by the rows it saw (rows against rows)
+    joined = [
+        np.asarray(x).reshape(n, g, s, *x.shape[2:]).swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], -1) for x in parts
     ]
-    if not pairs:
+    differing = _apart(together, joined, rtol)
+    if differing > MOST and _apart(together, _compared(program(args, keys[1], inputs)[0], rows_first), rtol) > MOST:
+        return None  # random in eval mode (dropout the mode does not reach): not comparable
+    return differing
+
+
+def _compared(tree, rows_first: list[bool]) -> list:
+    """The float leaves of `tree` that have the rows first (bfloat16 too, which NumPy does not count)."""
+    leaves = jax.tree.leaves(tree)
+    return [x for x, r in zip(leaves, rows_first) if r and jnp.issubdtype(x.dtype, jnp.floating)]
+
+
+def _apart(together: list, joined: list, rtol: float) -> float:
+    """The share of rows whose outputs differ by over `rtol` of their norm (a floor of a thousandth
+    of the rows' mean norm keeps rows of zeros from counting rounding)."""
+    if not together:
         return 0.0
-    norm = np.sqrt(sum(np.sum(x**2) for x, _ in pairs))
-    error = np.sqrt(sum(np.sum((x - y) ** 2) for x, y in pairs))
-    return float(error / norm) if norm > 0 else float(error > 0) * np.inf
+    a = np.concatenate([np.asarray(x, np.float64).reshape(x.shape[0], -1) for x in together], axis=1)
+    b = np.concatenate([np.asarray(x, np.float64).reshape(x.shape[0], -1) for x in joined], axis=1)
+    norms = np.linalg.norm(a, axis=1)
+    floor = 1e-3 * float(norms.mean()) + np.finfo(np.float32).tiny
+    return float(np.mean(np.linalg.norm(a - b, axis=1) > rtol * np.maximum(norms, floor)))

@@ -28,6 +28,19 @@ _ALONG_ONE = {  # the parameter naming the one dimension the operation runs alon
     "split": "axis",
     "approx_top_k": "reduction_dimension",
 }
+# call-like primitives and control flow, judged by their bodies (scatters, generic reductions and
+# windows carry jaxprs too, but as combiners: they are judged by what they combine along)
+_CALLS = {"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call", "custom_vjp_call"}
+_CALLS |= {"custom_vjp_call_jaxpr", "cond", "while", "scan", "custom_lin", "remat2"}
+# same-shaped results that are no elementwise function of their operands
+_SAME_SHAPE_NOT_ELEMENTWISE: tuple[str, ...] = (
+    "fft",
+    "reduce_window",
+    "select_and_",
+    "scatter",
+    "dynamic_update_slice",
+)
+_SAME_SHAPE_NOT_ELEMENTWISE += ("pure_callback", "io_callback", "custom_call", "ffi_call", "shard_map")
 _SHAPE_ONLY = {  # move dimensions, draw, or constrain: no row reads another
     "squeeze",
     "expand_dims",
@@ -63,7 +76,7 @@ def _eqn_may_mix(eqn, rows: int) -> bool:
     name, params = eqn.primitive.name, eqn.params
     shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
     carrying = lambda shape: [i for i, d in enumerate(shape) if isinstance(d, int) and d and d % rows == 0]  # noqa: E731
-    inner = [j for value in params.values() for j in _jaxprs(value)]
+    inner = [j for value in params.values() for j in _jaxprs(value)] if name in _CALLS else []
     if inner:  # calls and control flow: their bodies decide; a scan along rows mixes them
         if name == "scan":
             xs = shapes[params["num_consts"] + params["num_carry"] :]
@@ -102,11 +115,23 @@ def _eqn_may_mix(eqn, rows: int) -> bool:
         return bool(first)
     if name in _SHAPE_ONLY:
         return False
-    if _elementwise(eqn):  # (rows, 1) against (1, rows) is every row against every other
+    if _elementwise(eqn) and not name.startswith(_SAME_SHAPE_NOT_ELEMENTWISE):
+        # (rows, 1) against (1, rows) is every row against every other
         return len({tuple(carrying(s)) for s in shapes if carrying(s)}) > 1
     # anything else (gathers and scatters from activations, windows, dynamic slices, custom calls)
     # mixes wherever rows reach it
     return any(carrying(s) for s in shapes) or any(carrying(tuple(v.aval.shape)) for v in eqn.outvars)
+
+
+def computes_in_half_precision(jaxpr) -> bool:
+    """Whether any value in `jaxpr` (nested ones included) is bfloat16 or float16: its rounding, run
+    on another number of rows, moves a deep model's outputs by several percent."""
+    for eqn in jaxpr.eqns:
+        if any(str(getattr(v.aval, "dtype", "")) in ("bfloat16", "float16") for v in eqn.outvars):
+            return True
+        if any(computes_in_half_precision(j) for value in eqn.params.values() for j in _jaxprs(value)):
+            return True
+    return False
 
 
 def _reshape_mixes(before: tuple, after: tuple, carrying) -> bool:
@@ -121,11 +146,13 @@ def _reshape_mixes(before: tuple, after: tuple, carrying) -> bool:
 
 
 def _elementwise(eqn) -> bool:
-    """Operands and results of one shape, up to scalars and dimensions of 1 broadcast."""
-    shapes = {tuple(v.aval.shape) for v in [*eqn.invars, *eqn.outvars] if getattr(v.aval, "shape", ())}
-    if len({len(s) for s in shapes}) > 1:
-        return False
-    return all(len(set(sizes) - {1}) <= 1 for sizes in zip(*shapes))
+    """Results shaped as the operands broadcast together (scalars and dimensions of 1 broadcast)."""
+    ins = [tuple(v.aval.shape) for v in eqn.invars if getattr(v.aval, "shape", ())]
+    outs = {tuple(v.aval.shape) for v in eqn.outvars}
+    if not ins or len({len(s) for s in [*ins, *outs]}) > 1:
+        return not ins and outs <= {()}
+    broadcast = tuple(max(sizes) for sizes in zip(*ins))
+    return outs == {broadcast} and all(set(sizes) <= {1, max(sizes)} for sizes in zip(*ins))
 
 
 def _jaxprs(value):

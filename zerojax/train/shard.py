@@ -213,9 +213,9 @@ def _rows_check(setup: Setup, layout: StateLayout, static, shardings: TrainState
     size = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(param_shapes))
     param_bytes = size * np.dtype(setup.precision.compute_dtype).itemsize
 
-    def forward(state, key, inputs):
+    def forward(state, key, inputs, sync):
         params = compute_params(layout, state)
-        return model.apply(params, state.model_state or {}, static, inputs, rng=key, train=False)[0]
+        return model.apply(params, state.model_state or {}, static, inputs, rng=key, train=False, sync=sync)[0]
 
     forward = offload_lib.streamed(forward, shardings, layout.host_groups)
     return lambda state: check_model_splits(forward, state, rows, split, param_bytes)

@@ -25,6 +25,9 @@ MIXING = {
     "scan over rows": (lambda x, w: jax.lax.scan(lambda c, r: (c + r, c), jnp.zeros(3), x)[1], X),
     "first row": (lambda x, w: x * x[0], X),
     "tokens pooled over the batch": (lambda x, w: (x.reshape(-1, 3) @ w).max(0), TOKENS),
+    "segment sum": (lambda x, w: jax.ops.segment_sum(x, (x[:, 0] > 0).astype(jnp.int32), 2), X),
+    "one row by index": (lambda x, w: x - jax.lax.dynamic_index_in_dim(x, 0, 0), X),
+    "fft over rows": (lambda x, w: jnp.fft.fft(x, axis=0).real, X),
 }
 SEPARATE = {
     "dense": (lambda x, w: jax.nn.relu(x @ w), X),
