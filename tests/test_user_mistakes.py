@@ -13,6 +13,7 @@ from flax import nnx
 
 import zerojax as zj
 from tests.user_code import MLP, FlatMLP, loss_and_accuracy, per_row_loss
+from zerojax.adapt import model_rows
 from zerojax.errors import UserError
 
 X = np.ones((8, 12), np.float32)
@@ -197,6 +198,49 @@ def test_a_model_that_mixes_rows_is_refused_where_the_step_splits_them(model, en
     for needle in [*needles, "output for a row depends on the batch's other rows", "zero.engine=gspmd"]:
         assert needle in str(e.value), (needle, str(e.value))
     zj.Trainer(model, optax.sgd(0.1), mesh=zj.make_mesh(fsdp=8), stage=1).init(jax.random.key(0), ROWS)
+
+
+class _BatchStatistics(nnx.Module):
+    """BatchNorm on its batch's statistics in every mode, which the engines average over devices."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(12, 16, rngs=rngs)
+        self.norm = nnx.BatchNorm(16, rngs=rngs)
+        self.out = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jax.nn.relu(self.norm(self.hidden(x), use_running_average=False)))
+
+
+class _Routed(nnx.Module):
+    """Top-2 gates over 16 experts, and their load over the batch beside the logits: per-row outputs
+    the jaxpr read flags (a gather from activations, a mean over rows) and a load as long as the rows."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.router = nnx.Linear(12, 16, rngs=rngs)
+        self.out = nnx.Linear(12, 4, rngs=rngs)
+
+    def __call__(self, x):
+        probs = jax.nn.softmax(self.router(x), -1)
+        gates = jnp.take_along_axis(probs, jax.lax.top_k(probs, 2)[1], -1).sum(-1, keepdims=True)
+        return self.out(x) * gates, probs.mean(0)
+
+
+@pytest.mark.parametrize("model", [_BatchStatistics, _Routed])
+def test_row_separable_models_the_jaxpr_read_flags_are_measured_and_taken(model, monkeypatch):
+    measured: list = []
+    measure = model_rows._differing_rows
+    monkeypatch.setattr(model_rows, "_differing_rows", lambda *a: measured.append(measure(*a)) or measured[-1])
+    loss = (
+        (lambda out, batch: optax.softmax_cross_entropy_with_integer_labels(out[0], batch["targets"]).mean())
+        if (model is _Routed)
+        else None
+    )
+    trainer = zj.Trainer(model, optax.sgd(0.1), mesh=zj.make_mesh(fsdp=8), stage=3, engine="shard_map", loss_fn=loss)
+    trainer.init(jax.random.key(0), ROWS)
+    # no row moved: blocks run one by one refused the first (52% apart); comparing every output, the
+    # second (its load, as long as the 16 rows compared, taken for an output shaped by its rows)
+    assert measured == [0.0]
 
 
 class _Half(nnx.Module):
