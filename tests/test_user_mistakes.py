@@ -169,9 +169,12 @@ class _Centred(nnx.Module):
 
 
 class _LinenCentred(nn.Module):
+    """Dropout on when given a key (`has_rng`): the probe runs it as evaluation does, without one."""
+
     @nn.compact
     def __call__(self, x):
-        return nn.Dense(4)(nn.relu(nn.Dense(16)(x - x.mean(0, keepdims=True))))
+        x = nn.Dropout(0.1, deterministic=not self.has_rng("dropout"))(x - x.mean(0, keepdims=True))
+        return nn.Dense(4)(nn.relu(nn.Dense(16)(x)))
 
 
 @pytest.mark.parametrize(
@@ -184,6 +187,7 @@ class _LinenCentred(nn.Module):
             ["shard_map engine runs the model and the loss on each device's rows, but", "in 8 blocks of 2"],
         ),
         (_LinenCentred(), "gspmd", 2, ["gradient accumulation runs the model", "100% of 8 rows", "in 8 blocks of 1"]),
+        (_LinenCentred(), "shard_map", 1, ["100% of 16 rows"]),
     ],
 )
 def test_a_model_that_mixes_rows_is_refused_where_the_step_splits_them(model, engine, accumulate, needles):

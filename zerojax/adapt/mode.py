@@ -11,6 +11,9 @@ from __future__ import annotations
 import inspect
 import re
 
+import jax
+from flax import errors as flax_errors
+
 from zerojax.errors import UserError
 
 # A model's own mode argument as Flax's guides and examples spell it, and its value when training.
@@ -81,3 +84,23 @@ def unkeyed_stream(error, rng_streams: tuple[str, ...]) -> UserError:
         f"the model draws from {stream} (self.make_rng), which is not among the streams zerojax keys from each "
         f"step, {rng_streams!r}: name it, Trainer(..., rng_streams={wanted}) or model.rng_streams in a config."
     )
+
+
+def keyed_run(run, rng, rng_streams: tuple[str, ...], train: bool):
+    """`run(rngs=...)` of a Linen model: in training keyed from `rng` per stream; in eval mode first
+    without a key (`deterministic=not self.has_rng("dropout")` then turns dropout off), and keyed only
+    where Flax says the model draws even so (hard-coded dropout), from `rng` or a fixed key. A stream
+    the step does not key is one `UserError` (`unkeyed_stream`)."""
+
+    def keys(rng):
+        return None if rng is None else {s: jax.random.fold_in(rng, i) for i, s in enumerate(rng_streams)}
+
+    try:
+        return run(rngs=keys(rng) if train else None)
+    except flax_errors.InvalidRngError as error:
+        if train:
+            raise unkeyed_stream(error, rng_streams) from None
+    try:
+        return run(rngs=keys(jax.random.key(0) if rng is None else rng))
+    except flax_errors.InvalidRngError as error:
+        raise unkeyed_stream(error, rng_streams) from None

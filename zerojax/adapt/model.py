@@ -23,13 +23,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import errors as flax_errors
 from flax import linen as nn
 from flax import nnx
 
 from zerojax.adapt import stacked as stacked_lib
 from zerojax.adapt import wrap_linen, wrap_nnx
-from zerojax.adapt.mode import CALL_RNGS, linen_streams, mode_arguments, mode_names, takes_by_name, unkeyed_stream
+from zerojax.adapt.mode import CALL_RNGS, keyed_run, linen_streams, mode_arguments, mode_names, takes_by_name
 from zerojax.core.trees import path_str
 
 
@@ -315,14 +314,7 @@ def _linen_functions(module: nn.Module, rng_streams: tuple[str, ...]) -> Functio
 
 def _linen_structure(module, rng_streams, mode, params, model_state, inputs):
     structure = functools.partial(wrap_linen.linen_structure, module, params, model_state, inputs, **mode(False))
-    try:
-        return structure()
-    except flax_errors.InvalidRngError:  # a model that draws even in eval mode (hard-coded dropout)
-        return structure(rngs=_linen_rngs(jax.random.key(0), rng_streams))
-
-
-def _linen_rngs(rng, streams) -> dict | None:
-    return None if rng is None else {s: jax.random.fold_in(rng, i) for i, s in enumerate(streams)}
+    return keyed_run(structure, None, rng_streams, train=False)
 
 
 def _linen_init(module, rng_streams, mode, key, inputs):
@@ -349,7 +341,7 @@ def _linen_apply(
     sync=None,
 ):
     del static, layer_hook, layer_loop
-    rngs, mutable = _linen_rngs(rng, rng_streams), list(model_state) if train else []
+    mutable = list(model_state) if train else []
     contexts = contextlib.ExitStack()
     if sync:
         contexts.enter_context(_linen_sync(sync))
@@ -358,13 +350,7 @@ def _linen_apply(
         mutable = [*mutable, "params"]  # the root writes its gathered params into its scope
     with contexts:
         run = functools.partial(module.apply, {"params": params, **model_state}, inputs, mutable=mutable or False)
-        try:
-            out = run(rngs=rngs, **mode(train))
-        except flax_errors.InvalidRngError as e:
-            if rngs is not None or train:
-                raise unkeyed_stream(e, rng_streams) from None
-            # evaluated without a key (`has_rng` turns dropout off); one drawing even so: a fixed key
-            out = run(rngs=_linen_rngs(jax.random.key(0), rng_streams), **mode(train))
+        out = keyed_run(functools.partial(run, **mode(train)), rng, rng_streams, train)
     if not mutable:
         return out, model_state
     out, updates = out

@@ -119,12 +119,16 @@ def _compared(tree, rows_first: list[bool]) -> list:
 
 
 def _apart(together: list, joined: list, rtol: float) -> float:
-    """The share of rows whose outputs differ by over `rtol` of their norm (a floor of a thousandth
+    """The share of finite rows whose outputs differ by over `rtol` of their norm (a floor of a thousandth
     of the rows' mean norm keeps rows of zeros from counting rounding)."""
     if not together:
         return 0.0
     a = np.concatenate([np.asarray(x, np.float64).reshape(x.shape[0], -1) for x in together], axis=1)
     b = np.concatenate([np.asarray(x, np.float64).reshape(x.shape[0], -1) for x in joined], axis=1)
+    finite = np.isfinite(a).all(axis=1) & np.isfinite(b).all(axis=1)  # a row masked to -inf says nothing
+    if not finite.any():
+        return 0.0
+    a, b = a[finite], b[finite]
     norms = np.linalg.norm(a, axis=1)
     floor = 1e-3 * float(norms.mean()) + np.finfo(np.float32).tiny
     return float(np.mean(np.linalg.norm(a - b, axis=1) > rtol * np.maximum(norms, floor)))

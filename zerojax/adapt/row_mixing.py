@@ -31,7 +31,8 @@ _ALONG_ONE = {  # the parameter naming the one dimension the operation runs alon
 # call-like primitives and control flow, judged by their bodies (scatters, generic reductions and
 # windows carry jaxprs too, but as combiners: they are judged by what they combine along)
 _CALLS = {"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call", "custom_vjp_call"}
-_CALLS |= {"custom_vjp_call_jaxpr", "cond", "while", "scan", "custom_lin", "remat2"}
+_CALLS |= {"custom_vjp_call_jaxpr", "cond", "while", "scan", "custom_lin", "remat2", "custom_linear_solve"}
+_CALLS |= {"custom_vmap_call"}
 # same-shaped results that are no elementwise function of their operands
 _SAME_SHAPE_NOT_ELEMENTWISE: tuple[str, ...] = (
     "fft",
@@ -40,7 +41,7 @@ _SAME_SHAPE_NOT_ELEMENTWISE: tuple[str, ...] = (
     "scatter",
     "dynamic_update_slice",
 )
-_SAME_SHAPE_NOT_ELEMENTWISE += ("pure_callback", "io_callback", "custom_call", "ffi_call", "shard_map")
+_SAME_SHAPE_NOT_ELEMENTWISE += ("pure_callback", "io_callback", "custom_call", "ffi_call", "shard_map", "pallas_call")
 _SHAPE_ONLY = {  # move dimensions, draw, or constrain: no row reads another
     "squeeze",
     "expand_dims",

@@ -28,6 +28,7 @@ MIXING = {
     "segment sum": (lambda x, w: jax.ops.segment_sum(x, (x[:, 0] > 0).astype(jnp.int32), 2), X),
     "one row by index": (lambda x, w: x - jax.lax.dynamic_index_in_dim(x, 0, 0), X),
     "fft over rows": (lambda x, w: jnp.fft.fft(x, axis=0).real, X),
+    "linear solve": (lambda x, w: jax.lax.custom_linear_solve(lambda v: v - v.mean(0), x, lambda f, b: b), X),
 }
 SEPARATE = {
     "dense": (lambda x, w: jax.nn.relu(x @ w), X),
