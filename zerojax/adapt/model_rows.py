@@ -23,7 +23,7 @@ from zerojax.adapt.row_mixing import computes_in_half_precision, may_mix_rows
 from zerojax.errors import UserError
 
 # apart by over this share of a row's outputs' norm: fp32 rounding in another batch shape moves them
-# by ~1e-6; bf16's, compounded over a dozen layers (and a top-k choice it flips), by up to ~10%
+# by ~1e-6; bf16's (or TF32's), compounded over a dozen layers (and a top-k choice it flips), by ~10%
 RTOL = {"fp32": 3e-2, "half": 0.5}
 MOST = 0.25  # rows that must differ: a top-k choice flipped by rounding moves a few, a batch branch a block
 MAX_BYTES = 64 * 2**20  # inputs and outputs of the rows compared, at most; a larger probe is not run
@@ -79,7 +79,9 @@ def _rows_first(forward: Callable, args, inputs) -> tuple[list[bool], float] | N
     if not may_mix_rows(traced.jaxpr.jaxpr, TRACED_ROWS):
         return None
     rows_first = [x.shape[:1] == (TRACED_ROWS,) for x in jax.tree.leaves(traced.out_info)]
-    return rows_first, RTOL["half" if computes_in_half_precision(traced.jaxpr.jaxpr) else "fp32"]
+    # TPUs run fp32 dots in bf16 passes and GPUs in TF32 by default: fp32 keeps its tolerance on CPU only
+    half = computes_in_half_precision(traced.jaxpr.jaxpr) or jax.default_backend() != "cpu"
+    return rows_first, RTOL["half" if half else "fp32"]
 
 
 def _differing_rows(forward: Callable, args, inputs, blocks: Blocks, rows_first: list[bool], rtol: float):
