@@ -79,10 +79,9 @@ def _eqn_may_mix(eqn, rows: int) -> bool:
     carrying = lambda shape: [i for i, d in enumerate(shape) if isinstance(d, int) and d and d % rows == 0]  # noqa: E731
     inner = [j for value in params.values() for j in _jaxprs(value)] if name in _CALLS else []
     if inner:  # calls and control flow: their bodies decide; a scan along rows mixes them
-        if name == "scan":
-            xs = shapes[params["num_consts"] + params["num_carry"] :]
-            if any(0 in carrying(s) for s in xs if s):
-                return True
+        length = params.get("length", 0) if name == "scan" else 0
+        if isinstance(length, int) and length and length % rows == 0:  # a scan whose steps are rows
+            return True
         return any(may_mix_rows(j, rows) for j in inner)
     first = carrying(shapes[0]) if shapes else []
     if name in _REDUCING:
