@@ -33,10 +33,10 @@ MAX_BLOCKS = 8  # blocks compared, run as one vmap
 _BLOCKS = "zerojax_row_blocks"  # the vmapped axis of blocks, which BatchNorms average over
 
 
-def check_model_splits(forward: Callable, args, batch: dict, split: tuple[int, int, str], param_bytes: int) -> None:
+def check_model_splits(forward: Callable, args, inputs, split: tuple[int, int, str], param_bytes: int) -> None:
     """One `UserError` if the model, `forward(args, key, inputs, sync) -> outputs` in eval mode (`sync`:
     the axis name its BatchNorms average over, as the engines set it), gives most rows different
-    outputs run on the blocks of `batch`'s rows the step runs it on than on their rows together.
+    outputs run on the blocks of a batch's `inputs` the step runs it on than on their rows together.
     `split`: (blocks, groups, why) from `Setup.loss_split`; `param_bytes`: what `forward` gathers.
     Run only where its jaxpr may mix rows (`zerojax.adapt.row_mixing`): most models compile nothing.
 
@@ -44,7 +44,6 @@ def check_model_splits(forward: Callable, args, batch: dict, split: tuple[int, i
     `MAX_PARAM_BYTES`, outputs over `MAX_BYTES`, outputs without the rows first (not compared), a model
     with side effects (`jax.debug` callbacks), one that cannot be vmapped, non-finite outputs, or
     outputs that are random in eval mode (two keys disagree)."""
-    inputs = batch["inputs"]
     row_bytes = sum(int(np.prod(np.shape(x)[1:])) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(inputs))
     blocks = probed_blocks(split, inputs, row_bytes, MAX_BLOCKS, MAX_BYTES) if param_bytes <= MAX_PARAM_BYTES else None
     read = _rows_first(forward, args, inputs) if blocks is not None else None
@@ -92,11 +91,9 @@ def _differing_rows(forward: Callable, args, inputs, blocks: Blocks, rows_first:
     """The share of rows whose outputs (those with the rows first) run on the blocks differ from
     their outputs run together by over `rtol` of their norm; 1 where an output's shape beyond its rows
     depends on how many rows it saw; None where it means nothing (side effects, too large, random)."""
-    g, n, s = blocks.used_groups, blocks.used_blocks, blocks.size
 
     def together_and_blocks(args, key, inputs):
-        by_block = jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(n, g * s, *x.shape[3:]), inputs)
-        parts = jax.vmap(lambda x: forward(args, key, x, _BLOCKS), axis_name=_BLOCKS)(by_block)
+        parts = jax.vmap(lambda x: forward(args, key, x, _BLOCKS), axis_name=_BLOCKS)(blocks.by_block(inputs))
         return forward(args, key, blocks.rows(inputs), None), parts
 
     keys = [jax.random.key(0), jax.random.key(1)]
@@ -109,10 +106,7 @@ def _differing_rows(forward: Callable, args, inputs, blocks: Blocks, rows_first:
     together, parts = (_compared(t, rows_first) for t in program(args, keys[0], inputs))
     if [x.shape[1:] for x in together] != [x.shape[2:] for x in parts]:
         return 1.0  # an output shaped by the rows it saw (rows against rows)
-    joined = [
-        np.asarray(x).reshape(n, g, s, *x.shape[2:]).swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], -1) for x in parts
-    ]
-    differing = _apart(together, joined, rtol)
+    differing = _apart(together, [blocks.joined(x) for x in parts], rtol)
     if differing > MOST and _apart(together, _compared(program(args, keys[1], inputs)[0], rows_first), rtol) > MOST:
         return None  # random in eval mode (dropout the mode does not reach): not comparable
     return differing

@@ -37,6 +37,17 @@ class Blocks:
         """Block i's rows of a tree of `take`n arrays, or (None) every used row, as (rows, ...)."""
         return jax.tree.map(lambda x: (x if i is None else x[:, i : i + 1]).reshape(-1, *x.shape[3:]), tree)
 
+    def by_block(self, tree):
+        """Every used block's rows of a tree of `take`n arrays, as (used_blocks, rows of a block, ...):
+        block i is `rows(tree, i)`."""
+        g, n, s = self.used_groups, self.used_blocks, self.size
+        return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(n, g * s, *x.shape[3:]), tree)
+
+    def joined(self, x) -> np.ndarray:
+        """`by_block`'s inverse for one array: the blocks' rows in the order of `rows(tree)`."""
+        g, n, s = self.used_groups, self.used_blocks, self.size
+        return np.asarray(x).reshape(n, g, s, *x.shape[2:]).swapaxes(0, 1).reshape(g * n * s, *x.shape[2:])
+
 
 def probed_blocks(split: tuple[int, int, str], batch, row_bytes: int, max_blocks: int, max_bytes: int):
     """The `Blocks` a probe of `batch` (rows first in every leaf) compares, or None where there is

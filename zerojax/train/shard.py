@@ -205,20 +205,35 @@ def prepare(setup: Setup, key, batch: dict) -> Sharded:
 
 def _rows_check(setup: Setup, layout: StateLayout, static, shardings: TrainState, batch: dict, param_shapes):
     """(state) -> None running `zerojax.adapt.model_rows` on `batch`'s rows where the step splits them
-    (`Setup.loss_split`), the params gathered whole in the compute dtype; None where it does not."""
+    (`Setup.loss_split`), the params gathered whole in the compute dtype, once per preparation (`init`
+    and a later `restore_state` would read the same model on the same rows); None where it does not."""
     split = setup.loss_split
     if split[0] <= 1:
         return None
-    model, rows = setup.model, {"inputs": batch["inputs"]}
+    inputs = batch["inputs"]
+    passed: list[bool] = []  # [True] once the model passed
     size = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(param_shapes))
     param_bytes = size * np.dtype(setup.precision.compute_dtype).itemsize
+    forward = offload_lib.streamed(_eval_outputs(setup, layout, static), shardings, layout.host_groups)
 
-    def forward(state, key, inputs, sync):
+    def check(state) -> None:
+        if not passed:
+            check_model_splits(forward, state, inputs, split, param_bytes)
+            passed.append(True)
+
+    return check
+
+
+def _eval_outputs(setup: Setup, layout: StateLayout, static):
+    """`(state, key, inputs, sync) -> outputs` in eval mode on the compute params gathered whole
+    (`key`: for a model that draws even in eval mode; `sync`: the axis its BatchNorms average over)."""
+    model = setup.model
+
+    def outputs(state, key, inputs, sync):
         params = compute_params(layout, state)
         return model.apply(params, state.model_state or {}, static, inputs, rng=key, train=False, sync=sync)[0]
 
-    forward = offload_lib.streamed(forward, shardings, layout.host_groups)
-    return lambda state: check_model_splits(forward, state, rows, split, param_bytes)
+    return outputs
 
 
 def _jitted(step, evaluate, in_shardings, layout: StateLayout, compiler_options: dict[str, str]):
@@ -310,14 +325,12 @@ def _make_state(setup: Setup, layout: StateLayout, shardings: TrainState):
 def _eval_loss(setup: Setup, layout: StateLayout, static, evaluate):
     """`(state, batch, loss_fn) -> loss` in eval mode (no dropout, BatchNorm's running statistics),
     gathered as the train step's forward gathers where the engine says how."""
-    model = setup.model
+    outputs = _eval_outputs(setup, layout, static)
 
     def eval_loss(state, batch, loss_fn):
         if evaluate is not None:
             return evaluate(state, batch, loss_fn)
-        params = compute_params(layout, state)
-        out, _ = model.apply(params, state.model_state or {}, static, batch["inputs"], train=False)
-        return global_loss(loss_fn(out, batch))
+        return global_loss(loss_fn(outputs(state, None, batch["inputs"], None), batch))
 
     return eval_loss
 
