@@ -77,7 +77,7 @@ def _eqn_may_mix(eqn, rows: int) -> bool:
     name, params = eqn.primitive.name, eqn.params
     shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
     carrying = lambda shape: [i for i, d in enumerate(shape) if isinstance(d, int) and d and d % rows == 0]  # noqa: E731
-    inner = [j for value in params.values() for j in _jaxprs(value)] if name in _CALLS else []
+    inner = inner_jaxprs(eqn) if name in _CALLS else []
     if inner:  # calls and control flow: their bodies decide; a scan along rows mixes them
         length = params.get("length", 0) if name == "scan" else 0
         if isinstance(length, int) and length and length % rows == 0:  # a scan whose steps are rows
@@ -129,7 +129,7 @@ def computes_in_half_precision(jaxpr) -> bool:
     for eqn in jaxpr.eqns:
         if any(str(getattr(v.aval, "dtype", "")) in ("bfloat16", "float16") for v in eqn.outvars):
             return True
-        if any(computes_in_half_precision(j) for value in eqn.params.values() for j in _jaxprs(value)):
+        if any(computes_in_half_precision(j) for j in inner_jaxprs(eqn)):
             return True
     return False
 
@@ -153,6 +153,11 @@ def _elementwise(eqn) -> bool:
         return not ins and outs <= {()}
     broadcast = tuple(max(sizes) for sizes in zip(*ins))
     return outs == {broadcast} and all(set(sizes) <= {1, max(sizes)} for sizes in zip(*ins))
+
+
+def inner_jaxprs(eqn) -> list:
+    """The `Jaxpr`s nested in `eqn`'s parameters (a call's, a scan's body, a cond's branches)."""
+    return [j for value in eqn.params.values() for j in _jaxprs(value)]
 
 
 def _jaxprs(value):

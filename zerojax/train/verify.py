@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from zerojax.adapt.row_mixing import inner_jaxprs
 from zerojax.core.trees import path_str
 from zerojax.errors import UserError
 from zerojax.train.shard import prepare
@@ -144,15 +145,10 @@ def _draws(trainer, key, batch: dict) -> bool:
 
 
 def _holds_draw(jaxpr) -> bool:
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in _RANDOM_PRIMITIVES:
-            return True
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's, or a Jaxpr
-                if hasattr(inner, "eqns") and _holds_draw(inner):
-                    return True
-    return False
+    return any(
+        eqn.primitive.name in _RANDOM_PRIMITIVES or any(_holds_draw(inner) for inner in inner_jaxprs(eqn))
+        for eqn in jaxpr.eqns
+    )
 
 
 def _train(init, step, layout_of, batches: list[dict]):
