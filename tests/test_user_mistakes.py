@@ -49,6 +49,10 @@ def _trainer(model=MLP, loss=None, engine="shard_map"):
         (MLP, None, {"inputs": {"x": X, "y": X[:4]}, "targets": LABELS}, ["x float32[8, 12], y float32[4, 12]"]),
         (MLP, None, {"inputs": X, "targets": {"a": LABELS}}, ["one integer array", "a int32[8]"]),
         (MLP, None, {"inputs": X, "targets": LABELS - 1}, ["a target is -1"]),
+        # every entry is split by rows: one without them raised from inside the sharding
+        (MLP, None, {"inputs": X, "targets": LABELS[:4]}, ["batch['targets'] is int32[4]", "inputs' 8 rows"]),
+        (MLP, None, {"inputs": X, "targets": LABELS, "step": np.int32(3)}, ["batch['step'] is int32[]"]),
+        (MLP, None, {"inputs": X, "targets": LABELS, "source": "shard-0"}, ["batch['source'] is a string"]),
     ],
 )
 @pytest.mark.parametrize("engine", ["shard_map", "gspmd"])

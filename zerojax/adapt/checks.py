@@ -34,8 +34,11 @@ def check_keys(batch: dict, default_loss: bool) -> None:
         raise UserError(f"the batch has no {' or '.join(repr(k) for k in missing)} key{why}; it has {sorted(batch)}.")
 
 
-def check_rows(inputs) -> int:
-    """The global batch rows of `inputs` (an array or a pytree of arrays): every leaf has them first."""
+def check_rows(batch: dict) -> int:
+    """The global batch rows of `batch['inputs']` (an array or a pytree of arrays): every leaf of it,
+    and of every other entry, has them first. The step splits every entry by rows, so a scalar (a
+    step number, a mixing weight) or a value shared by the rows cannot ride in the batch."""
+    inputs = batch["inputs"]
     leaves = jax.tree.leaves(inputs)
     rows = {int(np.shape(x)[0]) if np.ndim(x) else -1 for x in leaves}
     if len(rows) != 1 or -1 in rows:
@@ -43,7 +46,19 @@ def check_rows(inputs) -> int:
             f"a batch's 'inputs' is an array or a pytree of arrays with the global batch first; got "
             f"{describe(abstract(inputs)) or 'no arrays'}."
         )
-    return rows.pop()
+    count = rows.pop()
+    for name, value in batch.items():
+        for x in jax.tree.leaves(value):
+            numeric = np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype).kind in "biufc"
+            if not numeric or not np.ndim(x) or np.shape(x)[0] != count:
+                got = describe(abstract(value)) if numeric else f"an array of {np.asarray(x).dtype}"
+                got = "a string" if isinstance(x, str | bytes) else got
+                raise UserError(
+                    f"batch[{name!r}] is {got}, but every batch entry is arrays with the inputs' {count} rows "
+                    "first (the step splits them by rows); pass a value every row shares through the model "
+                    "or the loss function instead."
+                )
+    return count
 
 
 def check_model_and_loss(

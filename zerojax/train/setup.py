@@ -162,7 +162,7 @@ class Setup:
     def check_batch(self, batch: dict) -> None:
         """What any use of `batch` needs: inputs, and rows the data-parallel devices (and micro-batches) divide."""
         checks.check_keys(batch, default_loss=False)
-        rows = checks.check_rows(batch["inputs"])
+        rows = checks.check_rows(batch)
         check_batch(rows, data_parallel_size(self.mesh))
         check_accum_batch(rows, data_parallel_size(self.mesh), self.grad_accum)
         if pipeline_size(self.mesh) > 1:  # each accumulation step's rows go through the pipeline
