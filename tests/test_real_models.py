@@ -156,6 +156,42 @@ def test_linen_batchnorm_statistics_are_over_the_global_batch():
             np.testing.assert_allclose(losses, base, rtol=1e-5, atol=1e-5, err_msg=f"{engine} stage {stage}")
 
 
+class SowingNet(nnx.Module):
+    """Flax's intermediates idioms beside BatchNorm: `sow` in each block and at the top, `perturb`."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.blocks = nnx.List([_Block(37, rngs, 0.0) for _ in range(2)])
+        self.out = nnx.Linear(37, 10, rngs=rngs)
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+            self.sow(nnx.Intermediate, "features", x)
+        return self.out(self.perturb("last", x))
+
+
+class LinenSowingNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.BatchNorm(use_running_average=not train)(nn.Dense(43)(x))
+        self.sow("intermediates", "features", x)
+        return nn.Dense(10)(self.perturb("last", nn.relu(x)))
+
+
+@pytest.mark.parametrize("model", [SowingNet, LinenSowingNet()], ids=["nnx", "linen"])
+@pytest.mark.filterwarnings("ignore:Using 'Module:DeprecationWarning")  # Flax's: sow outside nnx.capture
+def test_sown_and_perturbed_values_are_not_kept_as_model_state(model):
+    """Flax applies a model with only its state, so `sow` and `perturb` do nothing: kept as state
+    they changed its structure each call (a raw pytree error) or, shaped like the init batch, met
+    each device's rows under shard_map (a raw shape error)."""
+    batch = classification_batch(0)
+    _, state, base = _run(model, stage=0, engine="gspmd", steps=2, batch=batch)
+    assert list(state.model_state) == ["batch_stats"]
+    _, state, losses = _run(model, stage=3, engine="shard_map", steps=2, batch=batch)
+    assert list(state.model_state) == ["batch_stats"]
+    np.testing.assert_allclose(losses, base, rtol=1e-5, atol=1e-5)
+
+
 def test_batchnorm_statistics_checkpoint_reshard_and_export(tmp_path):
     batch = classification_batch(0)
     trainer, state, _ = _run(DropNet, stage=3, engine="shard_map", steps=3, batch=batch)

@@ -116,7 +116,7 @@ def _linen_axis_names(module, rng_streams, mode, key, inputs) -> dict:
 # variable (BatchStat and user variables: the model state, grouped by collection name, carried and
 # updated by the step).
 
-_COLLECTION_NAMES = {"BatchStat": "batch_stats", "Cache": "cache", "Intermediate": "intermediates"}
+_COLLECTION_NAMES = {"BatchStat": "batch_stats", "Cache": "cache"}
 
 
 def _collection(var_type: type) -> str:
@@ -128,7 +128,8 @@ def _nnx_split(module: nnx.Module):
     graphdef, params, rng_state, rest = nnx.split(module, nnx.Param, nnx.RngState, ...)  # type: ignore[misc]
     model_state: dict = {}
     for path, var in nnx.to_flat_state(rest):
-        model_state.setdefault(_collection(type(var)), {})[path] = var.get_value()
+        if not isinstance(var, nnx.Intermediate):  # sown or perturbed in a call: read by the caller, not kept
+            model_state.setdefault(_collection(type(var)), {})[path] = var.get_value()
     model_state = {k: nnx.traversals.unflatten_mapping(v) for k, v in model_state.items()}
     return graphdef, nnx.to_pure_dict(params), rng_state, model_state
 
@@ -317,10 +318,15 @@ def _linen_structure(module, rng_streams, mode, params, model_state, inputs):
     return keyed_run(structure, None, rng_streams, train=False)
 
 
+_CALL_COLLECTIONS = ("intermediates", "perturbations")
+
+
 def _linen_init(module, rng_streams, mode, key, inputs):
     variables = module.init({"params": key, **{s: key for s in rng_streams}}, inputs, **mode(False))
     variables = nn.meta.unbox(variables)  # `nn.with_logical_partitioning` boxes: zerojax lays the arrays out itself
-    model_state = {k: v for k, v in variables.items() if k != "params"}
+    # Flax's own idiom: applied with only its state, `sow` and `perturb` are no-ops (their
+    # collections, whose shapes are the init batch's, are read by a caller, not trained).
+    model_state = {k: v for k, v in variables.items() if k not in ("params", *_CALL_COLLECTIONS)}
     return dict(variables["params"]), model_state, None
 
 
