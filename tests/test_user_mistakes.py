@@ -278,6 +278,47 @@ def test_bf16_logits_take_the_default_loss():
     assert np.isfinite(float(trainer.step(state, ROWS)[1]["loss"]))
 
 
+class _Held(nnx.Module):
+    """A parameter of the given dtype beside a Linear: a Fourier layer's complex weights, a frozen
+    quantized (integer) table."""
+
+    def __init__(self, dtype, rngs: nnx.Rngs):
+        self.held = nnx.Param(jnp.arange(12 * 4).reshape(12, 4).astype(dtype))
+        self.out = nnx.Linear(12, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(x) + jnp.real(x @ self.held[...].astype(jnp.result_type(self.held[...], jnp.float32)))
+
+
+@pytest.mark.parametrize(
+    "dtype, frozen, needle",
+    [
+        (jnp.complex64, False, "'held' is complex64"),  # its imaginary part was dropped, silently
+        (jnp.int8, False, "'held' is int8.*out of `trainable`"),
+        (jnp.int32, True, "'held' is int32.*narrower integer type"),  # values past 2**24 round in fp32
+    ],
+)
+def test_a_parameter_the_state_cannot_hold_exactly_is_refused(dtype, frozen, needle):
+    trainable = (lambda path, leaf: path != "held") if frozen else None
+    trainer = zj.Trainer(
+        lambda rngs: _Held(dtype, rngs), optax.sgd(0.1), mesh=zj.make_mesh(fsdp=8), trainable=trainable
+    )
+    with pytest.raises(UserError, match=needle):
+        trainer.init(jax.random.key(0), ROWS)
+
+
+def test_a_frozen_int8_table_is_held_exactly():
+    trainer = zj.Trainer(
+        lambda rngs: _Held(jnp.int8, rngs),
+        optax.sgd(0.1),
+        mesh=zj.make_mesh(fsdp=8),
+        precision="bf16",
+        trainable=lambda path, leaf: path != "held",
+    )
+    state = trainer.init(jax.random.key(0), ROWS)
+    np.testing.assert_array_equal(np.asarray(state.params["held"], np.float32), np.arange(48).reshape(12, 4))
+
+
 def _f1(out, batch):  # class 0's F1 over the batch: a ratio of counts, not a mean over rows
     predicted, actual = out.argmax(-1) == 0, batch["targets"] == 0
     hits = (predicted & actual).sum()

@@ -19,7 +19,7 @@ import numpy as np
 
 from zerojax.adapt.loss_rows import check_loss_splits
 from zerojax.core.loss import WeightedLoss, unread_tuple
-from zerojax.core.trees import abstract, describe
+from zerojax.core.trees import abstract, describe, path_str
 from zerojax.errors import UserError, first_line
 
 
@@ -59,6 +59,32 @@ def check_rows(batch: dict) -> int:
                     "or the loss function instead."
                 )
     return count
+
+
+def check_param_dtypes(param_shapes, trainable, compute_dtype) -> None:
+    """Every parameter keeps its values in the state: a trained one is kept as a real floating-point
+    master, a frozen one in `compute_dtype`. So a complex parameter (its imaginary part), a trained
+    integer one, or a frozen integer one `compute_dtype` does not hold exactly (int32 in fp32, int16
+    in bf16) is one `UserError`. `trainable`: a bool per leaf, or None where every leaf trains."""
+    flat = jax.tree_util.tree_flatten_with_path(param_shapes)[0]
+    trains = jax.tree.leaves(trainable) if trainable is not None else [True] * len(flat)
+    exact_bits = jnp.finfo(compute_dtype).nmant + 1  # integers up to 2**exact_bits are exact
+    for (path, x), trained in zip(flat, trains, strict=True):
+        dtype = np.dtype(x.dtype)
+        if jnp.issubdtype(dtype, jnp.floating):
+            continue
+        if dtype.kind in "biu" and not trained and (dtype.kind == "b" or dtype.itemsize * 8 <= exact_bits):
+            continue
+        if jnp.issubdtype(dtype, jnp.complexfloating):
+            keep = "as two real parameters (its real and imaginary parts)"
+        else:
+            keep = "frozen in a narrower integer type, or" if not trained else "out of `trainable`, or"
+            keep += " as a non-Param variable"
+        raise UserError(
+            f"param {path_str(path)!r} is {dtype.name}, which zerojax would change: it keeps a trained parameter "
+            f"as a real floating-point master and a frozen one in the compute dtype ({np.dtype(compute_dtype).name}); "
+            f"keep it {keep} instead."
+        )
 
 
 def check_model_and_loss(

@@ -254,7 +254,9 @@ def _traced(setup: Setup, key, inputs) -> tuple:
     """The model's init traced once: (the setup trained where `trainable` says, its model, its
     param, model state and static shapes)."""
     shapes = jax.eval_shape(setup.model.init, key, inputs)
-    setup = setup.frozen_where(trainable_lib.select(setup.choices.trainable, shapes[0], setup.model.variable_types))
+    mask = trainable_lib.select(setup.choices.trainable, shapes[0], setup.model.variable_types)
+    checks.check_param_dtypes(shapes[0], mask, setup.precision.compute_dtype)
+    setup = setup.frozen_where(mask)
     return (setup, setup.model, *shapes)
 
 
