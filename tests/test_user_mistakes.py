@@ -53,6 +53,8 @@ def _trainer(model=MLP, loss=None, engine="shard_map"):
         (MLP, None, {"inputs": X, "targets": LABELS[:4]}, ["batch['targets'] is int32[4]", "inputs' 8 rows"]),
         (MLP, None, {"inputs": X, "targets": LABELS, "step": np.int32(3)}, ["batch['step'] is int32[]"]),
         (MLP, None, {"inputs": X, "targets": LABELS, "source": "shard-0"}, ["batch['source'] is a string"]),
+        # (the Python API has no train.batch_size: the message names the batch's rows)
+        (MLP, None, {"inputs": X[:6], "targets": LABELS[:6]}, ["a batch of 6 rows is not divisible by the data"]),
     ],
 )
 @pytest.mark.parametrize("engine", ["shard_map", "gspmd"])

@@ -44,11 +44,12 @@ def check_sizes(data, fsdp=None, tensor=1, pipeline=1) -> None:
             raise UserError(f"{name} must be a positive integer, got {size!r}.")
 
 
-def check_batch(batch_size: int, data_parallel: int) -> None:
-    """The global batch splits evenly over every data-parallel device (mesh data x fsdp)."""
+def check_batch(batch_size: int, data_parallel: int, subject: str | None = None) -> None:
+    """The global batch splits evenly over every data-parallel device (mesh data x fsdp). `subject`
+    names the batch in the message (default: the config's `train.batch_size`)."""
     if batch_size % data_parallel:
         raise UserError(
-            f"train.batch_size={batch_size} is not divisible by the data-parallel size "
+            f"{subject or f'train.batch_size={batch_size}'} is not divisible by the data-parallel size "
             f"{data_parallel} (mesh.data x mesh.fsdp)."
         )
 

@@ -28,11 +28,11 @@ def check_grad_accum(k) -> int:
     return k
 
 
-def check_accum_batch(batch_size: int, data_parallel: int, k: int) -> None:
-    """Every data-parallel device's rows split into k equal micro-batches."""
+def check_accum_batch(batch_size: int, data_parallel: int, k: int, subject: str | None = None) -> None:
+    """Every data-parallel device's rows split into k equal micro-batches (`subject`: as `check_batch`'s)."""
     if k > 1 and (batch_size % data_parallel or (batch_size // data_parallel) % k):
         raise UserError(
-            f"train.batch_size={batch_size} does not split into train.grad_accum={k} micro-batches "
+            f"{subject or f'train.batch_size={batch_size}'} does not split into train.grad_accum={k} micro-batches "
             f"of equal rows on each of the {data_parallel} data-parallel devices; the batch size must "
             f"be a multiple of {data_parallel * k}."
         )

@@ -163,8 +163,9 @@ class Setup:
         """What any use of `batch` needs: inputs, and rows the data-parallel devices (and micro-batches) divide."""
         checks.check_keys(batch, default_loss=False)
         rows = checks.check_rows(batch)
-        check_batch(rows, data_parallel_size(self.mesh))
-        check_accum_batch(rows, data_parallel_size(self.mesh), self.grad_accum)
+        subject = f"a batch of {rows} rows"
+        check_batch(rows, data_parallel_size(self.mesh), subject)
+        check_accum_batch(rows, data_parallel_size(self.mesh), self.grad_accum, subject)
         if pipeline_size(self.mesh) > 1:  # each accumulation step's rows go through the pipeline
             check_schedule(self.mesh, rows // self.grad_accum, self.schedule.microbatches_on(self.mesh))
 
