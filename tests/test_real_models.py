@@ -305,6 +305,26 @@ def test_optimizers_are_exact_on_padded_leaves(name):
         np.testing.assert_allclose(losses, base, rtol=1e-5, atol=1e-5, err_msg=f"{name} {engine}")
 
 
+def _by_shape(shape_of_the_fast_one):
+    """Adam for one leaf, picked by its shape (as a vocabulary-sized embedding is), SGD for the rest."""
+    labels = lambda params: jax.tree.map(lambda x: "fast" if x.shape == shape_of_the_fast_one else "slow", params)  # noqa: E731
+    return optax.multi_transform({"fast": optax.adam(5e-2), "slow": optax.sgd(1e-3)}, labels)
+
+
+def test_an_optimizer_choosing_by_leaf_shape_sees_the_logical_shapes():
+    """The optimizer saw `b/kernel` padded (130 x 136 for 130 x 131), so a label read from its shape
+    picked SGD where Adam was asked for: 96% off stage 0 after three steps, silently. An optimizer
+    whose choices move with the padding now sees padded leaves whole; one choosing by `ndim` keeps them padded."""
+    batch = classification_batch(0)
+    _, _, base = _run(WideMLP, stage=0, engine="gspmd", steps=3, batch=batch, tx=_by_shape((130, 131)))
+    trainer, _, losses = _run(WideMLP, stage=3, engine="shard_map", steps=3, batch=batch, tx=_by_shape((130, 131)))
+    np.testing.assert_allclose(losses, base, rtol=1e-5, atol=1e-5)
+    assert not trainer.layout.opt_leaves["b"]["kernel"].padded
+    by_ndim = optax.adamw(1e-2, mask=lambda params: jax.tree.map(lambda x: x.ndim > 1, params))
+    trainer = zj.Trainer(WideMLP, by_ndim, mesh=zj.make_mesh(fsdp=8), stage=3)
+    assert trainer.prepare(KEY, batch).layout.opt_leaves is None  # the optimizer sees the padded leaves
+
+
 def test_a_state_laid_out_by_the_padding_resumes_on_another_device_count(tmp_path):
     """`optax.flatten(adam)` updates a padded leaf exactly, but its one flat moment holds every leaf's
     padding (136 columns on 8 devices, 132 on 4): resumed on 4 devices it was read misaligned, the

@@ -270,6 +270,14 @@ class StateLayout:
         return self.trained(cast_tree(self.to_layout(params, sharded=False), self.precision.compute_dtype))
 
 
+def _opt_shapes(leaves, dtype) -> tuple[Any, Any]:
+    """The params as the optimizer would see them: (logical, padded) `jax.ShapeDtypeStruct`s."""
+    shapes = lambda padded: jax.tree.map(  # noqa: E731
+        lambda l: jax.ShapeDtypeStruct(l.padded_shape if padded else l.shape, dtype), leaves, is_leaf=_is_layout
+    )
+    return shapes(False), shapes(True)
+
+
 def _unpadded(leaf: LeafLayout) -> LeafLayout:
     """A padded leaf as a non-elementwise optimizer keeps it: whole over fsdp (its tensor split kept)."""
     if not leaf.padded:
@@ -285,7 +293,7 @@ def make_layout(
     param_shapes,
     *,
     replicate_below_bytes: int = 2048,
-    optimizer_pads_exactly: Callable[[], bool] = lambda: True,
+    optimizer_pads_exactly: Callable[[Any, Any], bool] = lambda logical, padded: True,
     stack_paths: tuple = (),
     offload: str = "none",
     hierarchical: bool = False,
@@ -297,7 +305,8 @@ def make_layout(
     model's layer stacks: `zj.Stacked`, or what a model taking `layer_hook` declares) keep axis 0 whole
     from FSDP (a `pipeline` mesh splits it into pipeline stages, every other leaf over fsdp x pipeline).
 
-    `optimizer_pads_exactly` (`zerojax.core.optim.pads_exactly`), asked only if the optimizer group has a
+    `optimizer_pads_exactly(logical, padded)` (`zerojax.core.optim.pads_exactly`, given the params as the
+    optimizer would see them), asked only if the optimizer group has a
     padded leaf: if not, the group keeps such leaves replicated in their logical shapes.
     `axis_names` ({param path: logical names}) and `axis_rules` (`zerojax.core.axis_rules`) choose each
     leaf's tensor-parallel dimension, and a dimension the model gives to `fsdp` itself.
@@ -331,7 +340,7 @@ def make_layout(
     leaves = jax.tree_util.tree_map_with_path(rule, param_shapes)
     leaves = leaves if trainable is None else _with_trainable(leaves, trainable)
     padded = stage.optimizer and any(l.padded for l in jax.tree.leaves(leaves, is_leaf=_is_layout))
-    unpadded = padded and not optimizer_pads_exactly()
+    unpadded = padded and not optimizer_pads_exactly(*_opt_shapes(leaves, precision.master_dtype))
     opt_leaves = jax.tree.map(_unpadded, leaves, is_leaf=_is_layout) if unpadded else None
     names = [n for ns in (axis_names or {}).values() for n in ns]
     unmapped = tuple(axis_rules_lib.unmapped(names, rules))

@@ -88,14 +88,21 @@ def build_optimizer(c, total_steps: int):
     return optax.chain(optax.clip_by_global_norm(c.grad_clip), base) if c.grad_clip else base
 
 
-def pads_exactly(tx, shape: tuple[int, int] = (129, 131), padded: tuple[int, int] = (129, 136)) -> bool:
+def pads_exactly(
+    tx, params: tuple[Any, Any] | None = None, shape: tuple[int, int] = (129, 131), padded: tuple[int, int] = (129, 136)
+) -> bool:
     """Whether `tx`'s update of a zero-padded leaf is the update of the unpadded leaf, padded: true
     for elementwise optimizers (SGD, momentum, Adam/AdamW, global-norm clipping); false for
     Adafactor (factored row/column statistics, update RMS clipping, parameter-scale RMS). Measured
     on a probe leaf large enough to be factored, over two steps; a transform that cannot run on the
     probe counts as not exact. Its state must also be padded with the leaf or not depend on it:
     `optax.flatten` updates exactly, but its one flat moment holds every leaf's padding, so a
-    checkpoint of it would mean another layout on another device count."""
+    checkpoint of it would mean another layout on another device count.
+
+    `params`: the model's (logical, padded) param shapes, for a choice made per leaf from its shape
+    (`multi_transform` labels, a weight-decay mask): it must come out the same on both (`_decides_alike`)."""
+    if params is not None and not _decides_alike(tx, *params):
+        return False
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -157,6 +164,39 @@ def state_shapes(tx, params):
             f"the optimizer's init failed on the model's parameters ({type(error).__name__}: {first[:200]}); "
             "its masks or labels must match the params tree (zerojax inspect lists the parameter names)."
         ) from error
+
+
+def _decides_alike(tx, logical, padded) -> bool:
+    """Whether `tx` traces the same `init` and `update` on the params in their logical and in their
+    padded shapes, shapes aside: the same operations, constants and state structure. A label or mask
+    computed from a leaf's shape (`x.shape[0] == vocab`) that the padding changes gives another."""
+    import jax
+    import jax.numpy as jnp
+
+    def traced(shapes):
+        state = jax.eval_shape(tx.init, shapes)
+        extra = update_args(tx, jax.ShapeDtypeStruct((), jnp.float32))
+        update = jax.make_jaxpr(lambda g, s, p, e: tx.update(g, s, p, **e))(shapes, state, shapes, extra)
+        return jax.tree.structure(state), _operations(jax.make_jaxpr(tx.init)(shapes).jaxpr), _operations(update.jaxpr)
+
+    try:
+        return traced(logical) == traced(padded)
+    except Exception:  # noqa: BLE001 - an optimizer that cannot be traced on shapes alone: be exact
+        return False
+
+
+def _operations(jaxpr) -> list:
+    """Each equation's primitive and scalar literal operands, nested jaxprs walked, shapes left out."""
+    out: list = []
+    for eqn in jaxpr.eqns:
+        literals = tuple(str(v.val) for v in eqn.invars if hasattr(v, "val") and getattr(v.val, "ndim", 0) == 0)
+        out.append((eqn.primitive.name, literals))
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's
+                if hasattr(inner, "eqns"):
+                    out.append(_operations(inner))
+    return out
 
 
 def update_args(tx, loss) -> dict:

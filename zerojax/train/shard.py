@@ -151,7 +151,7 @@ def prepare(setup: Setup, key, batch: dict) -> Sharded:
         setup.precision,
         param_shapes,
         replicate_below_bytes=setup.replicate_below_bytes,
-        optimizer_pads_exactly=lambda: pads_exactly(setup.tx),
+        optimizer_pads_exactly=lambda logical, padded: pads_exactly(setup.tx, (logical, padded)),
         stack_paths=_stacks(setup, param_shapes, model_state_shapes, static_shapes, inputs),
         offload=setup.offload,
         hierarchical=setup.options.hierarchical,
