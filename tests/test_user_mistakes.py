@@ -33,6 +33,13 @@ def _trainer(model=MLP, loss=None, engine="shard_map"):
         (MLP, per_row_loss, {"inputs": X, "targets": LABELS}, ["returned shape [8]"]),
         # the has_aux idiom: read as (total, weight) it would train on loss / accuracy
         (MLP, loss_and_accuracy, {"inputs": X, "targets": LABELS}, ["a tuple of 2 values", "zj.WeightedLoss"]),
+        # a dict of metrics (a raw TypeError from inside the step before)
+        (
+            MLP,
+            lambda out, batch: {"loss": out.mean(), "top": out.max()},
+            {"inputs": X},
+            ["a dict of 2 values ('loss', 'top')"],
+        ),
         (
             MLP,
             lambda out, batch: zj.WeightedLoss(out.sum(-1), np.float32(8)),

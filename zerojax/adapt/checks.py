@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zerojax.adapt.loss_rows import check_loss_splits
-from zerojax.core.loss import WeightedLoss, unread_tuple
+from zerojax.core.loss import WeightedLoss, unread_values
 from zerojax.core.trees import abstract, describe, path_str
 from zerojax.errors import UserError, first_line
 
@@ -160,8 +160,8 @@ def _check_loss_value(value) -> None:
                 f"each be a scalar, summed over the batch."
             )
         return
-    if isinstance(value, (tuple, list)):
-        raise unread_tuple(value)
+    if isinstance(value, tuple | list | dict):
+        raise unread_values(value)
     if getattr(value, "shape", None) != ():
         raise UserError(
             f"the loss function returned shape {list(getattr(value, 'shape', []))}; it must return a "

@@ -29,23 +29,28 @@ def cross_entropy(logits, batch) -> jax.Array:
 
 def loss_parts(value):
     """A loss function's result as (total, weight): a `WeightedLoss` means sum(total) / sum(weight)
-    over the global batch; a scalar means a mean over rows (weight None). Any other tuple is refused
-    (`unread_tuple`)."""
+    over the global batch; a scalar means a mean over rows (weight None). Several values (a tuple, a
+    list, a dict) are refused (`unread_values`)."""
     if isinstance(value, WeightedLoss):
         return jnp.asarray(value.total, jnp.float32), jax.lax.stop_gradient(jnp.asarray(value.weight, jnp.float32))
-    if isinstance(value, (tuple, list)):
-        raise unread_tuple(value)
+    if isinstance(value, tuple | list | dict):
+        raise unread_values(value)
     return value, None
 
 
-def unread_tuple(value) -> UserError:
-    """The error for a loss function that returned a plain tuple: which of its values is the loss
-    (and what the others mean) is not zerojax's to guess."""
-    shapes = [list(getattr(v, "shape", ())) for v in value]
+def unread_values(value) -> UserError:
+    """The error for a loss function that returned several values (a tuple, a list, a dict of
+    metrics): which of them is the loss (and what the others mean) is not zerojax's to guess."""
+    if isinstance(value, dict):
+        what = f"dict of {len(value)} values ({', '.join(repr(k) for k in value)})"
+        more = "; evaluate takes one metric per call"
+    else:
+        shapes = [list(getattr(v, "shape", ())) for v in value]
+        what, more = f"{type(value).__name__} of {len(value)} values of shapes {shapes}", ""
     return UserError(
-        f"the loss function returned a {type(value).__name__} of {len(value)} values of shapes {shapes}; it must "
-        f"return the loss alone (a scalar: the batch's mean), or zj.WeightedLoss(total, weight) for a loss "
-        f"summed over the batch (auxiliary outputs such as metrics or logits are not taken)."
+        f"the loss function returned a {what}; it must return the loss alone (a scalar: the batch's mean), or "
+        f"zj.WeightedLoss(total, weight) for a loss summed over the batch (auxiliary outputs such as metrics or "
+        f"logits are not taken{more})."
     )
 
 
