@@ -229,6 +229,9 @@ BAD = {
     "not callable": (["data.target=tests.user_code:NOT_CALLABLE"], ["data.target", "NOT_CALLABLE"]),
     "no colon": (["loss.target=tests.user_code"], ["loss.target", "package.module:name"]),
     "model returns the wrong kind": (["model.target=tests.user_code:not_a_model"], ["model.target", "int"]),
+    # (a traceback's text about JAX types, and "returned a ShapeDtypeStruct", before)
+    "a class of neither kind": (["model.target=tests.user_code:NotAModule"], ["class that is neither an nnx.Module"]),
+    "rngs give no module": (["model.target=tests.user_code:a_number"], ["returned an array or a number, not an nnx"]),
     "data returns the wrong kind": (
         ["model.target=tests.user_code:MLP", "data.target=tests.user_code:not_a_source"],
         ["data.target", "batch source"],

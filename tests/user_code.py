@@ -104,6 +104,15 @@ def not_a_model(**kwargs):
     return 3
 
 
+class NotAModule:  # a model class that forgot its base class
+    def __init__(self, rngs):
+        self.rngs = rngs
+
+
+def a_number(rngs):  # a factory taking rngs that returns no module
+    return 3
+
+
 def not_a_source(seed, batch_size):
     return [seed, batch_size]
 

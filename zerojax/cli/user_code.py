@@ -61,19 +61,22 @@ def build_model(text: str, kwargs: dict) -> Any:
     """What `Trainer` accepts: a callable rngs -> nnx.Module, or a Linen module."""
     import functools
 
+    import jax
     from flax import linen as nn
     from flax import nnx
 
     target = import_target(text, "model.target")
     key = f"model.target={text!r}"
+    if isinstance(target, type) and not issubclass(target, nnx.Module | nn.Module):
+        raise UserError(f"{key} is a class that is neither an nnx.Module nor a flax.linen.Module.")
     try:
-        if (isinstance(target, type) and issubclass(target, nnx.Module)) or (
-            not isinstance(target, type) and _takes_rngs(target)
-        ):
+        if (isinstance(target, type) and issubclass(target, nnx.Module)) or _takes_rngs(target):
             make = functools.partial(target, **kwargs)
             made = nnx.eval_shape(lambda: make(rngs=nnx.Rngs(0)))  # type: ignore[call-arg]  # abstract: nothing is allocated
             if not isinstance(made, nnx.Module):
-                raise UserError(f"{key} returned a {type(made).__name__}, not an nnx.Module.")
+                # (traced abstractly, an array or a number comes back as its shape)
+                what = "an array or a number" if isinstance(made, jax.ShapeDtypeStruct) else f"a {type(made).__name__}"
+                raise UserError(f"{key} returned {what}, not an nnx.Module.")
             return lambda rngs: make(rngs=rngs)  # type: ignore[call-arg]
         made = target(**kwargs)
     except UserError:
