@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,6 +73,34 @@ def test_a_mistake_is_one_sentence_before_compiling(model, loss, batch, needles,
     assert "\n" not in str(e.value)
     for needle in needles:
         assert needle in str(e.value), (needle, str(e.value))
+
+
+class _LinenNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(x)
+
+
+class _NoBase:  # a model class that forgot its base class
+    def __init__(self, rngs):
+        self.rngs = rngs
+
+
+@pytest.mark.parametrize(
+    "model, needle",
+    [
+        (_LinenNet, "the Linen class _LinenNet; pass an instance of it, _LinenNet(...)"),
+        (_NoBase, "the class _NoBase, which is neither an nnx.Module nor a flax.linen.Module"),
+        (nnx.Linear, "model Linear is called as model(rngs=...) to build an NNX module, but it also needs in_features"),
+        (lambda: _LinenNet(), "but it takes no rngs"),
+        (lambda rngs: 3, "model(rngs) returned a value of type int, not an nnx.Module"),
+        (3, "got a value of type int"),
+    ],
+)
+def test_a_model_argument_of_another_kind_is_one_sentence(model, needle):
+    """Each raised a raw TypeError or IndexError from inside the model's construction before."""
+    with pytest.raises(UserError, match=re.escape(needle)):
+        zj.Trainer(model, optax.sgd(0.1), mesh=zj.make_mesh(fsdp=8)).init(jax.random.key(0), {"inputs": X})
 
 
 def test_a_batch_the_step_cannot_train_on_is_refused_at_its_step():

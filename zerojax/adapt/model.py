@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
+from zerojax.adapt import model_kind, wrap_linen, wrap_nnx
 from zerojax.adapt import stacked as stacked_lib
-from zerojax.adapt import wrap_linen, wrap_nnx
 from zerojax.adapt.mode import CALL_RNGS, keyed_run, linen_streams, mode_arguments, mode_names, takes_by_name
 from zerojax.core.trees import path_str
 
@@ -204,7 +204,7 @@ def _built(make, rngs: nnx.Rngs) -> nnx.Module:
     """The model, its variables created unsharded: zerojax lays them out itself, and a model annotated
     for Flax's eager sharding (`nnx.with_partitioning`) would otherwise need a mesh context to build."""
     with nnx.use_eager_sharding(False):
-        return make(rngs)
+        return model_kind.built(make(rngs))
 
 
 def _nnx_init(make, concrete, key, inputs):
@@ -377,14 +377,13 @@ def _linen_sync(axes):
 
 def functional(model, rng_streams: tuple[str, ...] | None = None) -> FunctionalModel:
     """The model as pure functions; `rng_streams`: a Linen model's `make_rng` streams (None: dropout)."""
+    model_kind.check_kind(model)
     if isinstance(model, nn.Module):
         return _linen_functions(model, linen_streams(rng_streams, linen=True))
     linen_streams(rng_streams, linen=False)
     if isinstance(model, nnx.Module):
         return _nnx_functions(None, model)
-    if callable(model):
-        return _nnx_functions(model, None)
-    raise TypeError(f"model must be an nnx.Module, a callable rngs -> nnx.Module, or a linen Module, got {type(model)}")
+    return _nnx_functions(model, None)
 
 
 def param_shapes(fm: FunctionalModel, key, inputs):

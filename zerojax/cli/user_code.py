@@ -72,12 +72,12 @@ def build_model(text: str, kwargs: dict) -> Any:
     try:
         if (isinstance(target, type) and issubclass(target, nnx.Module)) or _takes_rngs(target):
             make = functools.partial(target, **kwargs)
-            made = nnx.eval_shape(lambda: make(rngs=nnx.Rngs(0)))  # type: ignore[call-arg]  # abstract: nothing is allocated
+            made = nnx.eval_shape(lambda: make(rngs=nnx.Rngs(0)))  # abstract: nothing is allocated
             if not isinstance(made, nnx.Module):
                 # (traced abstractly, an array or a number comes back as its shape)
                 what = "an array or a number" if isinstance(made, jax.ShapeDtypeStruct) else f"a {type(made).__name__}"
                 raise UserError(f"{key} returned {what}, not an nnx.Module.")
-            return lambda rngs: make(rngs=rngs)  # type: ignore[call-arg]
+            return lambda rngs: make(rngs=rngs)
         made = target(**kwargs)
     except UserError:
         raise
