@@ -305,9 +305,8 @@ def make_layout(
     model's layer stacks: `zj.Stacked`, or what a model taking `layer_hook` declares) keep axis 0 whole
     from FSDP (a `pipeline` mesh splits it into pipeline stages, every other leaf over fsdp x pipeline).
 
-    `optimizer_pads_exactly(logical, padded)` (`zerojax.core.optim.pads_exactly`, given the params as the
-    optimizer would see them), asked only if the optimizer group has a
-    padded leaf: if not, the group keeps such leaves replicated in their logical shapes.
+    `optimizer_pads_exactly(logical, padded)` (`optim.pads_exactly`: the params as the optimizer sees
+    them), asked only if the optimizer group has a padded leaf: if not, it keeps them replicated, whole.
     `axis_names` ({param path: logical names}) and `axis_rules` (`zerojax.core.axis_rules`) choose each
     leaf's tensor-parallel dimension, and a dimension the model gives to `fsdp` itself.
     `trainable`: a bool per leaf (`zerojax.core.trainable.select`); None: every leaf trains.
