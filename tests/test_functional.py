@@ -82,7 +82,7 @@ def test_the_nnx_jit_example_matches_trainer():
 def test_misuse_is_one_user_error():
     data = own_loop.batches(1)
     with pytest.raises(zj.UserError, match="divisible|divide"):
-        zj.shard(own_loop.Uneven, optax.adamw(1e-2), {**data[0], "inputs": data[0]["inputs"][:5]})
+        zj.shard(own_loop.Uneven, optax.adamw(1e-2), {key: rows[:5] for key, rows in data[0].items()})
     core = zj.shard(own_loop.Uneven, optax.adamw(1e-2), data[0], mesh=zj.make_mesh(fsdp=8), stage=3)
     with pytest.raises(zj.UserError, match="do not match"):
         core.init(jax.random.key(0), params={"hidden": {"kernel": np.zeros((13, 61))}})
