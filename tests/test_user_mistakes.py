@@ -103,6 +103,18 @@ def test_a_model_argument_of_another_kind_is_one_sentence(model, needle):
         zj.Trainer(model, optax.sgd(0.1), mesh=zj.make_mesh(fsdp=8)).init(jax.random.key(0), {"inputs": X})
 
 
+def test_a_mesh_from_jax_make_mesh_trains_and_one_of_other_axes_is_refused():
+    """`jax.make_mesh` gives Explicit axes: stage 3's layout constraints raised JAX's ValueError on them;
+    the same devices are taken with Auto axes. Other axis names raised a raw KeyError."""
+    explicit = jax.make_mesh((1, 8, 1), ("data", "fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Explicit,) * 3)
+    trainer = zj.Trainer(MLP, optax.sgd(0.1), mesh=explicit, stage=3)
+    assert np.isfinite(float(trainer.step(trainer.init(jax.random.key(0), ROWS), ROWS)[1]["loss"]))
+    with pytest.raises(UserError, match=re.escape("the mesh's axes are ('batch',)")):
+        zj.Trainer(MLP, optax.sgd(0.1), mesh=jax.make_mesh((8,), ("batch",)))
+    with pytest.raises(UserError, match="mesh must be a jax.sharding.Mesh .* got a list"):
+        zj.Trainer(MLP, optax.sgd(0.1), mesh=list(jax.devices()))
+
+
 def test_a_batch_the_step_cannot_train_on_is_refused_at_its_step():
     """`init` needs only the inputs' shapes; a step needs targets, and labels within the classes."""
     trainer = _trainer()

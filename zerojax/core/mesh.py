@@ -88,6 +88,27 @@ def make_mesh(
     return Mesh(np.asarray(devices).reshape(sizes), names, axis_types=(AxisType.Auto,) * len(names))
 
 
+def checked_mesh(mesh):
+    """`mesh` as the step uses it: a `Mesh` over `make_mesh`'s axes, each `Auto`, since the step's
+    shardings are the partitioner's (one from `jax.make_mesh` has `Explicit` axes by default: the same
+    devices are taken with `Auto` axes). Another object or other axis names are one `UserError`."""
+    from jax.sharding import AxisType, Mesh
+
+    if not isinstance(mesh, Mesh):
+        raise UserError(
+            f"mesh must be a jax.sharding.Mesh such as zj.make_mesh(fsdp=8) builds; got a {type(mesh).__name__}."
+        )
+    names = tuple(mesh.axis_names)
+    if names not in (AXES, (PIPELINE_AXIS, *AXES)):
+        raise UserError(
+            f"the mesh's axes are {names}; zerojax steps on the axes {AXES} (with {PIPELINE_AXIS!r} first to "
+            "pipeline): build it with zj.make_mesh(data=..., fsdp=..., tensor=..., devices=...)."
+        )
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, names, axis_types=(AxisType.Auto,) * len(names))
+
+
 def pipeline_size(mesh) -> int:
     """Pipeline stages on `mesh` (1 where it has no `pipeline` axis)."""
     return int(dict(mesh.shape).get(PIPELINE_AXIS, 1))

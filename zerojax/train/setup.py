@@ -21,7 +21,7 @@ from zerojax.core import axis_rules as axis_rules_lib
 from zerojax.core import offload as offload_lib
 from zerojax.core import trainable as trainable_lib
 from zerojax.core.loss import cross_entropy
-from zerojax.core.mesh import BATCH_AXES, check_batch, data_parallel_size, make_mesh, pipeline_size
+from zerojax.core.mesh import BATCH_AXES, check_batch, checked_mesh, data_parallel_size, make_mesh, pipeline_size
 from zerojax.core.model_mesh import ModelMesh
 from zerojax.core.optim import check_transformation
 from zerojax.core.precision import Precision, get_precision
@@ -67,7 +67,7 @@ class Setup:
         built.check(options)
         grad_accum = check_grad_accum(c.grad_accum)
         offload = offload_lib.check_mode(c.offload)
-        mesh = c.mesh if c.mesh is not None else make_mesh()
+        mesh = checked_mesh(c.mesh) if c.mesh is not None else make_mesh()
         offload_lib.check_backend(offload, mesh.devices.flat)
         rules = axis_rules_lib.as_rules(c.axis_rules)
         model_mesh = ModelMesh.of(mesh, rules)
