@@ -115,6 +115,16 @@ def test_a_mesh_from_jax_make_mesh_trains_and_one_of_other_axes_is_refused():
         zj.Trainer(MLP, optax.sgd(0.1), mesh=list(jax.devices()))
 
 
+@pytest.mark.parametrize(
+    "options, needle",
+    [({"prefetch": "no"}, "prefetch is True or False; got 'no'"), ({"quantize_block": 2.5}, "an integer; got 2.5")],
+)
+def test_an_engine_option_of_another_type_is_refused(options, needle):
+    """A string for a switch was taken as its truth value: "no" turned prefetching on."""
+    with pytest.raises(UserError, match=re.escape(needle)):
+        zj.Trainer(MLP, optax.sgd(0.1), mesh=zj.make_mesh(fsdp=8), engine_options=options)
+
+
 def test_a_batch_the_step_cannot_train_on_is_refused_at_its_step():
     """`init` needs only the inputs' shapes; a step needs targets, and labels within the classes."""
     trainer = _trainer()
