@@ -14,7 +14,7 @@ from flax import linen as nn
 from flax import nnx
 
 import zerojax as zj
-from tests.user_code import MLP, FlatMLP, loss_and_accuracy, per_row_loss
+from tests.user_code import MLP, FlatMLP, linen_mlp, loss_and_accuracy, per_row_loss
 from zerojax.adapt import model_rows
 from zerojax.errors import UserError
 
@@ -123,6 +123,24 @@ def test_an_engine_option_of_another_type_is_refused(options, needle):
     """A string for a switch was taken as its truth value: "no" turned prefetching on."""
     with pytest.raises(UserError, match=re.escape(needle)):
         zj.Trainer(MLP, optax.sgd(0.1), mesh=zj.make_mesh(fsdp=8), engine_options=options)
+
+
+def test_params_are_taken_in_the_forms_flax_hands_them_out():
+    """`nnx.state(model, nnx.Param)`, the module itself and a Linen `FrozenDict` were refused as not
+    matching; a Linen variables dict still is, naming the path that differs."""
+    from flax.core import freeze
+
+    built = MLP(rngs=nnx.Rngs(1))
+    trainer = zj.Trainer(MLP, optax.sgd(0.1), mesh=zj.make_mesh(fsdp=8), stage=3)
+    want = nnx.to_pure_dict(nnx.state(built, nnx.Param))
+    for given in (nnx.state(built, nnx.Param), nnx.state(built), built):
+        state = trainer.init(jax.random.key(0), ROWS, params=given)  # leaves under 2 KiB: kept whole
+        jax.tree.map(np.testing.assert_array_equal, state.params, want)
+    linen = zj.Trainer(linen_mlp(), optax.sgd(0.1), mesh=zj.make_mesh(fsdp=8))
+    variables = linen_mlp().init(jax.random.key(1), ROWS["inputs"])
+    linen.init(jax.random.key(0), ROWS, params=freeze(variables["params"]))
+    with pytest.raises(UserError, match=re.escape("the model's 'Dense_0/bias' is not among them (they have 'params/")):
+        linen.init(jax.random.key(0), ROWS, params=variables)
 
 
 def test_a_batch_the_step_cannot_train_on_is_refused_at_its_step():

@@ -61,6 +61,27 @@ def check_rows(batch: dict) -> int:
     return count
 
 
+def check_given_params(given, want) -> None:
+    """`given` (`init`'s params; None where a leaf starts from the key) has `want`'s parameter paths
+    and shapes; otherwise one `UserError` naming the first path that differs."""
+    given_at = {path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(given, is_leaf=lambda x: x is None)[0]}
+    want_at = {path_str(p): tuple(w.shape) for p, w in jax.tree_util.tree_flatten_with_path(want)[0]}
+    missing = [path for path in want_at if path not in given_at]
+    extra = [path for path in given_at if path not in want_at]
+    shapes = [p for p, w in want_at.items() if given_at.get(p) is not None and tuple(np.shape(given_at[p])) != w]
+    if missing:
+        why = f"the model's {missing[0]!r} is not among them" + (f" (they have {extra[0]!r})" if extra else "")
+    elif extra:
+        why = f"they have {extra[0]!r}, which the model has not"
+    elif shapes:
+        why = f"{shapes[0]!r} is {list(np.shape(given_at[shapes[0]]))} where the model's is {list(want_at[shapes[0]])}"
+    elif jax.tree.structure(given, is_leaf=lambda x: x is None) != jax.tree.structure(want):
+        why = "the same paths, in other containers (a list where the model has a dict?)"
+    else:
+        return
+    raise UserError(f"the given params do not match the model's parameter names and shapes: {why}.")
+
+
 def check_param_dtypes(param_shapes, trainable, compute_dtype) -> None:
     """Every parameter keeps its values in the state: a trained one is kept as a real floating-point
     master, a frozen one in `compute_dtype`. So a complex parameter (its imaginary part), a trained

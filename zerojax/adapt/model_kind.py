@@ -1,6 +1,7 @@
 """What `Trainer` takes as a model, checked before anything is built: a Linen module instance, an NNX
 module, or a callable that builds one from `rngs` (the NNX class itself, `functools.partial(Class,
-...)`, `lambda rngs: ...`). Anything else is one `UserError` saying what was given."""
+...)`, `lambda rngs: ...`). Anything else is one `UserError` saying what was given. And the params
+`init` may start from, in the forms Flax hands them out (`given_params`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 from flax import linen as nn
 from flax import nnx
+from flax.core import FrozenDict, unfreeze
 
 from zerojax.errors import UserError
 
@@ -40,6 +42,18 @@ def built(made: Any) -> nnx.Module:
     if isinstance(made, nn.Module):
         raise UserError("model(rngs) returned a flax.linen.Module; pass the Linen module instance as model.")
     raise UserError(f"model(rngs) returned a value of type {type(made).__name__}, not an nnx.Module.")
+
+
+def given_params(params: Any) -> Any:
+    """Params given to `init` as the plain nested dict the model's params are: an NNX module or an
+    `nnx.State` (`nnx.state(model)`: its `Param`s), or a Linen `FrozenDict`, taken as their contents."""
+    if isinstance(params, nnx.Module):
+        params = nnx.state(params, nnx.Param)
+    if isinstance(params, nnx.State):
+        return nnx.to_pure_dict(params.filter(nnx.Param))
+    if isinstance(params, FrozenDict):
+        return unfreeze(params)
+    return params
 
 
 def _binds_rngs(fn) -> bool:

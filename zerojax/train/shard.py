@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from zerojax.adapt import checks
+from zerojax.adapt import checks, model_kind
 from zerojax.adapt.model_rows import check_model_splits
 from zerojax.core import offload as offload_lib
 from zerojax.core import trainable as trainable_lib
@@ -74,11 +74,8 @@ class Sharded:
         logical weights, e.g. `zerojax.load_params`, instead of `key`; a leaf given as None starts
         from `key`'s init)."""
         if params is not None:
-            given = jax.tree_util.tree_flatten(params, is_leaf=lambda x: x is None)
-            want = jax.tree_util.tree_flatten(self.param_shapes)
-            shapes = [(None if x is None else tuple(np.shape(x)), tuple(w.shape)) for x, w in zip(given[0], want[0])]
-            if given[1] != want[1] or any(g not in (None, w) for g, w in shapes):  # type: ignore[operator]
-                raise UserError("the given params do not match the model's parameter names and shapes.")
+            params = model_kind.given_params(params)
+            checks.check_given_params(params, self.param_shapes)
         inputs = trees.zeros(self.inputs)
         state = jax.jit(self.make_state, out_shardings=self.state_shardings)(key, inputs, params)
         if self.check_rows is not None:
