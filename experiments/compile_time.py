@@ -16,13 +16,16 @@ first-use costs still fall on the first zerojax cell). `--variants` adds
 stage-3 cells with public options that leave parts of the stage-3 step out, to show where its
 compile time goes. `--by-hand` adds the same plain step with each parameter and its optimizer state
 split over the devices (FSDP written by hand under GSPMD: the partitioner's gathers and reductions,
-without units, the skipped non-finite step or the update's in-place order). Writes experiments/results/compile_time.md.
+without units, the skipped non-finite step or the update's in-place order). Appends its table to
+experiments/results/compile_time.md (`--out`), under a dated heading.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
+import sys
 import time
 
 from experiments.common import cpu_devices
@@ -220,8 +223,10 @@ def main() -> None:
         "|---|---|---|" + "---|" * len(head),
         *rows,
     ]
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    # Appended under a dated heading: the file keeps every earlier run's table and what it showed.
+    command = " ".join(["python -m experiments.compile_time", *sys.argv[1:]])
+    with open(args.out, "a") as f:
+        f.write(f"\nRun of {datetime.date.today()} (`{command}`):\n\n" + "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
