@@ -143,6 +143,17 @@ def test_params_are_taken_in_the_forms_flax_hands_them_out():
         linen.init(jax.random.key(0), ROWS, params=variables)
 
 
+def test_a_mask_built_from_an_nnx_state_says_how_to_build_it():
+    """As with nnx.Optimizer, a weight-decay mask made from `nnx.state(model)`: its container is not
+    the plain dict the optimizer is handed, which the sentence now says, with the ways that work."""
+    mask = jax.tree.map(lambda x: x.ndim > 1, nnx.state(MLP(rngs=nnx.Rngs(0)), nnx.Param))
+    trainer = zj.Trainer(MLP, optax.adamw(1e-2, mask=mask), mesh=zj.make_mesh(fsdp=8))
+    with pytest.raises(UserError, match=re.escape("build it from nnx.to_pure_dict(...) or a plain dict")):
+        trainer.init(jax.random.key(0), ROWS)
+    pure = zj.Trainer(MLP, optax.adamw(1e-2, mask=nnx.to_pure_dict(mask)), mesh=zj.make_mesh(fsdp=8))
+    pure.init(jax.random.key(0), ROWS)
+
+
 def test_a_batch_the_step_cannot_train_on_is_refused_at_its_step():
     """`init` needs only the inputs' shapes; a step needs targets, and labels within the classes."""
     trainer = _trainer()

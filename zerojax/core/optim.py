@@ -162,7 +162,9 @@ def state_shapes(tx, params):
         first = first_line(error)
         raise UserError(
             f"the optimizer's init failed on the model's parameters ({type(error).__name__}: {first[:200]}); "
-            "its masks or labels must match the params tree (zerojax inspect lists the parameter names)."
+            "its masks or labels must match the params tree, which zerojax hands the optimizer as plain nested "
+            "dicts (a mask built from an nnx.State or a FrozenDict: build it from nnx.to_pure_dict(...) or a "
+            "plain dict, or pass a function of the params; zerojax inspect lists the parameter names)."
         ) from error
 
 
