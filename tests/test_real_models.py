@@ -156,6 +156,54 @@ def test_linen_batchnorm_statistics_are_over_the_global_batch():
             np.testing.assert_allclose(losses, base, rtol=1e-5, atol=1e-5, err_msg=f"{engine} stage {stage}")
 
 
+class PmapStyleNet(nn.Module):
+    """Flax's ImageNet example's BatchNorm: `axis_name='batch'`, the axis of its data-parallel `pmap`;
+    `axis_name=None`: the same model as zerojax wants it."""
+
+    axis_name: str | None = "batch"
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9, axis_name=self.axis_name)(nn.Dense(43)(x))
+        return nn.Dense(10)(nn.relu(x))
+
+
+class EnsembleNet(nn.Module):
+    """BatchNorm statistics shared across an ensemble axis the model's own `nn.vmap` binds."""
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        member = nn.vmap(
+            PmapStyleNet,
+            variable_axes={"params": 0, "batch_stats": 0},
+            split_rngs={"params": True},
+            in_axes=(None, None),
+            axis_size=2,
+            axis_name="batch",
+        )
+        return member(name="members")(x, train).mean(0)
+
+
+def test_a_pmap_style_batchnorm_axis_means_the_global_batch():
+    """The unbound 'batch' raised JAX's NameError at init; it is the data-parallel batch, as in
+    zerojax's BatchNorms without an axis: the same losses as the model without it, in both engines.
+    A name the model's own vmap binds is kept (shard_map stage 0: its rows, averaged over the batch axes
+    and the ensemble); an NNX BatchNorm's own axis is one sentence."""
+    batch = classification_batch(0)
+    for engine, stage in (("gspmd", 0), ("shard_map", 3)):
+        _, _, want = _run(PmapStyleNet(axis_name=None), stage=stage, engine=engine, steps=2, batch=batch)
+        _, _, losses = _run(PmapStyleNet(), stage=stage, engine=engine, steps=2, batch=batch)
+        np.testing.assert_allclose(losses, want, rtol=1e-6, err_msg=engine)
+    _, _, base = _run(EnsembleNet(), stage=0, engine="gspmd", steps=2, batch=batch)
+    _, _, losses = _run(EnsembleNet(), stage=0, engine="shard_map", steps=2, batch=batch)
+    np.testing.assert_allclose(losses, base, rtol=1e-5, atol=1e-5)
+    nnx_model = lambda rngs: nnx.Sequential(
+        nnx.Linear(37, 8, rngs=rngs), nnx.BatchNorm(8, axis_name="batch", rngs=rngs)
+    )  # noqa: E731
+    with pytest.raises(zj.UserError, match="reduces over the axis 'batch', which nothing binds here"):
+        _run(nnx_model, stage=0, engine="gspmd", steps=1, batch=batch, loss_fn=lambda out, b: out.mean())
+
+
 class SowingNet(nnx.Module):
     """Flax's intermediates idioms beside BatchNorm: `sow` in each block and at the top, `perturb`."""
 

@@ -75,7 +75,7 @@ def check_given_params(given, want) -> None:
         why = f"they have {extra[0]!r}, which the model has not"
     elif shapes:
         why = f"{shapes[0]!r} is {list(np.shape(given_at[shapes[0]]))} where the model's is {list(want_at[shapes[0]])}"
-    elif jax.tree.structure(given, is_leaf=lambda x: x is None) != jax.tree.structure(want):
+    elif jax.tree.structure(given, is_leaf=lambda x: x is None) != jax.tree.structure(want):  # type: ignore[operator]
         why = "the same paths, in other containers (a list where the model has a dict?)"
     else:
         return

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
-from zerojax.adapt import model_kind, wrap_linen, wrap_nnx
+from zerojax.adapt import batch_axes, model_kind, wrap_linen, wrap_nnx
 from zerojax.adapt import stacked as stacked_lib
 from zerojax.adapt.mode import CALL_RNGS, keyed_run, linen_streams, mode_arguments, mode_names, takes_by_name
 from zerojax.core.trees import path_str
@@ -45,8 +45,6 @@ class FunctionalModel:
     modules: Callable[[Any, Any, Any], list] | None = None
     # (`zerojax.adapt.units.UnitPlan`) -> around(module): the plan's units gather their own params
     unit_around: Callable[..., Callable] | None = None
-    # (module, axis names) -> context in which the model's BatchNorms average over those mesh axes
-    sync_batch_stats: Callable[..., Any] | None = None
     # param paths of the model's `zj.Stacked` layer stacks (leaves keep axis 0 whole; one hook each)
     stacks: tuple[tuple, ...] = ()
     # a model taking `layer_hook`: its class's `layer_stacks` (the shipped GPT's "blocks"); never a name alone
@@ -96,9 +94,10 @@ def _nnx_axis_names(abstract: nnx.Module, key=None, inputs=None) -> dict:
 
 
 def _linen_axis_names(module, rng_streams, mode, key, inputs) -> dict:
-    boxed = jax.eval_shape(
-        lambda k, x: module.init({"params": k, **{s: k for s in rng_streams}}, x, **mode(False)), key, inputs
-    )
+    with batch_axes.linen(None):
+        boxed = jax.eval_shape(
+            lambda k, x: module.init({"params": k, **{s: k for s in rng_streams}}, x, **mode(False)), key, inputs
+        )
     flat = jax.tree_util.tree_flatten_with_path(
         boxed.get("params", {}), is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata)
     )[0]
@@ -191,7 +190,6 @@ def _nnx_functions(make: Callable[[Any], nnx.Module] | None, concrete: nnx.Modul
         looped or bool(stacks),
         modules=lambda params, static, inputs: wrap_nnx.nnx_modules(abstract),
         unit_around=wrap_nnx.nnx_around,
-        sync_batch_stats=_nnx_sync_batch_stats,
         stacks=stacks,
         declared_stacks=declared,
         lifted_stacks=None if hooked or stacks else functools.partial(_nnx_lifted_stacks, apply),
@@ -244,9 +242,9 @@ def _nnx_apply(
         kwargs["layer_hook"] = _single(layer_hook)
     if layer_loop is not None and looped:
         kwargs["layer_loop"] = _single(layer_loop)
-    if sync:
-        _nnx_sync_batch_stats(module, sync)
+    batch_axes.nnx_sync(module, sync)
     contexts = contextlib.ExitStack()
+    contexts.enter_context(batch_axes.unbound_refused())
     if stacks and (layer_hook or layer_loop):
         contexts.enter_context(stacked_lib.hooks_installed(module, layer_hook, layer_loop))
     if around:
@@ -264,12 +262,6 @@ def _call_rngs(rng) -> nnx.Rngs:
     """The `nnx.Rngs` a model taking `rngs` at call time gets: keyed from the step's key as the stored
     streams are (per step, device and micro-batch alike); without a key (evaluation), a fixed one."""
     return nnx.Rngs(jax.random.fold_in(rng, _CALL_RNGS_SALT) if rng is not None else jax.random.key(0))
-
-
-def _nnx_sync_batch_stats(module, axes):
-    for _, node in nnx.iter_graph(module):
-        if isinstance(node, nnx.BatchNorm) and node.axis_name is None:
-            node.axis_name = axes
 
 
 def _nnx_lifted_stacks(apply, params, model_state, static, inputs) -> tuple:
@@ -307,7 +299,6 @@ def _linen_functions(module: nn.Module, rng_streams: tuple[str, ...]) -> Functio
         type(module),
         modules=lambda params, model_state, inputs: structure(params, model_state, inputs)[0],
         unit_around=wrap_linen.linen_around,
-        sync_batch_stats=lambda m, axes: _linen_sync(axes),
         lifted_stacks=lambda params, model_state, static, inputs: structure(params, model_state, inputs)[1],
         axis_names=functools.partial(_linen_axis_names, module, rng_streams, mode),
     )
@@ -315,14 +306,16 @@ def _linen_functions(module: nn.Module, rng_streams: tuple[str, ...]) -> Functio
 
 def _linen_structure(module, rng_streams, mode, params, model_state, inputs):
     structure = functools.partial(wrap_linen.linen_structure, module, params, model_state, inputs, **mode(False))
-    return keyed_run(structure, None, rng_streams, train=False)
+    with batch_axes.linen(None):
+        return keyed_run(structure, None, rng_streams, train=False)
 
 
 _CALL_COLLECTIONS = ("intermediates", "perturbations")
 
 
 def _linen_init(module, rng_streams, mode, key, inputs):
-    variables = module.init({"params": key, **{s: key for s in rng_streams}}, inputs, **mode(False))
+    with batch_axes.linen(None), batch_axes.unbound_refused():
+        variables = module.init({"params": key, **{s: key for s in rng_streams}}, inputs, **mode(False))
     variables = nn.meta.unbox(variables)  # `nn.with_logical_partitioning` boxes: zerojax lays the arrays out itself
     # Flax's own idiom: applied with only its state, `sow` and `perturb` are no-ops (their
     # collections, whose shapes are the init batch's, are read by a caller, not trained).
@@ -349,8 +342,8 @@ def _linen_apply(
     del static, layer_hook, layer_loop
     mutable = list(model_state) if train else []
     contexts = contextlib.ExitStack()
-    if sync:
-        contexts.enter_context(_linen_sync(sync))
+    contexts.enter_context(batch_axes.linen(sync))
+    contexts.enter_context(batch_axes.unbound_refused())
     if around is not None:
         contexts.enter_context(around(module))
         mutable = [*mutable, "params"]  # the root writes its gathered params into its scope
@@ -361,18 +354,6 @@ def _linen_apply(
         return out, model_state
     out, updates = out
     return out, {**model_state, **{k: v for k, v in updates.items() if k in model_state}}
-
-
-def _linen_sync(axes):
-    """Every `nn.BatchNorm` without an `axis_name` averages its batch statistics over `axes`."""
-
-    def interceptor(next_fun, args, kwargs, context):
-        m = context.module
-        if isinstance(m, nn.BatchNorm) and m.axis_name is None:
-            object.__setattr__(m, "axis_name", axes)
-        return next_fun(*args, **kwargs)
-
-    return nn.intercept_methods(interceptor)
 
 
 def functional(model, rng_streams: tuple[str, ...] | None = None) -> FunctionalModel:
