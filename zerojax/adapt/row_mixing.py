@@ -12,7 +12,8 @@ and a false "cannot" would miss a model.
 from __future__ import annotations
 
 import numpy as np
-from jax.extend import core as jcore
+
+from zerojax.core.jaxprs import inner_jaxprs
 
 _REDUCING = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "reduce_xor"}
 _REDUCING |= {"argmax", "argmin"}
@@ -153,18 +154,3 @@ def _elementwise(eqn) -> bool:
         return not ins and outs <= {()}
     broadcast = tuple(max(sizes) for sizes in zip(*ins))
     return outs == {broadcast} and all(set(sizes) <= {1, max(sizes)} for sizes in zip(*ins))
-
-
-def inner_jaxprs(eqn) -> list:
-    """The `Jaxpr`s nested in `eqn`'s parameters (a call's, a scan's body, a cond's branches)."""
-    return [j for value in eqn.params.values() for j in _jaxprs(value)]
-
-
-def _jaxprs(value):
-    if isinstance(value, jcore.ClosedJaxpr):
-        return [value.jaxpr]
-    if isinstance(value, jcore.Jaxpr):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [j for v in value for j in _jaxprs(v)]
-    return []

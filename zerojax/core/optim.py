@@ -189,15 +189,12 @@ def _decides_alike(tx, logical, padded) -> bool:
 
 def _operations(jaxpr) -> list:
     """Each equation's primitive and scalar literal operands, nested jaxprs walked, shapes left out."""
+    from zerojax.core.jaxprs import inner_jaxprs
+
     out: list = []
     for eqn in jaxpr.eqns:
         literals = tuple(str(v.val) for v in eqn.invars if hasattr(v, "val") and getattr(v.val, "ndim", 0) == 0)
-        out.append((eqn.primitive.name, literals))
-        for value in eqn.params.values():
-            for inner in value if isinstance(value, tuple | list) else (value,):
-                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's
-                if hasattr(inner, "eqns"):
-                    out.append(_operations(inner))
+        out.append((eqn.primitive.name, literals, [_operations(inner) for inner in inner_jaxprs(eqn)]))
     return out
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from zerojax.adapt.row_mixing import inner_jaxprs
+from zerojax.core.jaxprs import inner_jaxprs
 from zerojax.core.trees import path_str
 from zerojax.errors import UserError
 from zerojax.train.shard import prepare
