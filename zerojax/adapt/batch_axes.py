@@ -76,7 +76,7 @@ def _joined(own: tuple, sync):
 
 def _bound(name) -> bool:
     """Whether every axis in `name` (one or a tuple) is bound where this runs (traced)."""
-    for axis in name if isinstance(name, tuple | list) else (name,):
+    for axis in _names(name):
         try:
             jax.lax.axis_index(axis)
         except NameError:

@@ -49,7 +49,7 @@ def check_rows(batch: dict) -> int:
     count = rows.pop()
     for name, value in batch.items():
         for x in jax.tree.leaves(value):
-            numeric = np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype).kind in "biufc"
+            numeric = np.dtype(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype).kind in "biufc"
             if not numeric or not np.ndim(x) or np.shape(x)[0] != count:
                 got = describe(abstract(value)) if numeric else f"an array of {np.asarray(x).dtype}"
                 got = "a string" if isinstance(x, str | bytes) else got

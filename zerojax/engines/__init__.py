@@ -75,12 +75,12 @@ class EngineOptions:
         if unknown:
             valid = ", ".join(f.name for f in dataclasses.fields(cls))
             raise UserError(f"unknown engine option {unknown[0]!r}; valid options are {valid}.")
-        for f in dataclasses.fields(cls):  # a truthy "no" for a switch would turn it on
-            value = options.get(f.name)
-            if f.type == "bool" and f.name in options and not isinstance(value, bool):
-                raise UserError(f"engine option {f.name} is True or False; got {value!r}.")
-            if f.type == "int" and f.name in options and (isinstance(value, bool) or not isinstance(value, int)):
-                raise UserError(f"engine option {f.name} is an integer; got {value!r}.")
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        for name, value in options.items():  # a truthy "no" for a switch would turn it on
+            if types[name] == "bool" and not isinstance(value, bool):
+                raise UserError(f"engine option {name} is True or False; got {value!r}.")
+            if types[name] == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+                raise UserError(f"engine option {name} is an integer; got {value!r}.")
         return cls(**options)
 
 
