@@ -205,10 +205,10 @@ def test_a_pmap_style_batchnorm_axis_means_the_global_batch():
 
 
 class SowingNet(nnx.Module):
-    """Flax's intermediates idioms beside BatchNorm: `sow` in each block and at the top, `perturb`."""
+    """Flax's intermediates idioms beside BatchNorm: `sow` after its block (an FSDP unit), `perturb`."""
 
     def __init__(self, rngs: nnx.Rngs):
-        self.blocks = nnx.List([_Block(37, rngs, 0.0) for _ in range(2)])
+        self.blocks = nnx.List([_Block(37, rngs, 0.0)])
         self.out = nnx.Linear(37, 10, rngs=rngs)
 
     def __call__(self, x):
