@@ -1,7 +1,8 @@
 """Lifted transforms at every stage, in both engines: Linen `nn.scan(nn.remat(Block))` over stacked
 params and NNX's `nnx.vmap`-built blocks applied by `nnx.scan` (each stack found from the transform
-and gathered one layer at a time inside the scan), Linen `nn.vmap` over an ensemble's params, and
-`nn.remat` around unrolled blocks. Losses equal stage 0's within 1e-5 for 5 steps; the scanned
+and gathered one layer at a time inside the scan), Linen `nn.vmap` and `nnx.vmap` over an
+ensemble's params whose heads read each other through the vmap's axis name, and `nn.remat` around
+unrolled blocks. Losses equal stage 0's within 1e-5 for 5 steps; the scanned
 stack's stage-3 temp memory stays flat in depth."""
 
 from __future__ import annotations
@@ -24,16 +25,31 @@ from zerojax.accounting.partitioned import compile_partitioned
 WIDTH, STEPS = 16, 5
 
 
+class _Head(nn.Module):
+    """A head that sees the others: its output less half their mean, over the vmap's axis name."""
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.Dense(WIDTH)(x)
+        return y - 0.5 * jax.lax.pmean(y, "heads")
+
+
 class Ensemble(nn.Module):
-    """Four heads with stacked params (`nn.vmap`, variable_axes params 0), averaged."""
+    """Four heads with stacked params (`nn.vmap`, variable_axes params 0, an axis name), averaged."""
 
     @nn.compact
     def __call__(self, x):
         x = nn.gelu(nn.Dense(WIDTH)(x))
         heads = nn.vmap(
-            nn.Dense, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=None, out_axes=0, axis_size=4
+            _Head,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=None,
+            out_axes=0,
+            axis_size=4,
+            axis_name="heads",
         )
-        return nn.Dense(10)(heads(WIDTH, name="heads")(x).mean(0))
+        return nn.Dense(10)(heads(name="heads")(x).mean(0))
 
 
 class Rematted(nn.Module):
@@ -76,7 +92,44 @@ class NNXScanned(nnx.Module):
         return self.out(body(self.inp(x), self.layers))
 
 
-MODELS = {"scan": LinenScanDeep(WIDTH, 3), "vmap": Ensemble(), "remat": Rematted(), "nnx_scan": NNXScanned}
+class _NNXHead(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.fc = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+    def __call__(self, x):
+        y = self.fc(x)
+        return y - 0.5 * jax.lax.pmean(y, "heads")
+
+
+class NNXEnsemble(nnx.Module):
+    """Four heads made by `nnx.vmap`, applied by an `nnx.vmap` that names their axis, averaged."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.inp = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+        @nnx.split_rngs(splits=4)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs: nnx.Rngs):
+            return _NNXHead(rngs)
+
+        self.heads = make(rngs)
+        self.out = nnx.Linear(WIDTH, 10, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.vmap(in_axes=(0, None), out_axes=0, axis_name="heads")
+        def heads(head, x):
+            return head(x)
+
+        return self.out(heads(self.heads, jax.nn.gelu(self.inp(x))).mean(0))
+
+
+MODELS = {
+    "scan": LinenScanDeep(WIDTH, 3),
+    "vmap": Ensemble(),
+    "remat": Rematted(),
+    "nnx_scan": NNXScanned,
+    "nnx_vmap": NNXEnsemble,
+}
 
 
 @functools.cache
@@ -93,7 +146,7 @@ def _run(kind: str, engine: str, stage: int):
 
 
 _DEFAULT = [("scan", e, s) for e in ("shard_map", "gspmd") for s in (2, 3)] + [
-    (k, "shard_map", 3) for k in ("vmap", "remat", "nnx_scan")
+    (k, "shard_map", 3) for k in ("vmap", "remat", "nnx_scan", "nnx_vmap")
 ]
 _CASES = _DEFAULT + [
     pytest.param(k, e, s, marks=pytest.mark.slow)
@@ -111,7 +164,9 @@ def test_trains_like_stage_0(kind, engine, stage):
     np.testing.assert_allclose(losses, _run(kind, "gspmd", 0)[0], rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("kind, stack", [("scan", "layers"), ("vmap", "heads"), ("nnx_scan", "layers")])
+@pytest.mark.parametrize(
+    "kind, stack", [("scan", "layers"), ("vmap", "heads"), ("nnx_scan", "layers"), ("nnx_vmap", "heads")]
+)
 def test_the_stack_is_found_from_the_transform_and_gathered_per_layer(kind, stack):
     description = _run(kind, "shard_map", 3)[1]
     assert f"'{stack}' gathered one layer at a time inside its transform" in description, description

@@ -25,7 +25,17 @@ def rematerialized(
     `policy` says which of the unit's activations the forward keeps for the backward (see
     `zerojax.core.remat.unit_policy`); the gathered weights are never kept, whatever it says. With "full"
     only the inputs are kept and the backward re-runs the whole unit. The backward differentiates the
-    params the caller does only: a frozen one (under `stop_gradient`) gets no gradient, no reduction."""
+    params the caller does only: a frozen one (under `stop_gradient`) gets no gradient, no reduction.
+
+    Under a vmap of the user's that binds an axis name (`nn.vmap` / `nnx.vmap` with `axis_name`),
+    the unit runs under `jax.checkpoint` instead (`_checkpointed`)."""
+    if _vmapped_axis_names():
+        return _checkpointed(run, gather, params, *args)
+    return _regathered(run, gather, params, args, policy, wait_for_grads, prefetch)
+
+
+def _regathered(run, gather, params, args, policy: Policy, wait_for_grads: bool, prefetch: Prefetch | None):
+    """`rematerialized`'s `custom_vjp`: the backward gathers again, tied to the incoming cotangent."""
     gfn, gconsts, body, rconsts = _converted(run, gather, params, args, policy)
     prev = prefetch.take() if prefetch is not None else None
     followed = [False]  # set when a later unit in this trace takes this unit's token
@@ -75,6 +85,28 @@ def rematerialized(
     if prefetch is not None:
         prefetch.put(mine, followed)
     return out
+
+
+def _vmapped_axis_names() -> set:
+    """The axis names bound here by a vmap (not by the mesh a `shard_map` runs the step on)."""
+    from jax._src import core  # no public reader of the bound axis names (jax 0.10-0.12)
+
+    return set(core.get_axis_env().axis_sizes) - set(jax.sharding.get_abstract_mesh().axis_names)
+
+
+def _checkpointed(run, gather, params, *args):
+    """`run(gather(params, token), *args)` under `jax.checkpoint`, recomputed whole in the backward.
+
+    JAX traces a `custom_vjp`'s backward outside the vmaps around the call, where a collective over a
+    vmap's axis name (the mean over an ensemble's members) is unbound; `jax.checkpoint` traces the
+    backward from a jaxpr taken here, inside them. Its re-gather reads the forward's token, so XLA may
+    start it early and hold the unit's weights longer (values are unchanged); no activation is kept,
+    whatever the unit's policy, as a policy could keep the gathered weights."""
+
+    def unit(params, *args):
+        return run(gather(params, zero_from(args)), *args)
+
+    return jax.checkpoint(unit)(params, *args)
 
 
 def _is_primal(x) -> bool:
