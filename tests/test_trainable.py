@@ -9,6 +9,7 @@ import functools
 import tempfile
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -425,3 +426,57 @@ def test_zeropp_figures_reduce_only_what_trains():
     assert tuned["all-gather"] == full["all-gather"]
     assert tuned["reduce-scatter"]["fsdp"] == pytest.approx(full["reduce-scatter"]["fsdp"] / 100)
     assert tuned["all-reduce"]["data"] == pytest.approx(full["all-reduce"]["data"] / 100)
+
+
+class PackedInt4MLP(nnx.Module):
+    """A quantized checkpoint's layer as its authors write it: two signed int4 codes packed in each
+    int8 of a frozen `nnx.Param`, unpacked by shifts (integer operations only), a scale per column."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.packed = nnx.Param(jax.random.randint(rngs.params(), (20, 64), -128, 128).astype(jnp.int8))
+        self.scale = nnx.Param(jnp.full((64,), 0.05))
+        self.out = nnx.Linear(64, 10, rngs=rngs)
+
+    def __call__(self, x):
+        codes = jnp.concatenate([jnp.left_shift(self.packed[...], 4) >> 4, self.packed[...] >> 4])[:37]
+        return self.out(jax.nn.gelu(x @ (codes.astype(jnp.float32) * self.scale[...])))
+
+
+def _packed_reference_losses(steps: int) -> list:
+    """A plain optax loop training every leaf but the codes."""
+    graphdef, codes, rest = nnx.split(PackedInt4MLP(nnx.Rngs(0)), nnx.PathContains("packed"), ...)
+    tx, losses = optax.adam(1e-2), []
+    opt_state = tx.init(rest)
+
+    def loss(rest, batch):
+        return cross_entropy(nnx.merge(graphdef, codes, rest)(batch["inputs"]), batch)
+
+    for step in range(steps):
+        value, grads = jax.value_and_grad(loss)(rest, classification_batch(step))
+        updates, opt_state = tx.update(grads, opt_state, rest)
+        rest = optax.apply_updates(rest, updates)
+        losses.append(float(value))
+    return losses
+
+
+@pytest.mark.parametrize(
+    "stage, engine, mesh",
+    [(3, "gspmd", {"fsdp": 8}), (2, "shard_map", {"fsdp": 8}), (3, "shard_map", {"data": 2, "fsdp": 4})],
+)
+def test_a_frozen_integer_param_is_read_in_its_own_dtype(stage, engine, mesh):
+    """Kept in the compute dtype, which holds int8 exactly, the codes reach the model as int8 again:
+    gathered whole (stage 3), from stage 2's resident copy, and through hpZ's secondary copy."""
+    options = {"hierarchical": True} if "data" in mesh else {}
+    trainer = zj.Trainer(
+        PackedInt4MLP,
+        optax.adam(1e-2),
+        mesh=zj.make_mesh(**mesh),
+        stage=stage,
+        engine=engine,
+        trainable=r"(scale|kernel|bias)$",
+        engine_options=options,
+        replicate_below_bytes=0,
+    )
+    losses, before, after = trained(trainer, classification_batch, STEPS)
+    np.testing.assert_allclose(losses, _packed_reference_losses(STEPS), rtol=1e-6)
+    np.testing.assert_array_equal(after["packed"], before["packed"])

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from zerojax.core import axis_rules as axis_rules_lib
 from zerojax.core import offload as offload_lib
 from zerojax.core import optim
+from zerojax.core import trainable as trainable_lib
 from zerojax.core.leaf_rule import LeafLayout, fit_to, leaf_layout
 from zerojax.core.mesh import FSDP_AXIS, PIPELINE_AXIS, TENSOR_AXIS, pipeline_size
 from zerojax.core.precision import Precision, cast_tree
@@ -337,7 +338,7 @@ def make_layout(
         )
 
     leaves = jax.tree_util.tree_map_with_path(rule, param_shapes)
-    leaves = leaves if trainable is None else _with_trainable(leaves, trainable)
+    leaves = leaves if trainable is None else _with_trainable(leaves, trainable, param_shapes)
     padded = stage.optimizer and any(l.padded for l in jax.tree.leaves(leaves, is_leaf=_is_layout))
     unpadded = padded and not optimizer_pads_exactly(*_opt_shapes(leaves, precision.master_dtype))
     opt_leaves = jax.tree.map(_unpadded, leaves, is_leaf=_is_layout) if unpadded else None
@@ -355,8 +356,10 @@ def _beside_pipeline(over: tuple[str, ...]) -> tuple[str, ...]:
     return (FSDP_AXIS, PIPELINE_AXIS, *over[1:])
 
 
-def _with_trainable(leaves, trainable):
-    return jax.tree.map(lambda l, t: dataclasses.replace(l, trainable=bool(t)), leaves, trainable, is_leaf=_is_layout)
+def _with_trainable(leaves, trainable, param_shapes):
+    dtypes = trainable_lib.declared_dtypes(param_shapes, trainable)
+    replace = lambda l, t, d: dataclasses.replace(l, trainable=bool(t), read_dtype=d)  # noqa: E731
+    return jax.tree.map(replace, leaves, trainable, dtypes, is_leaf=_is_layout)
 
 
 def pipelined_stages(mesh, param_shapes, stack_paths: tuple) -> int:

@@ -39,6 +39,9 @@ class LeafLayout:
     # a stacked leaf's layer axis 0 split over the mesh's `pipeline` axis into this many pipeline
     # stages of consecutive layers, in every group (1: not pipelined)
     pipeline_size: int = 1
+    # a frozen integer or boolean leaf's declared dtype: stored in the compute dtype, which holds it
+    # exactly, and read by the model in its own ("": read as stored; `zerojax.core.trainable.stop_frozen`)
+    read_dtype: str = ""
 
     @property
     def model_split(self) -> int:

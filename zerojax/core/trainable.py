@@ -100,19 +100,42 @@ def frozen_optimizer(tx: optax.GradientTransformation, mask) -> optax.GradientTr
     return optax.multi_transform({TRAIN: tx, FREEZE: optax.set_to_zero()}, labels(mask))
 
 
-def stop_frozen(params, mask):
+def stop_frozen(params, mask, dtypes=None):
     """`params` with the frozen leaves' subtrees (stored values of any kind) out of differentiation:
-    XLA then never computes their gradients, nor reduces them."""
+    XLA then never computes their gradients, nor reduces them. `dtypes` (`declared_dtypes`): a frozen
+    integer leaf, kept in the compute dtype (which holds it exactly: `check_param_dtypes`), is read
+    in its own dtype again, so a model's integer operations on it (unpacking int4 codes) run."""
     if mask is None:
         return params
-    stop = lambda x: jax.lax.stop_gradient(x) if isinstance(x, jax.Array) else x  # noqa: E731
-    return jax.tree.map(lambda t, p: p if t else jax.tree.map(stop, p), mask, params)
+    dtypes = dtypes if dtypes is not None else jax.tree.map(lambda _: "", mask)
+
+    def frozen(x, dtype: str):
+        if dtype and isinstance(x, jax.ShapeDtypeStruct):  # a structure trace's abstract value
+            return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+        if isinstance(x, jax.Array) and dtype:
+            return jax.lax.stop_gradient(x).astype(dtype)
+        # a stored value of another kind (hpZ's pair of shards) is read as its gather says
+        return jax.tree.map(lambda v: jax.lax.stop_gradient(v) if isinstance(v, jax.Array) else v, x)
+
+    return jax.tree.map(lambda t, d, p: p if t else frozen(p, d), mask, dtypes, params)
 
 
-def frozen_apply(apply, mask):
-    """A model's `apply(params, ...)` with the frozen leaves out of differentiation (`stop_frozen`)."""
+def declared_dtypes(param_shapes, mask):
+    """Per parameter leaf, the dtype name of a frozen leaf the model declares as an integer or
+    boolean, else "" (its values are read as stored)."""
+    if mask is None:
+        return None
+    kept = lambda t, x: "" if t or jax.numpy.issubdtype(x.dtype, jax.numpy.inexact) else x.dtype.name  # noqa: E731
+    return jax.tree.map(kept, mask, param_shapes)
+
+
+def frozen_apply(fn, mask, dtypes=None):
+    """A model's function of its params first (`apply(params, ...)`, its structure traces) with the
+    frozen leaves out of differentiation and in their declared dtypes (`stop_frozen`)."""
+    if fn is None:
+        return None
 
     def run(params, *args, **kwargs):
-        return apply(stop_frozen(params, mask), *args, **kwargs)
+        return fn(stop_frozen(params, mask, dtypes), *args, **kwargs)
 
     return run

@@ -196,6 +196,7 @@ class Reduce:
             and leaf.axis is not None
             and _quantizable(leaf)
             and self.weights.applies(shard.size)
+            and not leaf.read_dtype  # integer codes: not block-quantized
         ):
             return quantize.gather(shard, leaf, self.weights, self.compute_dtype)
         return self.cast_gather(shard, leaf)
@@ -260,7 +261,7 @@ class Reduce:
             joinable = [i for i, o in enumerate(out) if o is None and leaves[i].trainable == trains]
             for bucket in buckets([self._bits(values[i]).size * gathered for i in joinable], bucket_bytes):
                 self._gather_bucket([joinable[j] for j in bucket], leaves, values, out)
-        return out
+        return [_read_as(leaf, whole) for leaf, whole in zip(leaves, out)]
 
     def _gather_bucket(self, members: list[int], leaves: list[LeafLayout], values: list, out: list) -> None:
         """`out[i]` for each of the bucket's `members`: gathered in one all-gather (alone: its own)."""
@@ -356,8 +357,8 @@ class Reduce:
     def gathered(self, leaf: LeafLayout, x):
         """One leaf's stored shard (or hpZ's pair) -> the whole compute-dtype leaf."""
         if isinstance(x, Secondary):
-            return self.hierarchical_gather(leaf, x.primary.dtype)(*x)
-        return self.gather(leaf, x.dtype)(x)
+            return _read_as(leaf, self.hierarchical_gather(leaf, x.primary.dtype)(*x))
+        return _read_as(leaf, self.gather(leaf, x.dtype)(x))
 
     def materializer(self, stage: Stage):
         """`(leaf, stored value) -> whole compute value`: gathered from the shard where the stage shards
@@ -365,8 +366,8 @@ class Reduce:
         if stage.compute_params:
             return lambda leaf, x: keep_tensor_split(self.gathered(leaf, x), leaf)
         if stage.resident_compute:
-            return lambda leaf, x: keep_tensor_split(self.resident(leaf)(x.full, x.shard), leaf)
-        return lambda leaf, x: keep_tensor_split(x, leaf)
+            return lambda leaf, x: _read_as(leaf, keep_tensor_split(self.resident(leaf)(x.full, x.shard), leaf))
+        return lambda leaf, x: _read_as(leaf, keep_tensor_split(x, leaf))
 
     def group_materializer(self, stage: Stage, bucket_bytes: int = 0):
         """`(leaves, stored values) -> whole values` of a group used together (one layer's or unit's
@@ -378,3 +379,9 @@ class Reduce:
             )
         one = self.materializer(stage)
         return lambda leaves, values: [one(l, x) for l, x in zip(leaves, values)]
+
+
+def _read_as(leaf: LeafLayout, whole):
+    """A frozen integer leaf is gathered in the compute dtype, which holds it exactly, and read in its
+    declared one (`LeafLayout.read_dtype`)."""
+    return whole.astype(leaf.read_dtype) if leaf.read_dtype else whole

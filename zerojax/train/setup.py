@@ -144,14 +144,19 @@ class Setup:
         plain = dataclasses.replace(self.choices, stage=0, engine=engine, engine_options=options, offload="none")
         return Setup.of(self.source, self.optimizer or self.tx, **plain.given())
 
-    def frozen_where(self, mask) -> Setup:
+    def frozen_where(self, mask, param_shapes) -> Setup:
         """This setup training only where `mask` is True: the model differentiates the trainable
-        leaves only, and the optimizer updates and keeps state for them only."""
+        leaves only, and the optimizer updates and keeps state for them only. The model reads a
+        frozen integer leaf in the dtype `param_shapes` declares (`trainable.stop_frozen`)."""
         if mask is None:
             return self
+        dtypes = trainable_lib.declared_dtypes(param_shapes, mask)
+        traced = ("apply", "modules", "lifted_stacks")  # the model's functions of its params
         return dataclasses.replace(
             self,
-            model=dataclasses.replace(self.model, apply=trainable_lib.frozen_apply(self.model.apply, mask)),
+            model=dataclasses.replace(
+                self.model, **{n: trainable_lib.frozen_apply(getattr(self.model, n), mask, dtypes) for n in traced}
+            ),
             tx=trainable_lib.frozen_optimizer(self.tx, mask),
             trainable=mask,
             optimizer=self.tx,

@@ -253,7 +253,7 @@ def _traced(setup: Setup, key, inputs) -> tuple:
     shapes = jax.eval_shape(setup.model.init, key, inputs)
     mask = trainable_lib.select(setup.choices.trainable, shapes[0], setup.model.variable_types)
     checks.check_param_dtypes(shapes[0], mask, setup.precision.compute_dtype)
-    setup = setup.frozen_where(mask)
+    setup = setup.frozen_where(mask, shapes[0])
     return (setup, setup.model, *shapes)
 
 
