@@ -211,3 +211,19 @@ def test_verify_passes(kind, engine):
     )
     result = trainer.verify([unit_batch(WIDTH, step) for step in range(3)])
     assert result.passed, result.lines()
+
+
+class RematScanned(nn.Module):
+    """`nn.remat_scan`: nested scans, each of its params with two layer axes."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(WIDTH)(x)
+        x = nn.remat_scan(LinenBlock, lengths=(2, 2))(WIDTH)(x)
+        return nn.Dense(10)(x)
+
+
+def test_a_stack_of_two_layer_axes_is_one_sentence_naming_the_rewrite():
+    trainer = zj.Trainer(RematScanned(), optax.adamw(1e-2), mesh=zj.make_mesh(fsdp=8), stage=0)
+    with pytest.raises(zj.UserError, match=r"2 layer axes \(nested scans, as nn.remat_scan makes\).*nn.scan over"):
+        trainer.init(jax.random.key(0), unit_batch(WIDTH))

@@ -72,9 +72,15 @@ def _sees_slices(m: nn.Module, path: Path, stored: dict) -> bool:
         if full not in stored or not hasattr(value, "shape") or tuple(value.shape) == stored[full]:
             continue
         if tuple(value.shape) != stored[full][1:]:
+            layers = len(stored[full]) - len(value.shape)
+            used = f"{'/'.join(full)!r} is stored as {list(stored[full])} but used as {list(value.shape)}"
+            if layers > 1 and stored[full][layers:] == tuple(value.shape):
+                raise UserError(
+                    f"{used}: its stack has {layers} layer axes (nested scans, as nn.remat_scan makes), and "
+                    "zerojax shards stacks with one, the params' first; write it as one nn.scan over nn.remat(Block)."
+                )
             raise UserError(
-                f"{'/'.join(full)!r} is stored as {list(stored[full])} but used as {list(value.shape)}: "
-                "zerojax shards layer stacks whose layer axis is the params' first (nn.scan or nn.vmap "
+                f"{used}: zerojax shards layer stacks whose layer axis is the params' first (nn.scan or nn.vmap "
                 "with variable_axes={'params': 0}), one level deep."
             )
         return True
