@@ -39,9 +39,12 @@ def linen_structure(module: nn.Module, params, model_state, inputs, **call_kwarg
 
     A lifted stack (`nn.scan` or `nn.vmap` with `variable_axes={"params": 0}`) is known from the
     transform, not a name: inside it, its modules see their params with the leading layer axis
-    sliced off. Its path is the outermost whose calls see such slices."""
+    sliced off. Its path is the outermost whose calls see such slices. A stack of several layer axes
+    (nested scans: `nn.remat_scan`) is no stack and holds no unit: its params are gathered whole by
+    their owner, the root or a unit around it."""
     seen: dict[Path, type] = {}
     sliced: set[Path] = set()
+    nested: set[Path] = set()
     stored = {tuple(str(k) for k in p): tuple(v.shape) for p, v in nnx.traversals.flatten_mapping(params).items()}
 
     def record(next_fun, args, kwargs, context):
@@ -49,8 +52,8 @@ def linen_structure(module: nn.Module, params, model_state, inputs, **call_kwarg
         if scope is not None:
             path = tuple(scope.path)
             seen.setdefault(path, type(context.module))
-            if _sees_slices(context.module, path, stored):
-                sliced.add(path)
+            layers = _layers_sliced(context.module, path, stored)
+            (sliced if layers == 1 else nested if layers else set()).add(path)
         return next_fun(*args, **kwargs)
 
     def run(p, ms, x):
@@ -59,32 +62,29 @@ def linen_structure(module: nn.Module, params, model_state, inputs, **call_kwarg
     with nn.intercept_methods(record):
         jax.eval_shape(run, params, model_state, inputs)
     leaves = list(stored)
-    modules = [(p, c, sum(q[: len(p)] == p for q in leaves)) for p, c in seen.items() if p]
+    inside = lambda p: any(p[: len(q)] == q for q in nested)  # noqa: E731
+    modules = [(p, c, sum(q[: len(p)] == p for q in leaves)) for p, c in seen.items() if p and not inside(p)]
     stacks = sorted(p for p in sliced if not any(q != p and p[: len(q)] == q for q in sliced))
     return modules, tuple(stacks)
 
 
-def _sees_slices(m: nn.Module, path: Path, stored: dict) -> bool:
-    """Whether `m`, called at `path`, sees its params with their leading (layer) axis sliced off."""
+def _layers_sliced(m: nn.Module, path: Path, stored: dict) -> int:
+    """How many leading (layer) axes of its params `m`, called at `path`, sees sliced off: 0 outside
+    every lifted stack, 1 inside one, more inside nested scans."""
     own = _own_params(m) if m.scope is not None else {}
     for rel, value in own.items():
         full = path + tuple(str(k) for k in rel)
         if full not in stored or not hasattr(value, "shape") or tuple(value.shape) == stored[full]:
             continue
-        if tuple(value.shape) != stored[full][1:]:
-            layers = len(stored[full]) - len(value.shape)
-            used = f"{'/'.join(full)!r} is stored as {list(stored[full])} but used as {list(value.shape)}"
-            if layers > 1 and stored[full][layers:] == tuple(value.shape):
-                raise UserError(
-                    f"{used}: its stack has {layers} layer axes (nested scans, as nn.remat_scan makes), and "
-                    "zerojax shards stacks with one, the params' first; write it as one nn.scan over nn.remat(Block)."
-                )
+        layers = len(stored[full]) - len(value.shape)
+        if layers < 1 or stored[full][layers:] != tuple(value.shape):
             raise UserError(
-                f"{used}: zerojax shards layer stacks whose layer axis is the params' first (nn.scan or nn.vmap "
-                "with variable_axes={'params': 0}), one level deep."
+                f"{'/'.join(full)!r} is stored as {list(stored[full])} but used as {list(value.shape)}: "
+                "zerojax shards layer stacks whose layer axes are the params' first (nn.scan or nn.vmap "
+                "with variable_axes={'params': 0})."
             )
-        return True
-    return False
+        return layers
+    return 0
 
 
 def linen_around(plan: UnitPlan):
