@@ -1,9 +1,9 @@
 """Lifted transforms at every stage, in both engines: Linen `nn.scan(nn.remat(Block))` over stacked
 params and NNX's `nnx.vmap`-built blocks applied by `nnx.scan` (each stack found from the transform
-and gathered one layer at a time inside the scan), `nn.remat_scan` (nested scans: gathered whole by
-the params' owner), Linen `nn.vmap` and `nnx.vmap` over an ensemble's params whose heads read each
-other through the vmap's axis name, and `nn.remat` around unrolled blocks. Losses equal stage 0's
-within 1e-5 for 5 steps; the scanned stack's stage-3 temp memory stays flat in depth."""
+and gathered one layer at a time inside the scan), `nn.remat_scan` and NNX's nested scans (gathered
+whole by the params' owner), Linen `nn.vmap` and `nnx.vmap` over an ensemble's params whose heads
+read each other through the vmap's axis name, and `nn.remat` around unrolled blocks. Losses equal
+stage 0's within 1e-5 for 5 steps; the scanned stack's stage-3 temp memory stays flat in depth."""
 
 from __future__ import annotations
 
@@ -133,6 +133,37 @@ class RematScanned(nn.Module):
         return nn.Dense(10)(x)
 
 
+class NNXNestedScans(nnx.Module):
+    """Blocks made by two nested `nnx.vmap`s (2 x 2), applied by two nested `nnx.scan`s."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.inp = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+        @nnx.split_rngs(splits=2)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def groups(rngs: nnx.Rngs):
+            @nnx.split_rngs(splits=2)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def blocks(rngs: nnx.Rngs):
+                return _NNXBlock(WIDTH, rngs)
+
+            return blocks(rngs)
+
+        self.layers = groups(rngs)
+        self.out = nnx.Linear(WIDTH, 10, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def over_groups(x, group):
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def over_blocks(x, block):
+                return block(x)
+
+            return over_blocks(x, group)
+
+        return self.out(over_groups(self.inp(x), self.layers))
+
+
 MODELS = {
     "scan": LinenScanDeep(WIDTH, 3),
     "remat_scan": RematScanned(),
@@ -140,6 +171,7 @@ MODELS = {
     "remat": Rematted(),
     "nnx_scan": NNXScanned,
     "nnx_vmap": NNXEnsemble,
+    "nnx_nested": NNXNestedScans,
 }
 
 
@@ -157,7 +189,7 @@ def _run(kind: str, engine: str, stage: int):
 
 
 _DEFAULT = [("scan", e, s) for e in ("shard_map", "gspmd") for s in (2, 3)] + [
-    (k, "shard_map", 3) for k in ("vmap", "remat", "nnx_scan", "nnx_vmap", "remat_scan")
+    (k, "shard_map", 3) for k in ("vmap", "remat", "nnx_scan", "nnx_vmap", "remat_scan", "nnx_nested")
 ]
 _CASES = _DEFAULT + [
     pytest.param(k, e, s, marks=pytest.mark.slow)

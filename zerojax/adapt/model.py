@@ -41,7 +41,7 @@ class FunctionalModel:
     accepts_layer_hook: bool  # the model gathers per layer when given a hook (models/gpt.py, zerojax.adapt.stacked)
     module_type: type | None = None  # the model's class
     accepts_layer_loop: bool = False  # the model hands its layer loop to a `layer_loop` (prefetch)
-    # (logical params, static, abstract inputs) -> [(path, class, parameter leaves)] of its submodules
+    # (logical params, model state, abstract inputs) -> [(path, class, parameter leaves)] of its submodules
     modules: Callable[[Any, Any, Any], list] | None = None
     # (`zerojax.adapt.units.UnitPlan`) -> around(module): the plan's units gather their own params
     unit_around: Callable[..., Callable] | None = None
@@ -188,7 +188,7 @@ def _nnx_functions(make: Callable[[Any], nnx.Module] | None, concrete: nnx.Modul
         hooked or bool(stacks),
         type(abstract),
         looped or bool(stacks),
-        modules=lambda params, static, inputs: wrap_nnx.nnx_modules(abstract),
+        modules=functools.partial(_nnx_modules, apply, abstract),
         unit_around=wrap_nnx.nnx_around,
         stacks=stacks,
         declared_stacks=declared,
@@ -266,11 +266,29 @@ def _call_rngs(rng) -> nnx.Rngs:
 
 def _nnx_lifted_stacks(apply, params, model_state, static, inputs) -> tuple:
     """The paths of the model's lifted layer stacks, found by one abstract trace (`nnx_slice_recorder`)."""
+    sliced = _nnx_sliced(apply, params, model_state, static, inputs)[0]
+    return tuple(sorted(p for p in sliced if not any(q != p and p[: len(q)] == q for q in sliced)))
+
+
+def _nnx_modules(apply, abstract: nnx.Module, params, model_state, inputs) -> list:
+    """`wrap_nnx.nnx_modules`, less those called inside nested scans (stacks of several layer axes):
+    their params are gathered whole by their owner. Found by a trace only where a leaf could stack
+    layers twice (three axes or more)."""
+    modules = wrap_nnx.nnx_modules(abstract)
+    if all(len(x.shape) < 3 for x in jax.tree.leaves(params)):
+        return modules
+    nested = _nnx_sliced(apply, params, model_state, _nnx_split(abstract)[2], inputs)[1]
+    return [m for m in modules if not any(m[0][: len(q)] == q for q in nested)]
+
+
+def _nnx_sliced(apply, params, model_state, static, inputs) -> tuple[set, set]:
+    """(the paths of modules called on one layer of a stack, those called inside nested scans)."""
     ranks = {tuple(str(k) for k in p): len(v.shape) for p, v in nnx.traversals.flatten_mapping(params).items()}
     sliced: set = set()
-    recorder = wrap_nnx.nnx_slice_recorder(ranks, sliced)
+    nested: set = set()
+    recorder = wrap_nnx.nnx_slice_recorder(ranks, sliced, nested)
     jax.eval_shape(lambda *a: apply(*a, rng=jax.random.key(0), around=recorder)[0], params, model_state, static, inputs)
-    return tuple(sorted(p for p in sliced if not any(q != p and p[: len(q)] == q for q in sliced)))
+    return sliced, nested
 
 
 def _single(hooks):

@@ -112,11 +112,17 @@ def describe(units: list[Path], classes: dict[Path, type], rule: WrapRule | None
 
 def sees_one_layer(path: Path, own: dict, ranks: dict[Path, int]) -> bool:
     """Whether a module at `path`, holding `own` ({relative path: value}), sees its params with one
-    axis fewer than stored (`ranks`): it is called inside a transform that slices a layer stack. A
-    value may be a pair of arrays (stage 2's `Resident`): its arrays' rank counts."""
+    axis fewer than stored (`ranks`): it is called inside a transform that slices a layer stack."""
+    return layers_sliced(path, own, ranks) == 1
+
+
+def layers_sliced(path: Path, own: dict, ranks: dict[Path, int]) -> int:
+    """How many axes fewer than stored (`ranks`) a module at `path`, holding `own` ({relative path:
+    value}), sees its params with: 1 inside a transform that slices a layer stack, more inside nested
+    ones. A value may be a pair of arrays (stage 2's `Resident`): its arrays' rank counts."""
     for rel, value in own.items():
         full = path + tuple(str(k) for k in rel)
         arrays = [x for x in jax.tree.leaves(value) if hasattr(x, "ndim")]
         if arrays and full in ranks:
-            return arrays[0].ndim == ranks[full] - 1
-    return False
+            return ranks[full] - arrays[0].ndim
+    return 0

@@ -17,7 +17,7 @@ from flax import nnx
 
 from zerojax.adapt.ordering import Prefetch, tie
 from zerojax.adapt.unit_vjp import kept_weights, rematerialized
-from zerojax.adapt.units import Path, UnitPlan, owner, sees_one_layer
+from zerojax.adapt.units import Path, UnitPlan, layers_sliced, owner
 from zerojax.core.remat import unit_policy
 from zerojax.core.trees import path_str
 
@@ -50,11 +50,12 @@ def nnx_around(plan: UnitPlan):
     return around
 
 
-def nnx_slice_recorder(ranks: dict[Path, int], sliced: set):
+def nnx_slice_recorder(ranks: dict[Path, int], sliced: set, nested: set):
     """`around(module)` for one abstract trace that finds lifted layer stacks (`nnx.vmap`-built
     modules applied through `nnx.scan` or `nnx.vmap`): every module holding params records, when a
     compute method is called, whether it sees its params with one axis fewer than stored (`ranks`, by
-    path): then it runs inside a transform that slices a layer stack, and `sliced` gets its path."""
+    path): then it runs inside a transform that slices a layer stack, and `sliced` gets its path;
+    with several axes fewer (nested scans), `nested` gets it."""
 
     def around(module: nnx.Module):
         for p, n in nnx.iter_graph(module):
@@ -69,8 +70,8 @@ def nnx_slice_recorder(ranks: dict[Path, int], sliced: set):
 
             def call(self, *args, **kwargs):
                 own = nnx.traversals.flatten_mapping(nnx.to_pure_dict(nnx.state(self, nnx.Param)))
-                if sees_one_layer(path, own, ranks):
-                    sliced.add(path)
+                layers = layers_sliced(path, own, ranks)
+                (sliced if layers == 1 else nested if layers else set()).add(path)
                 return method(self, *args, **kwargs)
 
             return call
