@@ -29,7 +29,7 @@ from flax import nnx
 from zerojax.adapt import batch_axes, model_kind, wrap_linen, wrap_nnx
 from zerojax.adapt import stacked as stacked_lib
 from zerojax.adapt.mode import CALL_RNGS, keyed_run, linen_streams, mode_arguments, mode_names, takes_by_name
-from zerojax.core.trees import path_str
+from zerojax.core.trees import path_str, under
 
 
 @dataclass(frozen=True)
@@ -278,7 +278,7 @@ def _nnx_modules(apply, abstract: nnx.Module, params, model_state, inputs) -> li
     if all(len(x.shape) < 3 for x in jax.tree.leaves(params)):
         return modules
     nested = _nnx_sliced(apply, params, model_state, _nnx_split(abstract)[2], inputs)[1]
-    return [m for m in modules if not any(m[0][: len(q)] == q for q in nested)]
+    return [m for m in modules if not under(m[0], nested)]
 
 
 def _nnx_sliced(apply, params, model_state, static, inputs) -> tuple[set, set]:

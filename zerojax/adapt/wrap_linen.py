@@ -29,7 +29,7 @@ from zerojax.adapt.ordering import Prefetch, tie
 from zerojax.adapt.unit_vjp import kept_weights, rematerialized
 from zerojax.adapt.units import Materialize, Path, Policy, UnitPlan, owner, sees_one_layer
 from zerojax.core.remat import unit_policy
-from zerojax.core.trees import path_str
+from zerojax.core.trees import path_str, under
 from zerojax.errors import UserError
 
 
@@ -53,7 +53,10 @@ def linen_structure(module: nn.Module, params, model_state, inputs, **call_kwarg
             path = tuple(scope.path)
             seen.setdefault(path, type(context.module))
             layers = _layers_sliced(context.module, path, stored)
-            (sliced if layers == 1 else nested if layers else set()).add(path)
+            if layers == 1:
+                sliced.add(path)
+            elif layers > 1:
+                nested.add(path)
         return next_fun(*args, **kwargs)
 
     def run(p, ms, x):
@@ -62,8 +65,7 @@ def linen_structure(module: nn.Module, params, model_state, inputs, **call_kwarg
     with nn.intercept_methods(record):
         jax.eval_shape(run, params, model_state, inputs)
     leaves = list(stored)
-    inside = lambda p: any(p[: len(q)] == q for q in nested)  # noqa: E731
-    modules = [(p, c, sum(q[: len(p)] == p for q in leaves)) for p, c in seen.items() if p and not inside(p)]
+    modules = [(p, c, sum(q[: len(p)] == p for q in leaves)) for p, c in seen.items() if p and not under(p, nested)]
     stacks = sorted(p for p in sliced if not any(q != p and p[: len(q)] == q for q in sliced))
     return modules, tuple(stacks)
 

@@ -71,7 +71,10 @@ def nnx_slice_recorder(ranks: dict[Path, int], sliced: set, nested: set):
             def call(self, *args, **kwargs):
                 own = nnx.traversals.flatten_mapping(nnx.to_pure_dict(nnx.state(self, nnx.Param)))
                 layers = layers_sliced(path, own, ranks)
-                (sliced if layers == 1 else nested if layers else set()).add(path)
+                if layers == 1:
+                    sliced.add(path)
+                elif layers > 1:
+                    nested.add(path)
                 return method(self, *args, **kwargs)
 
             return call

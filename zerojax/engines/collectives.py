@@ -261,7 +261,7 @@ class Reduce:
             joinable = [i for i, o in enumerate(out) if o is None and leaves[i].trainable == trains]
             for bucket in buckets([self._bits(values[i]).size * gathered for i in joinable], bucket_bytes):
                 self._gather_bucket([joinable[j] for j in bucket], leaves, values, out)
-        return [_read_as(leaf, whole) for leaf, whole in zip(leaves, out)]
+        return out
 
     def _gather_bucket(self, members: list[int], leaves: list[LeafLayout], values: list, out: list) -> None:
         """`out[i]` for each of the bucket's `members`: gathered in one all-gather (alone: its own)."""
@@ -281,7 +281,7 @@ class Reduce:
         else:  # qgZ's quantized reductions and hpZ's two-level ones stay per leaf
             received = [self._received(leaves[i], values[i], w) for i, w in zip(members, wholes)]
         for i, whole in zip(members, received):
-            out[i] = whole
+            out[i] = _read_as(leaves[i], whole)
 
     def _received_bucket(self, leaves: list[LeafLayout], shards: list, wholes: list) -> list:
         """`wholes` (gathered from `shards` together), with a backward that reduce-scatters all their
