@@ -249,6 +249,8 @@ class CheckpointWriter:
             "data": {"position": step, "seed": self._run_meta["seed"]},
             "leaves": _leaf_table(saved, device_checksums(saved)),
         }
+        # The previous save's background write first, so a failure is named after its own step.
+        self.wait()
         with self._writing(step):
             self._manager.save(
                 step,
@@ -258,7 +260,7 @@ class CheckpointWriter:
         self._step = step
 
     @contextlib.contextmanager
-    def _writing(self, step: int):
+    def _writing(self, step: int | None):
         try:
             yield
         except Exception as e:  # noqa: BLE001 - orbax re-raises the background thread's error
@@ -266,7 +268,7 @@ class CheckpointWriter:
             self._closed = True  # the manager is unusable now; don't wait for it again
             self._remove_partial()
             raise WriteFailed(
-                f"writing the checkpoint of step {self._step or step} to {self.directory!r} failed "
+                f"writing the checkpoint of step {step} to {self.directory!r} failed "
                 f"({why}); the earlier checkpoints there are intact."
             ) from None
 
@@ -289,7 +291,7 @@ class CheckpointWriter:
             time.sleep(settle_s)
 
     def wait(self) -> None:
-        with self._writing(self._step):  # type: ignore[arg-type]
+        with self._writing(self._step):
             self._manager.wait_until_finished()
 
     def close(self) -> None:
@@ -297,7 +299,7 @@ class CheckpointWriter:
         if self._closed:
             return
         self._closed = True
-        with self._writing(self._step):  # type: ignore[arg-type]
+        with self._writing(self._step):
             self._manager.close()
 
 
