@@ -124,12 +124,15 @@ def test_clipped_gradients_wait_as_shards(engine):
     assert grown <= allowance, (grown, allowance)
 
 
+# The default cases compare 2 and 4 blocks (the depth tests' compiles), the slow ones 4 and 8: from
+# 2 to 4 blocks, gspmd in bf16 grows by 1.04 allowances (99,328 bytes against 95,334), most of it
+# the 2-block program's first and last units, as the depth tests found; from 4 to 8, 0.96.
 @pytest.mark.parametrize(
-    "engine,precision",
-    [("shard_map", "bf16"), ("gspmd", "fp32")]
-    + [pytest.param(*case, marks=pytest.mark.slow) for case in (("gspmd", "bf16"), ("shard_map", "fp32"))],
+    "engine,precision,depths",
+    [("shard_map", "bf16", (SHALLOW, DEEP)), ("gspmd", "fp32", (SHALLOW, DEEP))]
+    + [pytest.param(*case, (4, 8), marks=pytest.mark.slow) for case in (("gspmd", "bf16"), ("shard_map", "fp32"))],
 )
-def test_adamw_new_state_does_not_wait_beside_the_old(engine, precision):
+def test_adamw_new_state_does_not_wait_beside_the_old(engine, precision, depths):
     """Acceptance: with AdamW, whose new master and moments are 12 bytes per parameter shard (0.75
     of a bf16 block per block), the growth per added block stays within the depth tests' allowance,
     0.15 of a block plus its saved input: the new state is written over the old one in place
@@ -137,7 +140,7 @@ def test_adamw_new_state_does_not_wait_beside_the_old(engine, precision):
     dtype (`Reduce._received_bucket`). Measured, width 256, 4 to 8 blocks, beyond the activations:
     0.11-0.14 of a block in both engines and precisions; before, `shard_map` in fp32 grew by 0.25
     (each gradient shard held twice) and in bf16 by 0.25 of a bf16 block."""
-    grown, allowance = _grown_and_allowance("nnx", engine, precision, 256, optimizer="adamw")
+    grown, allowance = _grown_and_allowance("nnx", engine, precision, 256, optimizer="adamw", depths=depths)
     assert grown <= allowance, (grown, allowance)
 
 
@@ -264,14 +267,17 @@ def test_prefetch_gathers_one_unit_ahead(kind, engine):
 )
 def test_prefetch_temp_growth_is_bounded(kind, engine, depths):
     """Prefetch holds about one more unit's gathered weights (the next unit's, forward and backward),
-    at every depth: temp(prefetch) - temp(without) <= 1.6 blocks at 2, 4, 8 and 16 blocks. A prefetch
-    that kept anything per block would pass 1.6 blocks by 16 (0.15 of a block per block from 1.27).
+    at every depth: temp(prefetch) - temp(without) <= 1.8 blocks at 2, 4, 8 and 16 blocks. A prefetch
+    that kept anything per block would pass 1.8 blocks by 16 (0.15 of a block per block from 1.27).
 
     The extra is not a smooth function of depth, so no difference of two depths is asserted: with
     NNX, `shard_map`, fp32, it measured 0.88, 1.15, 0.88, 0.88 blocks at 4, 8, 12, 16 blocks on jax
     0.10.2 and 0.35, 1.27, 1.27, 1.27 on jax 0.12.0.1 (XLA's scheduler places the 4-block program's
     prefetched gathers its own way); with Linen, `shard_map`, 1.51, 1.51, 1.48, 1.49 at 2, 4, 8, 16
-    on jax 0.10.2 (flat: the bound was 1.5 blocks until that case ran)."""
+    on jax 0.10.2 while each leaf had its own collectives. Gathered and reduced in buckets
+    (`Reduce.gather_group`: a bucket's gathered rows sit beside the leaves cut out of them), Linen
+    measures 1.44, 1.56, 1.71, 1.66 there (jax 0.10.2) and 1.44, 1.61, 1.53, 1.58 (jax 0.12.1): more,
+    and still flat."""
     width = 256
     block = block_bytes(width)
     for depth in depths:
@@ -279,7 +285,7 @@ def test_prefetch_temp_growth_is_bounded(kind, engine, depths):
             _compiled(width, depth, 3, engine, kind, prefetch=True)["temp"]
             - _compiled(width, depth, 3, engine, kind)["temp"]
         )
-        assert extra <= 1.6 * block, (depth, extra / block)
+        assert extra <= 1.8 * block, (depth, extra / block)
 
 
 @pytest.mark.parametrize(
